@@ -1,0 +1,87 @@
+// Every op of the pyllm extension, declared once per device.
+//
+// The schemas (argument names, order, which tensors are written) live in
+// torch_bindings.cpp; the implementations in csrc/<family>/<family>_cpu.cpp and
+// csrc/<family>/<family>_cuda.cu. Argument checking for users happens in
+// pyllm/ops.py; the kernels only TORCH_CHECK what would otherwise corrupt memory.
+//
+// KV cache layout, one pair of tensors per layer (x = 16 / element_size, so one
+// "x" group of a key is 16 bytes):
+//   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
+//   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace pyllm {
+
+#define PYLLM_DECLARE_OPS                                                      \
+  void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,      \
+                         at::Tensor& key_cache, at::Tensor& value_cache,      \
+                         const at::Tensor& slot_mapping,                      \
+                         const std::string& kv_cache_dtype);                  \
+                                                                               \
+  void copy_blocks(const std::vector<at::Tensor>& key_caches,                 \
+                   const std::vector<at::Tensor>& value_caches,               \
+                   const at::Tensor& block_mapping);                          \
+                                                                               \
+  void swap_blocks(const at::Tensor& src, at::Tensor& dst,                    \
+                   const at::Tensor& block_mapping);                          \
+                                                                               \
+  void paged_attention_v1(                                                    \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
+      const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
+      int64_t block_size, int64_t max_seq_len,                                \
+      const std::optional<at::Tensor>& alibi_slopes);                         \
+                                                                               \
+  void paged_attention_v2(                                                    \
+      at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,          \
+      at::Tensor& tmp_out, const at::Tensor& query,                           \
+      const at::Tensor& key_cache, const at::Tensor& value_cache,             \
+      int64_t num_kv_heads, double scale, const at::Tensor& block_tables,     \
+      const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,    \
+      const std::optional<at::Tensor>& alibi_slopes);                         \
+                                                                               \
+  void paged_attention_prefill(                                               \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
+      const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
+      const at::Tensor& query_start_loc, int64_t block_size,                  \
+      int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes);  \
+                                                                               \
+  void rotary_embedding(const at::Tensor& positions, at::Tensor& query,       \
+                        at::Tensor& key, int64_t head_size,                   \
+                        const at::Tensor& cos_sin_cache, bool is_neox);       \
+                                                                               \
+  void rms_norm(at::Tensor& out, const at::Tensor& input,                     \
+                const at::Tensor& weight, double epsilon);                    \
+                                                                               \
+  void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,            \
+                          const at::Tensor& weight, double epsilon);          \
+                                                                               \
+  void silu_and_mul(at::Tensor& out, const at::Tensor& input);
+
+// The same set of functions, once for each device the library is built for.
+namespace cpu {
+PYLLM_DECLARE_OPS
+}  // namespace cpu
+
+#ifdef PYLLM_WITH_CUDA
+namespace cuda {
+PYLLM_DECLARE_OPS
+}  // namespace cuda
+#endif
+
+#undef PYLLM_DECLARE_OPS
+
+// Partition length of paged_attention_v2: each partition of this many tokens
+// is reduced separately, then the partitions are merged. Python reads it back
+// through torch.ops.pyllm.partition_size() to size exp_sums/max_logits/tmp_out.
+constexpr int64_t kPartitionSize = 512;
+
+}  // namespace pyllm

@@ -1,0 +1,84 @@
+// The one place where pyllm's ops get their schemas and their per-device kernels.
+//
+// Schemas follow vLLM's where vLLM has the op, so code written against
+// torch.ops._C.* ports over by changing the namespace.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pyllm, m) {
+  // Cache ops.
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache,"
+      " Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype) -> ()");
+  m.def(
+      "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches,"
+      " Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+
+  // Attention over the paged KV cache.
+  m.def(
+      "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache,"
+      " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
+      " Tensor seq_lens, int block_size, int max_seq_len,"
+      " Tensor? alibi_slopes) -> ()");
+  m.def(
+      "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums,"
+      " Tensor(c!) max_logits, Tensor(d!) tmp_out, Tensor query,"
+      " Tensor key_cache, Tensor value_cache, int num_kv_heads, float scale,"
+      " Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len,"
+      " Tensor? alibi_slopes) -> ()");
+  m.def(
+      "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
+      " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
+      " Tensor seq_lens, Tensor query_start_loc, int block_size,"
+      " int max_query_len, Tensor? alibi_slopes) -> ()");
+
+  // Positional encoding.
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key,"
+      " int head_size, Tensor cos_sin_cache, bool is_neox) -> ()");
+
+  // Small fused layers.
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight,"
+      " float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+
+  // Build facts Python reads back.
+  m.def("partition_size() -> int", []() -> int64_t { return pyllm::kPartitionSize; });
+  m.def("built_with_cuda() -> bool", []() -> bool {
+#ifdef PYLLM_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+}
+
+#define PYLLM_REGISTER_IMPLS(ns)                                      \
+  m.impl("reshape_and_cache", &pyllm::ns::reshape_and_cache);         \
+  m.impl("copy_blocks", &pyllm::ns::copy_blocks);                     \
+  m.impl("swap_blocks", &pyllm::ns::swap_blocks);                     \
+  m.impl("paged_attention_v1", &pyllm::ns::paged_attention_v1);       \
+  m.impl("paged_attention_v2", &pyllm::ns::paged_attention_v2);       \
+  m.impl("paged_attention_prefill", &pyllm::ns::paged_attention_prefill); \
+  m.impl("rotary_embedding", &pyllm::ns::rotary_embedding);           \
+  m.impl("rms_norm", &pyllm::ns::rms_norm);                           \
+  m.impl("fused_add_rms_norm", &pyllm::ns::fused_add_rms_norm);       \
+  m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);
+
+TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
+
+#ifdef PYLLM_WITH_CUDA
+TORCH_LIBRARY_IMPL(pyllm, CUDA, m) { PYLLM_REGISTER_IMPLS(cuda) }
+#endif
+
+// `import pyllm._C` loads this library, which runs the registrations above.
+// The module itself is empty: every op is reached as torch.ops.pyllm.<name>.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,767 @@
+"""pyllm's kernels: the checked Python API over ``torch.ops.pyllm``.
+
+Every function here validates its arguments (device, dtype, shape, layout and the
+values of index tensors) and raises ``TypeError``/``ValueError`` naming the argument,
+then calls the compiled op. Engines that validate their batch metadata once per step
+may call ``torch.ops.pyllm.<name>`` directly with the same arguments to skip these
+checks; the value checks below read index tensors, which costs a device sync on CUDA.
+
+KV cache layout, one pair of tensors per layer (``x = 16 // element_size``):
+
+- ``key_cache``:   ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``
+- ``value_cache``: ``[num_blocks, num_kv_heads, head_size, block_size]``
+
+Token-major inputs (``query``, ``key``, ``value``) may be row views of a larger
+tensor (for example the q/k/v parts of one fused projection): their token stride is
+free, but the heads and head dimension of one token must be packed (``[H, D]``
+contiguous). Outputs must be contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import pyllm._C  # noqa: F401  (loads the library, which registers torch.ops.pyllm)
+
+_C = torch.ops.pyllm
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# paged_attention_v2 reduces each partition of this many tokens separately.
+PARTITION_SIZE: int = int(_C.partition_size())
+BUILT_WITH_CUDA: bool = bool(_C.built_with_cuda())
+
+__all__ = [
+    "PARTITION_SIZE",
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "allocate_kv_cache",
+    "copy_blocks",
+    "fused_add_rms_norm",
+    "kv_cache_x",
+    "paged_attention_prefill",
+    "paged_attention_v1",
+    "paged_attention_v2",
+    "paged_attention_v2_workspace",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "swap_blocks",
+]
+
+
+# ---------------------------------------------------------------------------
+# Argument checks: each raises naming the argument and the value that was wrong.
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}")
+
+
+def _supported_device(name: str, t: torch.Tensor) -> None:
+    if t.device.type == "cuda" and not BUILT_WITH_CUDA:
+        raise ValueError(
+            f"{name} is on {t.device} but pyllm was built without CUDA kernels "
+            "(rebuild with PYLLM_TARGET=cuda)"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {t.device}; pyllm ops run on cpu and cuda")
+
+
+def _float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+
+
+def _same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but must match the others ({dtype})")
+
+
+def _index_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def _ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _packed_rows(name: str, t: torch.Tensor) -> None:
+    """Rows (dim 0) may be strided, as in a view of a wider tensor; the elements
+    inside one row must be packed."""
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != expected:
+            raise ValueError(
+                f"{name} must have each row's elements packed (all dims but the first "
+                f"contiguous), got shape {tuple(t.shape)} with strides {t.stride()}"
+            )
+        expected *= t.shape[dim]
+    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} {layout}, got {tuple(t.shape)}")
+
+
+def _head_size(head_size: int) -> None:
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"head_size {head_size} is not supported; supported: {SUPPORTED_HEAD_SIZES}"
+        )
+
+
+def _block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size {block_size!r} is not supported; supported: {SUPPORTED_BLOCK_SIZES}"
+        )
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _finite_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def kv_cache_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte group in the key cache's last dimension."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _check_kv_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, int, int]:
+    """Validates a cache pair; returns (num_blocks, num_kv_heads, head_size, block_size)."""
+    _tensor("key_cache", key_cache)
+    _tensor("value_cache", value_cache)
+    _device("key_cache", key_cache, device)
+    _device("value_cache", value_cache, device)
+    _same_dtype("key_cache", key_cache, dtype)
+    _same_dtype("value_cache", value_cache, dtype)
+    _ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
+    _ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
+    _contiguous("key_cache", key_cache)
+    _contiguous("value_cache", value_cache)
+    num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
+    x = kv_cache_x(dtype)
+    _shape(
+        "key_cache",
+        key_cache,
+        (num_blocks, num_kv_heads, head_size // x, block_size, x),
+        f"(x = {x} for {dtype}, matching value_cache {tuple(value_cache.shape)})",
+    )
+    _head_size(head_size)
+    _block_size(block_size)
+    return num_blocks, num_kv_heads, head_size, block_size
+
+
+def _check_block_tables(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> None:
+    _tensor("block_tables", block_tables)
+    _tensor("seq_lens", seq_lens)
+    _device("block_tables", block_tables, device)
+    _device("seq_lens", seq_lens, device)
+    _index_dtype("block_tables", block_tables, torch.int32)
+    _index_dtype("seq_lens", seq_lens, torch.int32)
+    _ndim("block_tables", block_tables, 2, "[num_seqs, max_num_blocks_per_seq]")
+    _contiguous("block_tables", block_tables)
+    _contiguous("seq_lens", seq_lens)
+    _shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} sequences"
+        )
+    if num_seqs == 0:
+        return
+    max_len = block_tables.shape[1] * block_size
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 0 or hi > max_len:
+        raise ValueError(
+            f"seq_lens must lie in [0, {max_len}] (block_tables holds "
+            f"{block_tables.shape[1]} blocks of {block_size}), got values in [{lo}, {hi}]"
+        )
+    # Only the blocks that hold tokens are read; unused table entries may be anything.
+    used = torch.arange(block_tables.shape[1], device=device)[None, :] * block_size
+    used = used < seq_lens[:, None]
+    if bool(used.any()):
+        entries = block_tables[used]
+        if int(entries.min()) < 0 or int(entries.max()) >= num_blocks:
+            raise ValueError(
+                f"block_tables holds block numbers outside [0, {num_blocks}) "
+                f"(got {int(entries.min())}..{int(entries.max())})"
+            )
+
+
+def _check_attention_io(
+    out: torch.Tensor, query: torch.Tensor, num_kv_heads: int
+) -> tuple[int, int, int]:
+    """Checks out/query; returns (num_tokens, num_heads, head_size)."""
+    _tensor("query", query)
+    _tensor("out", out)
+    _supported_device("query", query)
+    _float_dtype("query", query)
+    _ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
+    _packed_rows("query", query)
+    _device("out", out, query.device)
+    _same_dtype("out", out, query.dtype)
+    _shape("out", out, query.shape, "(same as query)")
+    _contiguous("out", out)
+    num_tokens, num_heads, head_size = query.shape
+    _head_size(head_size)
+    _positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide the query's num_heads ({num_heads})"
+        )
+    return num_tokens, num_heads, head_size
+
+
+def _check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    if alibi_slopes is None:
+        return
+    _tensor("alibi_slopes", alibi_slopes)
+    _device("alibi_slopes", alibi_slopes, device)
+    _index_dtype("alibi_slopes", alibi_slopes, torch.float32)
+    _shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
+    _contiguous("alibi_slopes", alibi_slopes)
+
+
+def _check_attention_common(
+    out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+    block_size, alibi_slopes,
+) -> tuple[int, int, int]:  # fmt: skip
+    num_tokens, num_heads, head_size = _check_attention_io(out, query, num_kv_heads)
+    num_blocks, cache_kv_heads, cache_head_size, cache_block_size = _check_kv_cache(
+        key_cache, value_cache, query.dtype, query.device
+    )
+    if cache_kv_heads != num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
+        )
+    if cache_head_size != head_size:
+        raise ValueError(
+            f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
+        )
+    _block_size(block_size)
+    if block_size != cache_block_size:
+        raise ValueError(
+            f"block_size is {block_size} but the cache's blocks hold {cache_block_size} tokens"
+        )
+    _finite_float("scale", scale)
+    _check_alibi(alibi_slopes, num_heads, query.device)
+    return num_tokens, num_heads, num_blocks
+
+
+def _check_max_seq_len(max_seq_len: int, seq_lens: torch.Tensor) -> None:
+    _positive_int("max_seq_len", max_seq_len)
+    if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
+        raise ValueError(
+            f"max_seq_len ({max_seq_len}) is smaller than the longest of seq_lens "
+            f"({int(seq_lens.max())})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Cache ops.
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocates one layer's (key_cache, value_cache) in the layout the kernels read."""
+    _positive_int("num_blocks", num_blocks)
+    _positive_int("num_kv_heads", num_kv_heads)
+    _head_size(head_size)
+    _block_size(block_size)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    x = kv_cache_x(dtype)
+    key_cache = torch.empty(
+        num_blocks, num_kv_heads, head_size // x, block_size, x, dtype=dtype, device=device
+    )
+    value_cache = torch.empty(
+        num_blocks, num_kv_heads, head_size, block_size, dtype=dtype, device=device
+    )
+    return key_cache, value_cache
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Writes each token's key/value into the paged cache at its slot.
+
+    key, value: ``[num_tokens, num_kv_heads, head_size]``; slot_mapping:
+    ``[num_tokens]`` int64, slot = block_number * block_size + offset_in_block;
+    a slot of -1 skips that token (padding).
+    """
+    _tensor("key", key)
+    _tensor("value", value)
+    _supported_device("key", key)
+    _float_dtype("key", key)
+    _ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    _device("value", value, key.device)
+    _same_dtype("value", value, key.dtype)
+    _shape("value", value, key.shape, "(same as key)")
+    _packed_rows("key", key)
+    _packed_rows("value", value)
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; only 'auto' "
+            "(the cache has the model's dtype)"
+        )
+    num_blocks, num_kv_heads, head_size, block_size = _check_kv_cache(
+        key_cache, value_cache, key.dtype, key.device
+    )
+    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
+        raise ValueError(
+            f"key has {tuple(key.shape[1:])} [num_kv_heads, head_size] per token but the cache "
+            f"holds ({num_kv_heads}, {head_size})"
+        )
+    _tensor("slot_mapping", slot_mapping)
+    _device("slot_mapping", slot_mapping, key.device)
+    _index_dtype("slot_mapping", slot_mapping, torch.int64)
+    _shape("slot_mapping", slot_mapping, (key.shape[0],), "[num_tokens]")
+    _contiguous("slot_mapping", slot_mapping)
+    if slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping values must lie in [-1, {num_blocks * block_size}) "
+                f"({num_blocks} blocks of {block_size}), got values in [{lo}, {hi}]"
+            )
+    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
+
+
+def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    _tensor("block_mapping", block_mapping)
+    if block_mapping.device.type != "cpu":
+        raise ValueError("block_mapping must be a CPU tensor")
+    _index_dtype("block_mapping", block_mapping, torch.int64)
+    _ndim("block_mapping", block_mapping, 2, "[num_pairs, 2] of (src, dst) block numbers")
+    if block_mapping.shape[1] != 2:
+        raise ValueError(
+            f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}"
+        )
+    _contiguous("block_mapping", block_mapping)
+    if block_mapping.numel():
+        for column, limit, side in ((0, num_src, "source"), (1, num_dst, "destination")):
+            values = block_mapping[:, column]
+            if int(values.min()) < 0 or int(values.max()) >= limit:
+                raise ValueError(
+                    f"block_mapping {side} block numbers must lie in [0, {limit}), got "
+                    f"{int(values.min())}..{int(values.max())}"
+                )
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copies whole blocks within each layer's cache (copy-on-write of shared blocks).
+
+    block_mapping: ``[num_pairs, 2]`` int64 on the CPU, rows of (src_block, dst_block),
+    applied to every layer's key and value cache.
+    """
+    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
+        raise TypeError("key_caches and value_caches must be lists of tensors")
+    if len(key_caches) != len(value_caches):
+        raise ValueError(
+            f"key_caches has {len(key_caches)} layers but value_caches has {len(value_caches)}"
+        )
+    if not key_caches:
+        raise ValueError("key_caches must hold at least one layer")
+    first = _tensor("key_caches[0]", key_caches[0])
+    _supported_device("key_caches[0]", first)
+    _float_dtype("key_caches[0]", first)
+    num_blocks = _check_kv_cache(first, value_caches[0], first.dtype, first.device)[0]
+    for i, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
+        try:
+            layer = _check_kv_cache(k, v, first.dtype, first.device)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"layer {i}: {error}") from None
+        if layer[0] != num_blocks or k.shape != first.shape:
+            raise ValueError(f"layer {i}'s cache shape differs from layer 0's")
+    _check_block_mapping(block_mapping, num_blocks, num_blocks)
+    _C.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies blocks ``src[s] -> dst[d]`` for each (s, d) row of block_mapping.
+
+    src and dst are caches of the same layout and dtype (one key or one value cache),
+    on the same or different devices (CPU <-> CUDA swaps where CUDA is built).
+    """
+    _tensor("src", src)
+    _tensor("dst", dst)
+    _supported_device("src", src)
+    _supported_device("dst", dst)
+    _float_dtype("src", src)
+    _same_dtype("dst", dst, src.dtype)
+    _contiguous("src", src)
+    _contiguous("dst", dst)
+    if src.dim() < 2 or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
+        raise ValueError(
+            f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same block shape"
+        )
+    _check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    _C.swap_blocks(src, dst, block_mapping)
+
+
+# ---------------------------------------------------------------------------
+# Attention.
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Decode attention: one query token per sequence over its paged KV.
+
+    out, query: ``[num_seqs, num_heads, head_size]``; block_tables:
+    ``[num_seqs, max_num_blocks_per_seq]`` int32; seq_lens: ``[num_seqs]`` int32 (the
+    number of cached tokens, including this step's); max_seq_len >= max(seq_lens).
+    GQA/MQA when num_heads is a multiple of num_kv_heads. alibi_slopes:
+    ``[num_heads]`` float32, adds ``slope * (key_position - query_position)``.
+    """
+    num_seqs, _, num_blocks = _check_attention_common(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, alibi_slopes,
+    )  # fmt: skip
+    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
+    _check_max_seq_len(max_seq_len, seq_lens)
+    _C.paged_attention_v1(
+        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
+        seq_lens, block_size, max_seq_len, alibi_slopes,
+    )  # fmt: skip
+
+
+def paged_attention_v2_workspace(
+    query: torch.Tensor, max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocates (exp_sums, max_logits, tmp_out) for paged_attention_v2."""
+    num_seqs, num_heads, head_size = query.shape
+    partitions = max(1, -(-max_seq_len // PARTITION_SIZE))
+    stats = dict(dtype=torch.float32, device=query.device)
+    exp_sums = torch.empty(num_seqs, num_heads, partitions, **stats)
+    max_logits = torch.empty(num_seqs, num_heads, partitions, **stats)
+    tmp_out = torch.empty(
+        num_seqs, num_heads, partitions, head_size, dtype=query.dtype, device=query.device
+    )
+    return exp_sums, max_logits, tmp_out
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Decode attention split into partitions of PARTITION_SIZE tokens, then merged.
+
+    Same result as paged_attention_v1; better parallelism for long contexts.
+    exp_sums, max_logits: ``[num_seqs, num_heads, num_partitions]`` float32; tmp_out:
+    ``[num_seqs, num_heads, num_partitions, head_size]`` in the query's dtype, with
+    num_partitions = ceil(max_seq_len / PARTITION_SIZE) (see paged_attention_v2_workspace).
+    """
+    num_seqs, num_heads, num_blocks = _check_attention_common(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, alibi_slopes,
+    )  # fmt: skip
+    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
+    _check_max_seq_len(max_seq_len, seq_lens)
+    partitions = -(-max_seq_len // PARTITION_SIZE)
+    head_size = query.shape[2]
+    for name, t, dtype, shape in (
+        ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, partitions)),
+        ("max_logits", max_logits, torch.float32, (num_seqs, num_heads, partitions)),
+        ("tmp_out", tmp_out, query.dtype, (num_seqs, num_heads, partitions, head_size)),
+    ):
+        _tensor(name, t)
+        _device(name, t, query.device)
+        _index_dtype(name, t, dtype)
+        _contiguous(name, t)
+        if (
+            t.dim() != len(shape)
+            or tuple(t.shape[:2]) != shape[:2]
+            or t.shape[2] < partitions
+            or (len(shape) == 4 and t.shape[3] != head_size)
+        ):
+            raise ValueError(
+                f"{name} must have shape {shape} (num_partitions = ceil(max_seq_len / "
+                f"{PARTITION_SIZE}) = {partitions}), got {tuple(t.shape)}"
+            )
+    _C.paged_attention_v2(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
+        float(scale), block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+    )  # fmt: skip
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+) -> None:
+    """Causal attention for several query tokens per sequence over its paged KV.
+
+    out, query: ``[num_tokens, num_heads, head_size]``, the query tokens of all
+    sequences back to back; query_start_loc: ``[num_seqs + 1]`` int32 offsets into
+    them. Query token i of sequence s sits at position
+    ``seq_lens[s] - q_len_s + i`` and attends to the cached keys at positions up to
+    its own, so this step's keys must already be written by reshape_and_cache. Used
+    for prompts, prompt chunks after earlier chunks, and prefix-cache hits.
+    """
+    num_tokens, _, num_blocks = _check_attention_common(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, alibi_slopes,
+    )  # fmt: skip
+    _tensor("query_start_loc", query_start_loc)
+    _device("query_start_loc", query_start_loc, query.device)
+    _index_dtype("query_start_loc", query_start_loc, torch.int32)
+    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    _contiguous("query_start_loc", query_start_loc)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
+    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
+    _positive_int("max_query_len", max_query_len)
+    if num_seqs:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
+            raise ValueError(
+                f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
+                f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
+            )
+        if int(q_lens.min()) < 0:
+            raise ValueError("query_start_loc must be non-decreasing")
+        if int(q_lens.max()) > max_query_len:
+            raise ValueError(
+                f"max_query_len ({max_query_len}) is smaller than the longest query "
+                f"({int(q_lens.max())})"
+            )
+        if bool((q_lens > seq_lens).any()):
+            raise ValueError("each sequence's query length must be <= its seq_lens entry")
+    _C.paged_attention_prefill(
+        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
+        seq_lens, query_start_loc, block_size, max_query_len, alibi_slopes,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# Rotary embedding, norms, activation.
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """Applies rotary position embeddings to query and key in place.
+
+    positions: ``[num_tokens]`` int64; query: ``[num_tokens, num_heads * head_size]``
+    (or ``[num_tokens, num_heads, head_size]``); key likewise with num_kv_heads;
+    cos_sin_cache: ``[max_position, rot_dim]``, cos in the first rot_dim / 2 columns and
+    sin in the rest, in the query's dtype (or float32). The first rot_dim dimensions of
+    each head rotate: neox style pairs (i, i + rot_dim/2), GPT-J style pairs (2i, 2i+1).
+    """
+    _tensor("positions", positions)
+    _tensor("query", query)
+    _tensor("key", key)
+    _tensor("cos_sin_cache", cos_sin_cache)
+    _supported_device("query", query)
+    _float_dtype("query", query)
+    device = query.device
+    for name, t in (("key", key), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        _device(name, t, device)
+    _same_dtype("key", key, query.dtype)
+    _index_dtype("positions", positions, torch.int64)
+    _ndim("positions", positions, 1, "[num_tokens]")
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
+    _positive_int("head_size", head_size)
+    num_tokens = positions.shape[0]
+    for name, t in (("query", query), ("key", key)):
+        if t.dim() not in (2, 3) or t.shape[0] != num_tokens:
+            raise ValueError(
+                f"{name} must be [num_tokens={num_tokens}, num_heads * head_size] or "
+                f"[num_tokens, num_heads, head_size], got {tuple(t.shape)}"
+            )
+        if t.dim() == 3 and t.shape[2] != head_size:
+            raise ValueError(f"{name}'s last dimension {t.shape[2]} is not head_size {head_size}")
+        if t.shape[-1] % head_size:
+            raise ValueError(
+                f"{name}'s width {t.shape[-1]} is not a multiple of head_size {head_size}"
+            )
+        _packed_rows(name, t)
+    _ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, rot_dim]")
+    _contiguous("cos_sin_cache", cos_sin_cache)
+    if cos_sin_cache.dtype not in (query.dtype, torch.float32):
+        raise TypeError(
+            f"cos_sin_cache has dtype {cos_sin_cache.dtype}; use the query's dtype or float32"
+        )
+    rot_dim = cos_sin_cache.shape[1]
+    if rot_dim % 2 or rot_dim < 2 or rot_dim > head_size:
+        raise ValueError(
+            f"cos_sin_cache's rot_dim {rot_dim} must be even and <= head_size {head_size}"
+        )
+    if num_tokens:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), "
+                f"got values in [{lo}, {hi}]"
+            )
+    _C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def _check_norm_weight(weight: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    _tensor("weight", weight)
+    _device("weight", weight, t.device)
+    _same_dtype("weight", weight, t.dtype)
+    _ndim("weight", weight, 1, "[hidden_size]")
+    _contiguous("weight", weight)
+    if t.dim() < 1 or weight.shape[0] != t.shape[-1]:
+        raise ValueError(
+            f"weight has {weight.shape[0]} elements but {name}'s last dimension is "
+            f"{t.shape[-1] if t.dim() else 'missing'}"
+        )
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out = input / sqrt(mean(input^2, -1) + eps) * weight, computed in float32.
+
+    input: ``[..., hidden_size]`` with packed rows; out: same shape, contiguous.
+    """
+    _tensor("input", input)
+    _tensor("out", out)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _packed_rows("input", input)
+    _device("out", out, input.device)
+    _same_dtype("out", out, input.dtype)
+    _shape("out", out, input.shape, "(same as input)")
+    _contiguous("out", out)
+    _check_norm_weight(weight, input, "input")
+    if _finite_float("eps", eps) <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    _C.rms_norm(out, input, weight, float(eps))
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual += input; input = rms_norm(residual) * weight``.
+
+    input, residual: ``[..., hidden_size]``, same shape and dtype, contiguous.
+    """
+    _tensor("input", input)
+    _tensor("residual", residual)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _contiguous("input", input)
+    _device("residual", residual, input.device)
+    _same_dtype("residual", residual, input.dtype)
+    _shape("residual", residual, input.shape, "(same as input)")
+    _contiguous("residual", residual)
+    _check_norm_weight(weight, input, "input")
+    if _finite_float("eps", eps) <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    _C.fused_add_rms_norm(input, residual, weight, float(eps))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out = silu(input[..., :d]) * input[..., d:] for input ``[..., 2 * d]``."""
+    _tensor("input", input)
+    _tensor("out", out)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _packed_rows("input", input)
+    if input.dim() < 1 or input.shape[-1] % 2:
+        raise ValueError(
+            f"input's last dimension must be even (gate and up halves), got {tuple(input.shape)}"
+        )
+    _device("out", out, input.device)
+    _same_dtype("out", out, input.dtype)
+    _shape(
+        "out", out, (*input.shape[:-1], input.shape[-1] // 2), "(input's with the last dim halved)"
+    )
+    _contiguous("out", out)
+    _C.silu_and_mul(out, input)
