@@ -1,8 +1,9 @@
-"""The `pyllm` command: `pyllm generate PROMPT...` (more subcommands as they land)."""
+"""The `pyllm` command: `pyllm generate PROMPT...`, `pyllm serve`, more as they land."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -63,6 +64,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pyllm.entrypoints.server import run_server
+
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    run_server(
+        _engine_options(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pyllm", description="A fast, small LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     _engine_arguments(generate)
     generate.set_defaults(handler=_generate)
+
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PYLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PYLLM_API_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: file name)"
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_arguments(serve)
+    serve.set_defaults(handler=_serve)
 
     args = parser.parse_args(argv)
     try:

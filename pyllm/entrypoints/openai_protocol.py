@@ -1,0 +1,410 @@
+"""The OpenAI API's request and response bodies, as pydantic models.
+
+Requests are parsed strictly (a string is not an integer, a float is not an integer, a
+boolean is not a number), so a wrong type is a 400 naming the field rather than a silent
+coercion. Unknown fields are ignored, as OpenAI-compatible servers commonly do, except
+those that would change the meaning of the request and cannot be honoured (tools,
+response formats other than text, suffix): those are refused.
+
+Each request model turns itself into engine `SamplingParams` with `to_sampling_params`;
+vLLM's extension fields (top_k, min_p, repetition_penalty, repeat_last_n, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) map onto the
+fields of the same name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pyllm.sampling.params import SamplingParams
+
+# Limits a single request may not exceed, so that no client can make the engine's
+# per-token work (stop-string scans, logit bias) arbitrarily expensive for everyone.
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A client mistake: becomes a 4xx response in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status_code: int = 400,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.code = code
+        self.type = type
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# -------------------------------------------------------------------- requests
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class _SamplingRequest(_Strict):
+    """The fields chat and text completions share, and their mapping to SamplingParams."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extension fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _max_tokens_field(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def _check_limits(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop may hold at most {MAX_STOP_STRINGS} strings", "stop")
+        for stop in stops:
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise RequestError(
+                    f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters",
+                    "stop",
+                )
+        if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids"
+            )
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS_ENTRIES:
+            raise RequestError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+            )
+        if self.seed is not None and not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
+            raise RequestError(f"seed must fit in 64 bits, got {self.seed}", "seed")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise RequestError(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            bias[token_id] = value
+        return bias
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams for this request; raises RequestError naming the field."""
+        self._check_limits()
+        max_tokens_name, max_tokens = self._max_tokens_field()
+        fields: dict[str, Any] = dict(
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.n,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self._logit_bias(),
+            logprobs=self._logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "repeat_last_n": self.repeat_last_n,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**fields)
+        except ValueError as error:
+            message = str(error)
+            param = self._param_of(message, max_tokens_name)
+            name = message.split(" ", 1)[0]
+            if param is not None and name != param:  # say it in the request's own terms
+                message = param + message[len(name) :]
+            raise RequestError(message, param) from None
+
+    def _param_of(self, message: str, max_tokens_name: str) -> str | None:
+        """The request field a SamplingParams error message is about (it starts with it)."""
+        name = message.split(" ", 1)[0]
+        if name == "max_tokens":
+            return max_tokens_name
+        if name == "logprobs":
+            return self._logprobs_field_name()
+        return name if name in type(self).model_fields else None
+
+    def _logprobs_field_name(self) -> str:
+        return "logprobs"
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+
+    def _max_tokens_field(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _logprobs_field_name(self) -> str:
+        return "top_logprobs"
+
+    def check(self) -> None:
+        if not self.messages:
+            raise RequestError("messages must hold at least one message", "messages")
+        for i, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise RequestError(f"messages[{i}].content is required", f"messages[{i}].content")
+        if self.tools:
+            raise RequestError("tools are not supported by this server", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(
+                f"response_format {self.response_format.type!r} is not supported (only 'text')",
+                "response_format",
+            )
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of strings, one prompt's token ids, or a list of those.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check(self) -> None:
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of other than n is not supported by this server", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs is not supported by this server", "echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("prompt must not be an empty list", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the batch: text, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+# ------------------------------------------------------------------- responses
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        # OpenAI sends only what a delta carries: {"role": ...} first, then {"content": ...}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: None = None
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pyllm"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,806 @@
+"""The OpenAI-compatible HTTP server: `pyllm serve`.
+
+    POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
+    GET  /v1/models, GET /health, GET /metrics
+
+A request is parsed, checked, tokenized and validated against the engine in its
+handler, before anything reaches the engine, so every client mistake is a 4xx in
+OpenAI's error shape {"error": {"message", "type", "param", "code"}}. The engine runs
+in its own thread (AsyncEngine); a handler only awaits its request's outputs. A client
+that goes away (a dropped stream, a closed connection) has its request aborted, which
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pyllm.engine.outputs import CompletionOutput, RequestOutput
+from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints.metrics import ServerMetrics
+from pyllm.entrypoints.openai_protocol import RequestError, error_body
+from pyllm.sampling.params import SamplingParams
+
+logger = logging.getLogger("pyllm")
+
+# Far above any prompt that fits a context window, far below what would hurt the server.
+MAX_REQUEST_BYTES = 4 * 2**20
+# JSON cannot carry -inf: a logprob of -inf (a token masked out) is sent as this.
+MIN_LOGPROB = -9999.0
+
+
+# ----------------------------------------------------------------- middleware
+
+
+async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+class _ContentLengthLimit:
+    """Refuses a declared body over the limit with 413 before reading any of it.
+
+    A body without Content-Length (chunked) is counted as it is read instead, in
+    `_read_request`.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+                message = f"the request body is larger than {self.max_bytes} bytes"
+                body = error_body(message, "invalid_request_error", None, "request_too_large")
+                await _send_json(send, 413, body)
+                return
+        await self.app(scope, receive, send)
+
+
+class _ApiKeyAuth:
+    """With an API key set, every /v1/ request needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant time: how much of the key matched must not show in the timing.
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                )
+                await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------- request parsing
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\]-]")
+
+
+def _param_of(loc: tuple) -> str | None:
+    """'messages[0].role' from pydantic's ('messages', 0, 'role'); union tags dropped."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _TYPE_TAG.search(part):
+            break  # the name of a union member, not a field
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _describe(error: ValidationError) -> RequestError:
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        return RequestError(f"the request body is not valid JSON: {first['msg']}")
+    param = _param_of(first["loc"])
+    message = first["msg"]
+    if first["type"] != "missing":
+        message += f" (got {repr(first.get('input'))[:80]})"
+    return RequestError(f"{param}: {message}" if param else message, param)
+
+
+async def _read_request(request: Request, model: type[BaseModel], max_bytes: int):
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(
+                f"the request body is larger than {max_bytes} bytes",
+                status_code=413,
+                code="request_too_large",
+            )
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(f"the request body is not valid UTF-8 (byte {error.start})") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as error:
+        raise _describe(error) from None
+
+
+# ------------------------------------------------------------------ responses
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+@dataclass
+class _Choice:
+    """How much of one choice's output has been sent so far (streaming)."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Job:
+    """One engine request: a prompt and its sampling parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str = ""
+
+
+@dataclass
+class _Progress:
+    """Times and counts of a (possibly multi-prompt) request, for usage and metrics."""
+
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    prompt_tokens: int = 0
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into responses."""
+
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_bytes: int
+    ):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_bytes = max_bytes
+        self._token_strings: dict[int, str] = {}
+        self._byte_decoder = _byte_level_decoder(self.tokenizer)
+
+    # ---------------------------------------------------------- checking
+
+    def _check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise RequestError(
+                f"model {requested!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status_code=404,
+                code="model_not_found",
+            )
+
+    def _validate(self, body, ids: list[int], params: SamplingParams, prompt_field: str):
+        try:
+            self.engine.validate(ids, params)
+        except ValueError as error:
+            message = str(error)
+            max_tokens_name, max_tokens = body._max_tokens_field()
+            param = body._param_of(message, max_tokens_name) or prompt_field
+            code = None
+            if "context length" in message:
+                code = "context_length_exceeded"
+                # The prompt fits alone: what the client asked for on top is too much.
+                fits = len(ids) < self.engine.max_model_len
+                param = max_tokens_name if fits and max_tokens is not None else prompt_field
+            raise RequestError(message, param, code=code) from None
+
+    async def _prepare_chat(self, body: api.ChatCompletionRequest) -> list[_Job]:
+        body.check()
+        self._check_model(body.model)
+        params = body.to_sampling_params()
+        messages = body.template_messages()
+
+        def tokenize() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            ids = await asyncio.to_thread(tokenize)
+        except Exception as error:  # the template refused these messages
+            raise RequestError(f"messages could not be rendered: {error}", "messages") from None
+        self._validate(body, ids, params, "messages")
+        return [_Job(api.random_id("chatcmpl"), ids, params)]
+
+    async def _prepare_completion(self, body: api.CompletionRequest) -> list[_Job]:
+        body.check()
+        self._check_model(body.model)
+        params = body.to_sampling_params()
+        base_id = api.random_id("cmpl")
+        jobs = []
+        for i, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+                text = prompt
+            else:
+                ids, text = prompt, ""
+            self._validate(body, ids, params, "prompt")
+            if body.echo and not text:
+                text = self.tokenizer.decode(ids)
+            jobs.append(_Job(f"{base_id}-{i}", ids, params, text))
+        return jobs
+
+    # ---------------------------------------------------------- running
+
+    async def _outputs(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every job, as they come; aborts all on exit."""
+        if len(jobs) == 1:
+            job = jobs[0]
+            async for output in self.engine.generate(
+                job.request_id, job.prompt_token_ids, job.params
+            ):
+                yield 0, output
+            return
+        # A bounded queue: a slow consumer makes the pumps wait, and the engine's
+        # per-request streams keep only the newest output meanwhile.
+        merged: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
+
+        async def pump(index: int, job: _Job) -> None:
+            try:
+                async for output in self.engine.generate(
+                    job.request_id, job.prompt_token_ids, job.params
+                ):
+                    await merged.put((index, output))
+            except Exception as error:
+                await merged.put((index, error))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                remaining -= item.finished
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _track(self, progress: _Progress, index: int, output: RequestOutput) -> None:
+        first = output.metrics.get("first_token_time") or None
+        if first and progress.first_token_time is None:
+            progress.first_token_time = first
+        if output.finished:
+            progress.finals[index] = output
+
+    def _observe(self, progress: _Progress) -> None:
+        outputs = [c for r in progress.finals.values() for c in r.outputs]
+        self.metrics.observe_finished(
+            progress.arrival_time,
+            progress.first_token_time,
+            time.time(),
+            max((len(c.token_ids) for c in outputs), default=0),
+            [c.finish_reason or "none" for c in outputs],
+        )
+
+    @staticmethod
+    def _usage(progress: _Progress, jobs: list[_Job]) -> api.UsageInfo:
+        prompt = sum(len(job.prompt_token_ids) for job in jobs)
+        completion = sum(len(c.token_ids) for r in progress.finals.values() for c in r.outputs)
+        return api.UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def _collect(self, request: Request, jobs: list[_Job]) -> _Progress:
+        """Runs the jobs to the end; aborts them if the client disconnects first."""
+        progress = _Progress()
+        self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
+
+        async def run() -> None:
+            async for index, output in self._outputs(jobs):
+                self._track(progress, index, output)
+
+        try:
+            async with _cancel_on_disconnect(request):
+                await run()
+        except ValueError as error:  # the engine refused the request
+            if isinstance(error, RequestError):
+                raise
+            raise RequestError(str(error)) from None
+        self._observe(progress)
+        return progress
+
+    # ---------------------------------------------------------- logprobs
+
+    def _token_string(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_strings[token_id] = text
+        return text
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        if self._byte_decoder is not None:
+            spelling = self.tokenizer.convert_ids_to_tokens([token_id])[0]
+            if spelling is not None and all(ch in self._byte_decoder for ch in spelling):
+                return [self._byte_decoder[ch] for ch in spelling]
+        return list(self._token_string(token_id).encode("utf-8"))
+
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[tuple[float, dict[int, float]]]
+    ) -> api.ChatLogprobs:
+        content = []
+        for token_id, (chosen, top) in zip(token_ids, logprobs, strict=True):
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])
+            content.append(
+                api.ChatTokenLogprob(
+                    token=self._token_string(token_id),
+                    logprob=_finite(chosen),
+                    bytes=self._token_bytes(token_id),
+                    top_logprobs=[
+                        api.TopLogprob(
+                            token=self._token_string(t),
+                            logprob=_finite(lp),
+                            bytes=self._token_bytes(t),
+                        )
+                        for t, lp in ranked
+                    ],
+                )
+            )
+        return api.ChatLogprobs(content=content)
+
+    def _completion_logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[tuple[float, dict[int, float]]],
+        text_offset: int,
+    ) -> api.CompletionLogprobs:
+        result = api.CompletionLogprobs()
+        for token_id, (chosen, top) in zip(token_ids, logprobs, strict=True):
+            token = self._token_string(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(_finite(chosen))
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])
+            result.top_logprobs.append({self._token_string(t): _finite(lp) for t, lp in ranked})
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+    # ---------------------------------------------------------- chat
+
+    async def chat(self, request: Request) -> Response:
+        body = await _read_request(request, api.ChatCompletionRequest, self.max_bytes)
+        jobs = await self._prepare_chat(body)
+        created = api.now()
+        if body.stream:
+            return _event_stream(self._chat_stream(body, jobs, created))
+        progress = await self._collect(request, jobs)
+        choices = []
+        for c in progress.finals[0].outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [])
+            choices.append(
+                api.ChatChoice(
+                    index=c.index,
+                    message=api.AssistantMessage(content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                )
+            )
+        response = api.ChatCompletionResponse(
+            id=jobs[0].request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=self._usage(progress, jobs),
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _chat_stream(
+        self, body: api.ChatCompletionRequest, jobs: list[_Job], created: int
+    ) -> AsyncIterator[str]:
+        job = jobs[0]
+        progress = _Progress()
+        self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        state = [_Choice() for _ in range(body.n)]
+
+        def chunk(choice: api.ChatChunkChoice) -> str:
+            return _sse(
+                api.ChatCompletionChunk(
+                    id=job.request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[choice],
+                )
+            )
+
+        for i in range(body.n):
+            yield chunk(
+                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+            )
+        async for _, output in self._outputs(jobs):
+            self._track(progress, 0, output)
+            for c in output.outputs:
+                delta = _delta(state[c.index], c)
+                if delta is None:
+                    continue
+                text, token_ids, logprobs = delta
+                yield chunk(
+                    api.ChatChunkChoice(
+                        index=c.index,
+                        delta=api.DeltaMessage(content=text),
+                        logprobs=self._chat_logprobs(token_ids, logprobs)
+                        if body.logprobs
+                        else None,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        self._observe(progress)
+        if body.include_usage:
+            yield _sse(
+                api.ChatCompletionChunk(
+                    id=job.request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self._usage(progress, jobs),
+                )
+            )
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------- completions
+
+    async def completions(self, request: Request) -> Response:
+        body = await _read_request(request, api.CompletionRequest, self.max_bytes)
+        jobs = await self._prepare_completion(body)
+        created = api.now()
+        if body.stream:
+            return _event_stream(self._completion_stream(body, jobs, created))
+        progress = await self._collect(request, jobs)
+        choices = []
+        for index, job in enumerate(jobs):
+            prefix = job.prompt_text if body.echo else ""
+            for c in progress.finals[index].outputs:
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], 0)
+                choices.append(
+                    api.CompletionChoice(
+                        index=index * body.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        response = api.CompletionResponse(
+            id=jobs[0].request_id.rsplit("-", 1)[0],
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=self._usage(progress, jobs),
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _completion_stream(
+        self, body: api.CompletionRequest, jobs: list[_Job], created: int
+    ) -> AsyncIterator[str]:
+        response_id = jobs[0].request_id.rsplit("-", 1)[0]
+        progress = _Progress()
+        self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
+        state = {(i, k): _Choice() for i in range(len(jobs)) for k in range(body.n)}
+
+        def chunk(choice: api.CompletionChoice) -> str:
+            return _sse(
+                api.CompletionResponse(
+                    id=response_id, created=created, model=self.model_name, choices=[choice]
+                )
+            )
+
+        if body.echo:
+            for (i, k), _ in state.items():
+                yield chunk(
+                    api.CompletionChoice(
+                        index=i * body.n + k,
+                        text=jobs[i].prompt_text,
+                        logprobs=None,
+                        finish_reason=None,
+                    )  # fmt: skip
+                )
+        async for index, output in self._outputs(jobs):
+            self._track(progress, index, output)
+            for c in output.outputs:
+                choice_state = state[(index, c.index)]
+                offset = choice_state.text_sent
+                delta = _delta(choice_state, c)
+                if delta is None:
+                    continue
+                text, token_ids, logprobs = delta
+                yield chunk(
+                    api.CompletionChoice(
+                        index=index * body.n + c.index,
+                        text=text,
+                        logprobs=self._completion_logprobs(token_ids, logprobs, offset)
+                        if body.logprobs is not None
+                        else None,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        self._observe(progress)
+        if body.include_usage:
+            yield _sse(
+                api.CompletionResponse(
+                    id=response_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=self._usage(progress, jobs),
+                )
+            )
+        yield "data: [DONE]\n\n"
+
+
+def _delta(state: _Choice, c: CompletionOutput):
+    """(new text, new token ids, their logprobs) of a choice since the last chunk, or
+    None when there is nothing to send. Text and tokens advance separately: text that
+    may still turn out to be part of a stop string is held back by the engine."""
+    if state.done:
+        return None
+    text = c.text[state.text_sent :]
+    token_ids = c.token_ids[state.tokens_sent :]
+    if not text and not token_ids and c.finish_reason is None:
+        return None
+    logprobs = (c.logprobs or [])[state.tokens_sent : state.tokens_sent + len(token_ids)]
+    state.text_sent = max(state.text_sent, len(c.text))
+    state.tokens_sent += len(token_ids)
+    state.done = c.finish_reason is not None
+    return text, token_ids, logprobs
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        # The status line is already sent: an error can only be reported in the stream.
+        try:
+            async for event in events:
+                yield event
+        except (RequestError, ValueError) as error:
+            yield _sse(error_body(str(error), "invalid_request_error", None, None))
+            yield "data: [DONE]\n\n"
+        except Exception as error:
+            logger.exception("stream failed")
+            yield _sse(error_body(f"internal error: {error}", "server_error", None, None))
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # aborts the engine requests if they are still running
+
+    return StreamingResponse(
+        guarded(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@contextlib.asynccontextmanager
+async def _cancel_on_disconnect(request: Request):
+    """Cancels the enclosed work if the client disconnects before it ends.
+
+    After the body is read, the next ASGI message is http.disconnect: either the client
+    left, or the response was sent. Waiting for it costs nothing.
+    """
+    work = asyncio.current_task()
+    disconnected = False
+
+    async def watch() -> None:
+        nonlocal disconnected
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                work.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if disconnected:
+            if hasattr(work, "uncancel"):  # Python 3.11+: our own cancel, now an error
+                work.uncancel()
+            raise RequestError("the client disconnected", status_code=499) from None
+        raise
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def _byte_level_decoder(tokenizer) -> dict[str, int] | None:
+    """GPT-2's map from a byte-level BPE token's characters back to bytes, if the
+    vocabulary is byte-level (a space is spelled 'Ġ'); else None."""
+    try:
+        spelling = tokenizer.convert_ids_to_tokens(tokenizer.encode(" ", add_special_tokens=False))
+    except Exception:
+        return None
+    if spelling != ["Ġ"]:
+        return None
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    decoder, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            decoder[chr(256 + extra)] = b
+            extra += 1
+    return decoder
+
+
+# ---------------------------------------------------------------------- app
+
+
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
+    stops the engine thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine.is_running:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="pyllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
+    created = api.now()
+    app.state.serving = serving
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, error: RequestError):
+        return JSONResponse(
+            error_body(error.message, error.type, error.param, error.code),
+            status_code=error.status_code,
+        )
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException):
+        body = error_body(str(error.detail), "invalid_request_error", None, None)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return JSONResponse(error_body(str(error), "server_error", None, None), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception):
+        logger.exception("request failed")
+        body = error_body(f"internal error: {type(error).__name__}", "server_error", None, None)
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+    def model_card() -> api.ModelCard:
+        return api.ModelCard(
+            id=served_model_name, created=created, max_model_len=engine.max_model_len
+        )
+
+    @app.get("/v1/models")
+    async def list_models():
+        return Response(
+            api.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
+        )
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        serving._check_model(model_id)
+        return Response(model_card().model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serving.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.completions(request)
+
+    # Outermost last: the size check runs before authentication reads anything.
+    if api_key:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    return app
+
+
+def default_model_name(model_path: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1' for .../SmolLM2-135M-Instruct.Q4_1.gguf."""
+    name = os.path.basename(os.path.normpath(model_path))
+    return name.removesuffix(".gguf")
+
+
+def run_server(
+    engine_options: dict,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Loads the engine, then serves until SIGINT/SIGTERM."""
+    import prometheus_client
+    import uvicorn
+
+    from pyllm.engine.config import EngineConfig
+    from pyllm.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # no *_created series: this process is ours
+    config = EngineConfig(**engine_options)
+    engine = AsyncEngine(LLMEngine(config))
+    name = served_model_name or default_model_name(config.model_path)
+    app = create_app(engine, name, api_key=api_key)
+    logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
+                "required" if api_key else "off")  # fmt: skip
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,313 @@
+"""The official `openai` client against a real pyllm server: chat and text completions,
+streamed and not, in each API's own response format.
+
+Token counts are checked against the model's tokenizer as HF transformers builds it
+(independent of pyllm's), and streamed outputs against the same request not streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+PROMPT = "The three primary colors are"
+
+
+def _chat_prompt_len(hf_tokenizer, messages) -> int:
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(hf_tokenizer.encode(text, add_special_tokens=False))
+
+
+def _token_bytes_text(entries) -> str:
+    return b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace")
+
+
+def _stream(client, kind: str, **kwargs):
+    api = client.chat.completions if kind == "chat" else client.completions
+    return list(api.create(stream=True, **kwargs))
+
+
+def _chunk_text(chunk, index: int = 0) -> str:
+    for choice in chunk.choices:
+        if choice.index == index:
+            return (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+    return ""
+
+
+def _finish_reasons(chunks, index: int = 0) -> list[str]:
+    return [
+        c.finish_reason
+        for chunk in chunks
+        for c in chunk.choices
+        if c.index == index and c.finish_reason is not None
+    ]
+
+
+def test_models(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert models.data[0].object == "model"
+    assert client.models.retrieve(server.model).id == server.model
+
+
+def test_chat_completion_and_usage(client, server, hf_tokenizer):
+    r = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=24, temperature=0, logprobs=True
+    )
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.model == server.model and abs(r.created - time.time()) < 600
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    num_tokens = len(choice.logprobs.content)
+    assert r.usage.prompt_tokens == _chat_prompt_len(hf_tokenizer, CHAT)
+    assert r.usage.completion_tokens == num_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + num_tokens
+    if choice.finish_reason == "length":
+        assert num_tokens == 24
+    else:  # ended by the end-of-turn token, whose text is skipped
+        assert num_tokens < 24
+        assert hf_tokenizer.convert_tokens_to_ids(choice.logprobs.content[-1].token) in (
+            hf_tokenizer.eos_token_id,
+            hf_tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+    text = _token_bytes_text(choice.logprobs.content)
+    assert text.startswith(choice.message.content)
+
+
+def test_chat_stream_matches_non_stream(client, server):
+    kwargs = dict(model=server.model, messages=CHAT, max_tokens=24, temperature=0)
+    reference = client.chat.completions.create(**kwargs)
+    chunks = _stream(client, "chat", stream_options={"include_usage": True}, **kwargs)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(_chunk_text(c) for c in chunks)
+    assert text == reference.choices[0].message.content
+    assert _finish_reasons(chunks) == [reference.choices[0].finish_reason]
+    # include_usage: a last chunk with usage and no choices; no usage before it.
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump() == reference.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format(http, server):
+    body = {"model": server.model, "messages": CHAT, "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert json.loads(line.removeprefix("data: "))["object"] == "chat.completion.chunk"
+
+
+def test_completion_and_stream(client, server, hf_tokenizer):
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0)
+    r = client.completions.create(**kwargs)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == server.model
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.text and choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(hf_tokenizer.encode(PROMPT))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 16
+
+    chunks = _stream(client, "completion", stream_options={"include_usage": True}, **kwargs)
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(_chunk_text(c) for c in chunks) == choice.text
+    assert _finish_reasons(chunks) == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+
+def test_chat_logprobs(client, server):
+    r = client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 3
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert sum(math.exp(t.logprob) for t in top) <= 1 + 1e-4
+        # Greedy: the chosen token is the most likely one.
+        assert entry.token == top[0].token
+        assert entry.logprob == pytest.approx(top[0].logprob, abs=1e-5)
+        assert entry.logprob <= 0
+        for t in [entry, *top]:
+            assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+    # Streamed, the same entries arrive spread over the chunks.
+    chunks = _stream(
+        client,
+        "chat",
+        model=server.model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_completion_logprobs(client, server):
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    r = client.completions.create(**kwargs)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert len(lp.text_offset) == n
+    assert "".join(lp.tokens).startswith(choice.text)
+    assert lp.text_offset[0] == 0
+    for i in range(1, n):
+        assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy
+        assert top[token] == pytest.approx(logprob, abs=1e-5)
+
+    chunks = _stream(client, "completion", **kwargs)
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n2(client, server, stream):
+    kwargs = dict(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        logprobs=True,
+    )
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        assert sorted(c.index for c in r.choices) == [0, 1]
+        counts = [len(c.logprobs.content) for c in r.choices]
+        assert all(c.message.content for c in r.choices)
+        assert r.usage.completion_tokens == sum(counts)
+        return
+    chunks = _stream(client, "chat", stream_options={"include_usage": True}, **kwargs)
+    counts = {0: 0, 1: 0}
+    for chunk in chunks:
+        for c in chunk.choices:
+            counts[c.index] += len(c.logprobs.content) if c.logprobs else 0
+    for index in (0, 1):
+        assert "".join(_chunk_text(c, index) for c in chunks)
+        assert len(_finish_reasons(chunks, index)) == 1
+    assert chunks[-1].usage.completion_tokens == counts[0] + counts[1]
+
+
+def test_completion_n2_and_batch_prompts(client, server):
+    r = client.completions.create(
+        model=server.model, prompt=[PROMPT, "Hello"], max_tokens=4, n=2, temperature=0
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in r.choices}
+    # Greedy: both choices of one prompt agree; each prompt's output is its own.
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]
+    alone = client.completions.create(
+        model=server.model, prompt="Hello", max_tokens=4, temperature=0
+    )
+    assert by_index[2] == alone.choices[0].text
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stop(client, server, kind):
+    if kind == "chat":
+        kwargs = dict(model=server.model, messages=CHAT, temperature=0, max_tokens=24)
+        create, text_of = client.chat.completions.create, lambda r: r.choices[0].message.content
+    else:
+        kwargs = dict(model=server.model, prompt=PROMPT, temperature=0, max_tokens=24)
+        create, text_of = client.completions.create, lambda r: r.choices[0].text
+    full = text_of(create(extra_body={"ignore_eos": True}, **kwargs))
+    assert len(full) >= 12, full
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    at = full.find(stop)
+
+    r = create(stop=stop, extra_body={"ignore_eos": True}, **kwargs)
+    assert text_of(r) == full[:at] and r.choices[0].finish_reason == "stop"
+    # A stop string is never streamed, even in part.
+    chunks = _stream(
+        client, kind, stop=[stop, "\u2603never"], extra_body={"ignore_eos": True}, **kwargs
+    )
+    assert "".join(_chunk_text(c) for c in chunks) == full[:at]
+    assert _finish_reasons(chunks) == ["stop"]
+    kept = create(
+        stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kwargs
+    )
+    assert text_of(kept) == full[: at + len(stop)]
+
+
+def test_seed_reproducibility(client, server):
+    def sample(seed: int) -> str:
+        r = client.completions.create(
+            model=server.model, prompt="Once upon a time", max_tokens=16, temperature=1.0,
+            seed=seed, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return r.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+    kwargs = dict(model=server.model, messages=CHAT, max_tokens=10, temperature=1.0, seed=99, n=2)
+    a = client.chat.completions.create(**kwargs)
+    b = client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_max_completion_tokens_and_extension_fields(client, server):
+    r = client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_completion_tokens=5,
+        temperature=0.7,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body=dict(
+            ignore_eos=True,
+            min_tokens=5,
+            top_k=40,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            repeat_last_n=64,
+            skip_special_tokens=True,
+            include_stop_str_in_output=False,
+            stop_token_ids=[],
+        ),
+    )
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids(client, server, hf_tokenizer):
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0)
+    reference = client.completions.create(extra_body={"ignore_eos": True}, **kwargs)
+    tokens = reference.choices[0].logprobs.tokens
+    # A token of the output whose text maps back to exactly one id.
+    k, token_id = next(
+        (i, ids[0])
+        for i, t in enumerate(tokens)
+        if i >= 2 and len(ids := hf_tokenizer.encode(t, add_special_tokens=False)) == 1
+    )
+    k = tokens.index(tokens[k])  # generation stops at its first occurrence
+    r = client.completions.create(extra_body={"stop_token_ids": [token_id]}, **kwargs)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == k + 1
+    assert r.choices[0].logprobs.tokens == tokens[: k + 1]
