@@ -6,7 +6,11 @@ import asyncio
 import time
 
 import openai
+import pytest
 
+from pyllm.engine.async_engine import AsyncEngine
+from pyllm.engine.outputs import CompletionOutput, RequestOutput
+from pyllm.sampling.params import SamplingParams
 from tests.server.conftest import read_metrics, wait_for
 
 SUBJECTS = [
@@ -76,3 +80,85 @@ def test_32_concurrent_streams_match_their_outputs_alone(client, server):
         timeout=10,
     )
     assert metrics and metrics["pyllm:num_free_kv_blocks"] == metrics["pyllm:num_kv_blocks"]
+
+
+# ---------------------------------------------------------------------------------------
+# The step loop itself, in process, over a stand-in engine whose failures are on demand.
+
+POISON = 13  # a prompt starting with this token makes the stand-in's step raise
+REFUSED = 0  # a prompt starting with this token is refused by add_request
+
+
+class _StandInEngine:
+    """LLMEngine's interface as AsyncEngine uses it; one token per request per step."""
+
+    tokenizer = None
+    max_model_len = 64
+
+    def __init__(self):
+        self.requests: dict[str, list] = {}
+
+    def add_request(self, request_id, prompt, params, prompt_token_ids):
+        if prompt_token_ids[0] == REFUSED:
+            raise ValueError("prompt refused")
+        self.requests[request_id] = [list(prompt_token_ids), 0, params.max_tokens]
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.002)
+        if any(r[0][0] == POISON for r in self.requests.values()):
+            raise RuntimeError("step failed")
+        outputs = []
+        for request_id, r in list(self.requests.items()):
+            r[1] += 1
+            done = r[1] >= r[2]
+            completion = CompletionOutput(0, "x" * r[1], [7] * r[1], "length" if done else None)
+            outputs.append(RequestOutput(request_id, None, r[0], [completion], done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+def test_engine_loop_survives_refusals_failures_and_abandoned_requests():
+    stand_in = _StandInEngine()
+    engine = AsyncEngine(stand_in)
+    engine.start()
+
+    async def run(request_id, first_token, max_tokens=5, stop_after=None):
+        last = None
+        async for output in engine.generate(
+            request_id, [first_token, 1, 2], SamplingParams(max_tokens=max_tokens)
+        ):
+            last = output
+            if stop_after is not None and len(output.outputs[0].token_ids) >= stop_after:
+                break
+        return last
+
+    async def scenario():
+        assert (await run("a", 5)).outputs[0].text == "xxxxx"
+        with pytest.raises(ValueError, match="refused"):
+            await run("refused", REFUSED)
+        # A step that raises fails the requests in flight, and only those.
+        results = await asyncio.gather(
+            run("long", 5, max_tokens=10_000), run("poison", POISON), return_exceptions=True
+        )
+        assert all(isinstance(r, RuntimeError) for r in results), results
+        # The client of a long request leaves after 3 tokens: the request is aborted.
+        partial = await run("abandoned", 5, max_tokens=10_000, stop_after=3)
+        assert partial.outputs[0].token_ids and not partial.finished
+        # And the loop still serves, many at once.
+        outputs = await asyncio.gather(*(run(f"after-{i}", 5, max_tokens=i + 1) for i in range(32)))
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 33))
+
+    try:
+        asyncio.run(scenario())
+        assert wait_for(lambda: not stand_in.requests, timeout=5), stand_in.requests
+        assert engine.is_running
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
