@@ -50,8 +50,8 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 _SPM_SPACE = "\u2581"
 
-# Pre-tokenizer regexes, keyed by tokenizer.ggml.pre. GPT-2's own split is what ByteLevel(use_regex=
-# True) applies, so only the others are spelled out.
+# Pre-tokenizer regexes, keyed by tokenizer.ggml.pre. GPT-2's own split is built into
+# ByteLevel(use_regex=True), so only the others are spelled out.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -243,6 +243,13 @@ class Tokenizer:
         return self._backend.special_ids
 
     @property
+    def add_bos_token(self) -> bool:
+        """Whether `encode(text)` starts with BOS (tokenizer_config's add_bos_token, GGUF's
+        tokenizer.ggml.add_bos_token, or what a tokenizer.json post-processor does)."""
+        bos = self.bos_token_id
+        return bos is not None and self._backend.encode("", True)[:1] == [bos]
+
+    @property
     def bos_token(self) -> str | None:
         return self._token_or_none(self.bos_token_id)
 
@@ -274,15 +281,17 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the model's chat template (or `FALLBACK_CHAT_TEMPLATE`).
+        """Render `messages` with `chat_template`, else the model's, else FALLBACK_CHAT_TEMPLATE.
 
         Returns the prompt text, or with `tokenize=True` its ids: the template writes any BOS
-        itself, so no special tokens are added on top (as HF does).
+        itself, so no special tokens are added on top (as HF does). Extra keyword arguments are
+        template variables, as in HF's apply_chat_template.
         """
         text = render_chat_template(
-            self.chat_template or FALLBACK_CHAT_TEMPLATE,
+            chat_template or self.chat_template or FALLBACK_CHAT_TEMPLATE,
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -794,14 +803,20 @@ def render_chat_template(
 ) -> str:
     """Render a HF-style Jinja chat template with the variables HF's apply_chat_template provides
     (messages, tools, add_generation_prompt, bos_token, eos_token, ... and any extras)."""
+    import jinja2
+
     validate_messages(messages)
-    return _compile_chat_template(template).render(
-        messages=[dict(m) for m in messages],
-        tools=tools,
-        documents=None,
-        add_generation_prompt=add_generation_prompt,
-        **variables,
-    )
+    compiled = _compile_chat_template(template)
+    try:
+        return compiled.render(
+            messages=[dict(m) for m in messages],
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.TemplateError as error:  # undefined names, sandbox refusals
+        raise ValueError(f"chat template failed: {type(error).__name__}: {error}") from error
 
 
 @lru_cache(maxsize=16)

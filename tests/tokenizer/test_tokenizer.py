@@ -58,6 +58,7 @@ def test_smollm_special_ids_match_hf():
     assert ours.pad_token_id == hf.pad_token_id
     assert ours.unk_token_id == hf.unk_token_id
     assert ours.eos_token_ids == {hf.eos_token_id}
+    assert ours.add_bos_token is False  # tokenizer.ggml.add_bos_token = false
     hf_added = hf.backend_tokenizer.get_added_tokens_decoder()
     assert ours.special_token_ids == {i for i, token in hf_added.items() if token.special}
     assert ours.special_token_ids == set(range(17))  # the 17 CONTROL tokens of this vocabulary
@@ -271,6 +272,7 @@ def test_sentencepiece_special_ids(sentencepiece_model):
             sp.unk_id(),
         )
         assert tok.eos_token_ids == {sp.eos_id()}
+        assert tok.add_bos_token is True
 
 
 def test_sentencepiece_ids_match_sentencepiece(sentencepiece_model):
