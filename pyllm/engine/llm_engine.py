@@ -302,5 +302,5 @@ class LLMEngine:
 
 def _load(config: EngineConfig):
     model, model_config = load_model(config.model_path, config.torch_dtype, config.torch_device)
-    tokenizer = Tokenizer.from_path(config.model_path)
+    tokenizer = Tokenizer.from_pretrained(config.model_path)
     return model, model_config, tokenizer
