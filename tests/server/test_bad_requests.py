@@ -78,6 +78,9 @@ CASES = [
     Case("empty stop string", 400, "stop", body=chat(stop=[""])),
     Case("logit_bias key not an id", 400, "logit_bias", body=chat(logit_bias={"abc": 1})),
     Case("logit_bias value too big", 400, "logit_bias", body=chat(logit_bias={"5": 1000})),
+    Case("logit_bias token beyond the vocabulary", 400, "logit_bias", body=chat(logit_bias={"999999999": 1})),  # noqa: E501
+    Case("stop_token_ids beyond the vocabulary", 400, "stop_token_ids", body=chat(stop_token_ids=[10**9])),  # noqa: E501
+    Case("stop_token_ids negative", 400, "stop_token_ids", body=chat(stop_token_ids=[-3])),
     Case("seed beyond 64 bits", 400, "seed", body=chat(seed=2**70)),
     Case("stream a string", 400, "stream", body=chat(stream="yes")),
     Case("stream_options without stream", 400, "stream_options", body=chat(stream_options={"include_usage": True})),  # noqa: E501
