@@ -17,10 +17,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from pyllm.model.loader import load_model
-from pyllm.model.tokenizer import Tokenizer
-from pyllm.sampling.detokenizer import IncrementalDetokenizer
-from pyllm.sampling.sampler import Sampler
 
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
@@ -29,7 +25,11 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.stop_checker import check_stop, streamable_text
+from pyllm.model.loader import load_model
+from pyllm.model.tokenizer import Tokenizer
+from pyllm.sampling.detokenizer import IncrementalDetokenizer
 from pyllm.sampling.params import SamplingParams
+from pyllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("pyllm")
 

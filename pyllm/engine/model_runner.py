@@ -10,10 +10,10 @@ sequence whose pending tokens are all computed by this step.
 from __future__ import annotations
 
 import torch
-from pyllm.model.layers import AttentionMetadata
 
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
+from pyllm.model.layers import AttentionMetadata
 
 
 def _padded_block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
