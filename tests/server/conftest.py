@@ -121,6 +121,7 @@ def hf_tokenizer():
     """The model's tokenizer as HF transformers builds it from the GGUF: an independent
     reference for token counts."""
     import transformers
+
     from pyllm.model.default_model import default_model_path
 
     path = Path(default_model_path())
