@@ -408,7 +408,8 @@ def copy_blocks(
     """Copies whole blocks within each layer's cache (copy-on-write of shared blocks).
 
     block_mapping: ``[num_pairs, 2]`` int64 on the CPU, rows of (src_block, dst_block),
-    applied to every layer's key and value cache.
+    applied to every layer's key and value cache. The pairs are copied in parallel, in
+    no set order: a block must not be both a source and a destination in one call.
     """
     if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
         raise TypeError("key_caches and value_caches must be lists of tensors")

@@ -125,7 +125,9 @@ std::pair<int64_t, int64_t> check_block_mapping(const at::Tensor& block_mapping)
 // cache is named in errors as name[layer], or just name when layer < 0.
 int64_t block_bytes(const at::Tensor& cache, const char* name, int64_t layer = -1) {
   // Built only when a check fails.
-  const auto where = [&] { return layer < 0 ? std::string(name) : c10::str(name, "[", layer, "]"); };
+  const auto where = [&] {
+    return layer < 0 ? std::string(name) : c10::str(name, "[", layer, "]");
+  };
   TORCH_CHECK(cache.device().is_cpu(), where(), " must be a CPU tensor, got ", cache.device());
   TORCH_CHECK(is_supported_dtype(cache.scalar_type()), where(),
               " must be float32, float16 or bfloat16, got ", cache.scalar_type());
@@ -204,6 +206,9 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
     bases[c] = static_cast<char*>(cache.data_ptr());
   }
 
+  // The pairs are copied in no particular order (in parallel), so a block must not
+  // be both a source and a destination in one call: the block manager copies a
+  // shared block into a fresh one.
   const int64_t* pairs = block_mapping.const_data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, strides[0]));
   at::parallel_for(0, num_caches * num_pairs, grain, [&](int64_t begin, int64_t end) {
