@@ -113,11 +113,11 @@ def test_penalties_match_reference(device):
         SamplingParams(frequency_penalty=0.7),
         SamplingParams(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.3),
         SamplingParams(logit_bias={3: 5.0, 39: -100.0, 0: 2.5}),
-        SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[7, 9]),  # masked: 2 < 4
-        SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7, 9]),  # not: 2 >= 2
+        SamplingParams(max_tokens=10, min_tokens=5, stop_token_ids=[7, 9]),  # masked: 4 < 5
+        SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[7, 9]),  # not: 4 >= 4
         SamplingParams(),
     ]
-    seqs = [make_seq([5, 6, 7, 5, 8], p, output=[9, 5]) for p in cases]
+    seqs = [make_seq([5, 6, 7, 5, 8], p, output=[9, 5, 9, 9]) for p in cases]
     logits = torch.randn(len(seqs), vocab, generator=gen).to(device) * 3
     original = logits.clone()
     processed = apply_penalties(logits, seqs, frozenset(EOS)).cpu()
@@ -125,7 +125,7 @@ def test_penalties_match_reference(device):
     for i, seq in enumerate(seqs):
         want = torch.tensor(reference_logits(logits[i].cpu(), seq, EOS), dtype=torch.float64)
         torch.testing.assert_close(processed[i].double(), want, msg=lambda m, i=i: f"case {i}: {m}")
-    # The window matters: token 6 is in the context but not in the last 3 tokens.
+    # The window matters: token 6 is in the context but not in the last 3 tokens (9, 9, 9).
     assert processed[1, 6] == logits[1, 6].cpu() and processed[0, 6] != logits[0, 6].cpu()
     assert torch.isinf(processed[7, [0, 7, 9]]).all() and not torch.isinf(processed[8]).any()
 
@@ -359,13 +359,14 @@ def test_draws_across_chunk_boundaries():
 def test_inverse_cdf_never_picks_a_zero_weight():
     """Uniforms at both extremes, and weights with zero runs at the starts and ends of
     chunks: the pick always has a positive weight, at the right end of the range."""
-    weights = torch.zeros(4, 2048)
+    weights = torch.zeros(5, 2048)
     weights[0, 5] = 1.0
     weights[1, [0, 2047]] = torch.tensor([1.0, 1e-6])
     weights[2, [1023, 1024]] = 1.0
     weights[3, 700:1500] = torch.rand(800, generator=torch.Generator().manual_seed(8))
-    for u, want in [(0.0, [5, 0, 1023, 700]), (1.0 - 2.0**-53, [5, 2047, 1024, 1499])]:
-        uniforms = torch.full((4,), u, dtype=torch.float64)
+    weights[4, 1500] = 1.0  # the first chunk is empty
+    for u, want in [(0.0, [5, 0, 1023, 700, 1500]), (1.0 - 2.0**-53, [5, 2047, 1024, 1499, 1500])]:
+        uniforms = torch.full((5,), u, dtype=torch.float64)
         assert _inverse_cdf(weights, uniforms).tolist() == want
 
 
