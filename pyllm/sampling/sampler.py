@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them could overflow.
 GREEDY_TEMPERATURE = 1e-5
-# The inverse CDF runs in two levels, chunk masses then one chunk's prefix sums, so that
-# each draw reads the row once instead of doing a full prefix sum over the vocabulary.
+# Chunk length of the two-level inverse CDF (see _inverse_cdf).
 _CHUNK = 1024
 # Top-k/top-p thresholds come from the top _FIRST_K probabilities, growing 8x for rows
 # whose kept set turns out larger; usually far cheaper than sorting the vocabulary.
@@ -131,7 +130,6 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             weights = sampling_weights(processed[rows], [seqs[i] for i in sampled])
-            weights = weights[:, : self.vocab_size]
             probs[rows] = weights / weights.sum(-1, keepdim=True)
         return probs
 
@@ -308,42 +306,36 @@ def _split_greedy(seqs: SequenceOf[Sequence]) -> tuple[list[int], list[int]]:
 
 
 def sampling_weights(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-    """Unnormalized kept probabilities of sampled (non-greedy) rows, step 2 of the module
-    docstring: exp(logits / temperature - row max), zero where top-k, top-p or min-p cut.
-
-    Returns [num_seqs, vocab rounded up to _CHUNK], zero past the vocabulary (the layout the
-    inverse CDF wants); each row's largest weight is exactly 1.
-    """
+    """The kept probabilities [num_seqs, vocab] of sampled (non-greedy) rows, step 2 of the
+    module docstring: softmax(logits / temperature), zero where top-k, top-p or min-p cut
+    (not renormalized: the draw only needs proportions)."""
     num_seqs, vocab = logits.shape
     device = logits.device
     params = [seq.sampling_params for seq in seqs]
-    padded = -(-vocab // _CHUNK) * _CHUNK
-    buffer = logits.new_empty(num_seqs, padded)
-    buffer[:, vocab:] = 0.0
-    weights = buffer[:, :vocab]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    torch.div(logits, temperature.to(device)[:, None], out=weights)
-    weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+    # softmax is one fused row-wise kernel: faster than exp(x - max) in separate ops, and
+    # each row's result does not depend on the other rows.
+    probs = torch.softmax(logits / temperature.to(device)[:, None], dim=-1)
 
     # top_k 0 means off; so does a k that keeps the whole vocabulary.
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
     cut = [i for i in range(num_seqs) if top_k[i] or top_p[i] < 1.0]
     if not cut and not any(p.min_p for p in params):
-        return buffer
-    # min_p is relative to the largest probability, i.e. to the largest weight, 1.
-    threshold = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        return probs
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    threshold = min_p * probs.amax(-1)  # min_p is relative to the most likely token
     if cut:
-        rows = torch.tensor(cut, device=device)
+        rows = _rows(cut, num_seqs, device)
         found = _top_k_top_p_thresholds(
-            weights[rows],
+            _take_rows(probs, rows),
             torch.tensor([top_k[i] for i in cut], device=device),
             torch.tensor([top_p[i] for i in cut], dtype=torch.float64, device=device),
             max(top_k[i] for i in cut),
         )
-        threshold[rows] = torch.maximum(threshold[rows], found)
-    weights.masked_fill_(weights < threshold[:, None], 0.0)
-    return buffer
+        _put_rows(threshold, rows, torch.maximum(_take_rows(threshold, rows), found))
+    # where() rather than masked_fill_, which has no vectorized CPU kernel (several x slower).
+    return torch.where(probs >= threshold[:, None], probs, torch.zeros((), device=device))
 
 
 def _top_k_top_p_thresholds(
@@ -359,9 +351,10 @@ def _top_k_top_p_thresholds(
     thresholds = weights.new_empty(num_rows)
     total = weights.sum(-1).double()  # the mass top-p is relative to, without top-k
     rows = torch.arange(num_rows, device=weights.device)
+    candidates = weights  # the rows still unsettled
     k = min(vocab, max(_FIRST_K, k_max + 1))
     while True:
-        values = weights[rows].topk(k, dim=-1).values  # descending
+        values = candidates.topk(k, dim=-1).values  # descending
         found, settled = _thresholds_from_prefix(values, top_k[rows], top_p[rows], total[rows])
         if k == vocab:
             thresholds[rows] = found
@@ -370,6 +363,7 @@ def _top_k_top_p_thresholds(
         rows = rows[~settled]
         if rows.numel() == 0:
             return thresholds
+        candidates = weights.index_select(0, rows)
         k = min(vocab, k * _GROWTH)
 
 
@@ -392,8 +386,9 @@ def _thresholds_from_prefix(
     threshold = values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
     # With top-k, the prefix must hold every token >= the k-th weight (ties included) for
     # the renormalized mass to be right; without it, top-p must stop inside the prefix.
+    # A prefix ending in a zero weight holds every positive weight: nothing is left out.
     last = values[:, -1]
-    settled = torch.where(k_on, last < k_threshold, num_kept < values.shape[1])
+    settled = torch.where(k_on, last < k_threshold, num_kept < values.shape[1]) | (last == 0)
     return threshold, settled
 
 
@@ -404,20 +399,26 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative weight exceeds uniform * total weight: a draw
     proportional to the weights, in token-id order, so ties cannot reorder it.
 
-    weights: [rows, a multiple of _CHUNK] (sampling_weights' layout); uniforms: [rows] float64
-    in [0, 1). Sums are float64. Targets are clamped below each total so rounding can never
-    land past the last positive weight: the chosen token always has a positive weight.
+    weights: [rows, vocab] >= 0, each row with a positive entry; uniforms: [rows] float64 in
+    [0, 1). Two levels, chunk masses then the prefix sums of one chunk, so the row is read
+    once rather than prefix-summed whole; sums are float64. Targets are clamped below each
+    total so rounding can never land past the last positive weight: the chosen token always
+    has a positive weight.
     """
-    num_rows = weights.shape[0]
-    chunks = weights.view(num_rows, -1, _CHUNK)
-    chunk_cdf = chunks.sum(-1).double().cumsum(-1)  # [rows, chunks]
+    num_rows, vocab = weights.shape
+    whole = vocab // _CHUNK * _CHUNK
+    chunk_mass = weights[:, :whole].unflatten(1, (-1, _CHUNK)).sum(-1)
+    if whole < vocab:  # the last, partial chunk
+        chunk_mass = torch.cat([chunk_mass, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
+    chunk_cdf = chunk_mass.double().cumsum(-1)  # [rows, chunks]
     target = (uniforms * chunk_cdf[:, -1])[:, None]
     target = torch.minimum(target, _below(chunk_cdf[:, -1:]))
     chunk = torch.searchsorted(chunk_cdf, target, right=True)  # [rows, 1]
     mass_before = chunk_cdf.gather(1, (chunk - 1).clamp(min=0))
     target = target - torch.where(chunk > 0, mass_before, torch.zeros_like(mass_before))
-    rows = torch.arange(num_rows, device=weights.device)
-    local_cdf = chunks[rows, chunk.squeeze(1)].double().cumsum(-1)  # [rows, _CHUNK]
+    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=weights.device)  # [rows, _CHUNK]
+    local = weights.gather(1, columns.clamp(max=vocab - 1)).double()
+    local_cdf = torch.where(columns < vocab, local, torch.zeros_like(local)).cumsum(-1)
     target = torch.minimum(target, _below(local_cdf[:, -1:]))
     offset = torch.searchsorted(local_cdf, target, right=True)
     return (chunk * _CHUNK + offset).squeeze(1)

@@ -142,6 +142,7 @@ def test_penalties_match_reference(device):
         dict(top_p=0.5),
         dict(top_p=0.9, temperature=0.5),
         dict(min_p=0.1),
+        dict(top_k=20, temperature=0.02),  # most probabilities underflow to 0 in float32
         dict(top_k=8, top_p=0.6, min_p=0.05, temperature=0.8),
         dict(top_k=3, repetition_penalty=1.5, presence_penalty=1.0, logit_bias={2: 4.0}),
     ],
@@ -359,15 +360,21 @@ def test_draws_across_chunk_boundaries():
 def test_inverse_cdf_never_picks_a_zero_weight():
     """Uniforms at both extremes, and weights with zero runs at the starts and ends of
     chunks: the pick always has a positive weight, at the right end of the range."""
-    weights = torch.zeros(5, 2048)
+    weights = torch.zeros(5, 2500)  # two whole chunks and a partial one
     weights[0, 5] = 1.0
-    weights[1, [0, 2047]] = torch.tensor([1.0, 1e-6])
+    weights[1, [0, 2499]] = torch.tensor([1.0, 1e-6])
     weights[2, [1023, 1024]] = 1.0
     weights[3, 700:1500] = torch.rand(800, generator=torch.Generator().manual_seed(8))
     weights[4, 1500] = 1.0  # the first chunk is empty
-    for u, want in [(0.0, [5, 0, 1023, 700, 1500]), (1.0 - 2.0**-53, [5, 2047, 1024, 1499, 1500])]:
+    for u, want in [(0.0, [5, 0, 1023, 700, 1500]), (1.0 - 2.0**-53, [5, 2499, 1024, 1499, 1500])]:
         uniforms = torch.full((5,), u, dtype=torch.float64)
         assert _inverse_cdf(weights, uniforms).tolist() == want
+    # A partial last chunk whose float32 mass rounds above the float64 sum of its weights:
+    # the largest uniform must still land on a real token, not past the vocabulary.
+    weights = torch.zeros(1, 2500)
+    weights[0, 2048:] = 0.1
+    assert float(weights[0, 2048:].sum()) > float(weights[0, 2048:].double().sum())
+    assert _inverse_cdf(weights, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)) == 2499
 
 
 # ----------------------------------------------------------------------------- seeds
