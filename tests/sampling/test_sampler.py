@@ -19,7 +19,9 @@ from pyllm.sampling.sampler import (
     Sampler,
     _inverse_cdf,
     apply_penalties,
+    first_argmax,
     prompt_logprobs,
+    small_topk,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -260,6 +262,26 @@ def test_greedy_picks_argmax_and_logprobs_are_raw_log_softmax():
         values, ids = want_lp[i].topk(k)
         assert list(top) == ids.tolist()
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [100, 600, 5121, 49152, 50001])
+def test_block_selection_equals_argmax_and_topk(vocab):
+    """The block-maxima shortcuts against torch's own argmax and topk, with ties, a row of
+    -inf, a row of zeros, and maxima in the partial last block."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(6, vocab, generator=gen)
+    x[1] = 0.0
+    x[2] = float("-inf")
+    x[2, -1] = 1.0  # fewer finite values than k, in the partial last block
+    x[3, -1] = 50.0
+    x[4] = torch.randint(0, 3, (vocab,), generator=gen).float()  # ties everywhere
+    x[5, [7, vocab - 2]] = 9.0  # the max twice: the first one wins
+    assert torch.equal(first_argmax(x), x.argmax(-1))
+    for k in (1, 5, 20):
+        values, ids = small_topk(x, k)
+        assert torch.equal(values, x.topk(k).values)
+        assert torch.equal(x.gather(1, ids), values)
+        assert all(len(set(row)) == k for row in ids.tolist()) and int(ids.max()) < vocab
 
 
 def test_prompt_logprobs():
