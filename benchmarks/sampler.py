@@ -1,6 +1,7 @@
 """Times the sampler per step and prints a table, with a naive sampler as the baseline.
 
     python benchmarks/sampler.py                     # 64 sequences x 49152 vocab, CPU
+    python benchmarks/sampler.py --threads 1         # one core (steadier on a busy machine)
     python benchmarks/sampler.py --logit-std 2       # flatter logits: top-p keeps ~10k tokens
     python benchmarks/sampler.py --device cuda
 
@@ -35,8 +36,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], object], device: str, min_time: float = 1.0) -> float:
-    """Median seconds per call over enough repeats to fill min_time (at least 5)."""
+def time_call(fn: Callable[[], object], device: str, min_time: float = 1.0) -> tuple[float, float]:
+    """(median, min) seconds per call over enough repeats to fill min_time (at least 5).
+    The min is what the code costs on a quiet machine; the median what it cost here."""
     fn()
     _sync(device)
     start = time.perf_counter()
@@ -49,7 +51,7 @@ def time_call(fn: Callable[[], object], device: str, min_time: float = 1.0) -> f
         fn()
         _sync(device)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
 
 
 SCENARIOS: dict[str, Callable[[int], SamplingParams]] = {
@@ -131,10 +133,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs,"
         f" torch {torch.__version__} with {torch.get_num_threads()} threads, device {args.device}"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+        + f", load average {load:.1f} at start"
     )
     print(
         f"batch: {args.num_seqs} sequences x {args.vocab} vocab, context {args.prompt_len}"
@@ -146,19 +150,21 @@ def main() -> None:
     sampler = Sampler(args.vocab, {0}, seed=0)
 
     header = (
-        f"{'scenario':<16} {'tokens kept':>16} {'sampler ms':>11} {'baseline ms':>12} {'ratio':>6}"
+        f"{'scenario':<16} {'tokens kept':>18} {'sampler ms':>11} {'(min)':>7}"
+        f" {'baseline ms':>12} {'(min)':>7} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
     for scenario in SCENARIOS:
         seqs = make_batch(args, scenario)
-        ours = time_call(lambda seqs=seqs: sampler(logits, seqs), args.device)
-        base = time_call(lambda seqs=seqs: naive_sample(logits, seqs), args.device)
+        ours, ours_min = time_call(lambda seqs=seqs: sampler(logits, seqs), args.device)
+        base, base_min = time_call(lambda seqs=seqs: naive_sample(logits, seqs), args.device)
         kept = describe_kept(sampler, logits, seqs)
         print(
-            f"{scenario:<16} {kept:>16} {ours * 1e3:>11.2f} {base * 1e3:>12.2f} {base / ours:>6.2f}"
+            f"{scenario:<16} {kept:>18} {ours * 1e3:>11.2f} {ours_min * 1e3:>7.2f}"
+            f" {base * 1e3:>12.2f} {base_min * 1e3:>7.2f} {base / ours:>6.2f}"
         )
-    print("ratio = baseline time / sampler time (above 1: the sampler is faster)")
+    print("ratio = baseline median / sampler median (above 1: the sampler is faster)")
 
 
 if __name__ == "__main__":
