@@ -252,7 +252,7 @@ def apply_penalties(
         return logits
 
     device = logits.device
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
     flat = logits.view(-1)
     if bias_ids:
         ids = torch.tensor(bias_ids, dtype=torch.int64, device=device)
@@ -368,7 +368,7 @@ def _top_k_top_p_thresholds(
     """
     num_rows, vocab = weights.shape
     thresholds = weights.new_empty(num_rows)
-    total = weights.sum(-1).double()  # the mass top-p is relative to, without top-k
+    total = _chunk_mass(weights).double().sum(-1)  # what top-p is relative to, without top-k
     rows = torch.arange(num_rows, device=weights.device)
     candidates = weights  # the rows still unsettled
     k = min(vocab, max(k_max + 1, _FIRST_K if bool((top_k == 0).any()) else 1))
@@ -396,10 +396,12 @@ def _thresholds_from_prefix(
     k_threshold = torch.where(k_on, at_k, torch.zeros_like(at_k))
     kept = values * (values >= k_threshold[:, None])
     kept = kept.double()
-    mass = torch.where(k_on, kept.sum(-1), total)
+    # Sequential prefix sums: the kept mass and each rank's mass do not depend on K (the
+    # zeros past the kept ranks add nothing), so neither does the result.
+    cumulative = kept.cumsum(-1)
+    mass = torch.where(k_on, cumulative[:, -1], total)
     # Mass strictly before each rank: a token is needed while what precedes it is < p * mass.
-    before = kept.cumsum(-1)
-    before = torch.cat([torch.zeros_like(before[:, :1]), before[:, :-1]], dim=1)
+    before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
     needed = (before < (top_p * mass)[:, None]) | (top_p >= 1.0)[:, None]
     num_kept = ((kept > 0) & needed).sum(-1)  # >= 1: rank 0 has nothing before it
     threshold = values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
@@ -425,11 +427,7 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     has a positive weight.
     """
     num_rows, vocab = weights.shape
-    whole = vocab // _CHUNK * _CHUNK
-    chunk_mass = weights[:, :whole].unflatten(1, (-1, _CHUNK)).sum(-1)
-    if whole < vocab:  # the last, partial chunk
-        chunk_mass = torch.cat([chunk_mass, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
-    chunk_cdf = chunk_mass.double().cumsum(-1)  # [rows, chunks]
+    chunk_cdf = _chunk_mass(weights).double().cumsum(-1)  # [rows, chunks]
     target = (uniforms * chunk_cdf[:, -1])[:, None]
     target = torch.minimum(target, _below(chunk_cdf[:, -1:]))
     chunk = torch.searchsorted(chunk_cdf, target, right=True)  # [rows, 1]
@@ -441,6 +439,18 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(target, _below(local_cdf[:, -1:]))
     offset = torch.searchsorted(local_cdf, target, right=True)
     return (chunk * _CHUNK + offset).squeeze(1)
+
+
+def _chunk_mass(weights: torch.Tensor) -> torch.Tensor:
+    """[rows, ceil(vocab / _CHUNK)]: the sum of each chunk of _CHUNK columns (the last one
+    possibly partial). Each chunk is one reduction of its own, so a row's sums are the same
+    whatever other rows the tensor holds (a whole-row sum may be split across threads when
+    there is a single row, and round differently)."""
+    whole = weights.shape[1] // _CHUNK * _CHUNK
+    mass = weights[:, :whole].unflatten(1, (-1, _CHUNK)).sum(-1)
+    if whole < weights.shape[1]:
+        mass = torch.cat([mass, weights[:, whole:].sum(-1, keepdim=True)], dim=1)
+    return mass
 
 
 def _below(x: torch.Tensor) -> torch.Tensor:

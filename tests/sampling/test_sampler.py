@@ -218,6 +218,22 @@ def test_ties_at_the_boundary_are_all_kept(device):
     assert (dist[0] > 0).sum() == (logits[0] == logits[0].max()).sum().cpu()
 
 
+def test_strided_logits():
+    """Logits sliced from a wider tensor (a vocabulary padded for the matmul), all options."""
+    vocab = 300
+    padded = torch.randn(4, 384, generator=torch.Generator().manual_seed(11)) * 3
+    logits = padded[:, :vocab]
+    params = SamplingParams(
+        top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias={4: 2.0}, seed=3
+    )
+    seqs = [make_seq([1, 4, 9], params, output=[4]) for _ in range(4)]
+    sampler = Sampler(vocab, EOS)
+    check_distribution(sampler, logits, seqs)
+    fresh = [make_seq([1, 4, 9], params, output=[4]) for _ in range(4)]
+    want = Sampler(vocab, EOS)(logits.contiguous(), fresh)
+    assert sampler(logits, seqs).token_ids == want.token_ids
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     vocab = 20
     sampler = Sampler(vocab, {0, 1})
