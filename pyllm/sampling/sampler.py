@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 
 # Temperatures below this are treated as 0 (greedy): dividing logits by them could overflow.
 GREEDY_TEMPERATURE = 1e-5
-# Chunk length of the two-level inverse CDF (see _inverse_cdf).
-_CHUNK = 1024
+# Chunk length of the two-level inverse CDF (see _inverse_cdf). About sqrt(vocab), and
+# small enough that the per-chunk work of up to 128 rows stays below torch's 32768-element
+# grain (one thread, no wake-up cost).
+_CHUNK = 256
 # Rows are read in blocks of _BLOCK for argmax and small top-k: block maxima first.
 _BLOCK = 128
 # Top-k/top-p thresholds come from the K largest probabilities: K = top_k + 1 settles a

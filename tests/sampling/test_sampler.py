@@ -15,6 +15,7 @@ import torch
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.sampler import (
+    _CHUNK,
     GREEDY_TEMPERATURE,
     Sampler,
     _inverse_cdf,
@@ -383,11 +384,11 @@ def test_draws_follow_the_distribution(params, seeded):
 
 
 def test_draws_across_chunk_boundaries():
-    """A vocabulary of 3000 (three inverse-CDF chunks, the last one partial) with the mass on
-    tokens at chunk edges."""
-    vocab, num_draws = 3000, 20_000
+    """Two whole inverse-CDF chunks and a partial one, with the mass on tokens at chunk
+    edges."""
+    vocab, num_draws = 2 * _CHUNK + _CHUNK * 15 // 16, 20_000
     logits = torch.full((vocab,), -1e4)
-    hot = [0, 1023, 1024, 1025, 2047, 2048, 2998, 2999]
+    hot = [0, _CHUNK - 1, _CHUNK, _CHUNK + 1, 2 * _CHUNK - 1, 2 * _CHUNK, vocab - 2, vocab - 1]
     logits[hot] = torch.tensor([0.5, 1.0, 0.2, -0.3, 0.9, 0.0, 0.7, 0.4])
     sampler = Sampler(vocab, {5}, seed=99)
     counts, probs = draw_counts(sampler, logits, dict(temperature=1.0), num_draws, vocab)
@@ -398,21 +399,29 @@ def test_draws_across_chunk_boundaries():
 def test_inverse_cdf_never_picks_a_zero_weight():
     """Uniforms at both extremes, and weights with zero runs at the starts and ends of
     chunks: the pick always has a positive weight, at the right end of the range."""
-    weights = torch.zeros(5, 2500)  # two whole chunks and a partial one
+    c = _CHUNK
+    vocab = 2 * c + c // 2  # two whole chunks and a partial one
+    weights = torch.zeros(5, vocab)
     weights[0, 5] = 1.0
-    weights[1, [0, 2499]] = torch.tensor([1.0, 1e-6])
-    weights[2, [1023, 1024]] = 1.0
-    weights[3, 700:1500] = torch.rand(800, generator=torch.Generator().manual_seed(8))
-    weights[4, 1500] = 1.0  # the first chunk is empty
-    for u, want in [(0.0, [5, 0, 1023, 700, 1500]), (1.0 - 2.0**-53, [5, 2499, 1024, 1499, 1500])]:
+    weights[1, [0, vocab - 1]] = torch.tensor([1.0, 1e-6])
+    weights[2, [c - 1, c]] = 1.0
+    weights[3, c // 2 : c + c // 2] = torch.rand(c, generator=torch.Generator().manual_seed(8))
+    weights[4, c + c // 2] = 1.0  # the first chunk is empty
+    lowest = [5, 0, c - 1, c // 2, c + c // 2]
+    highest = [5, vocab - 1, c, c + c // 2 - 1, c + c // 2]
+    for u, want in [(0.0, lowest), (1.0 - 2.0**-53, highest)]:
         uniforms = torch.full((5,), u, dtype=torch.float64)
         assert _inverse_cdf(weights, uniforms).tolist() == want
     # A partial last chunk whose float32 mass rounds above the float64 sum of its weights:
     # the largest uniform must still land on a real token, not past the vocabulary.
-    weights = torch.zeros(1, 2500)
-    weights[0, 2048:] = 0.1
-    assert float(weights[0, 2048:].sum()) > float(weights[0, 2048:].double().sum())
-    assert _inverse_cdf(weights, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)) == 2499
+    weights = torch.zeros(1, vocab)
+    for value in (0.1, 0.3, 0.017, 0.7, 0.013, 0.023, 0.05, 0.2):
+        weights[0, 2 * c :] = value
+        if float(weights[:, 2 * c :].sum(-1)) > float(weights[0, 2 * c :].double().sum()):
+            break
+    else:
+        raise AssertionError("no weight found whose float32 chunk sum rounds up")
+    assert _inverse_cdf(weights, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)) == vocab - 1
 
 
 # ----------------------------------------------------------------------------- seeds
