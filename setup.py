@@ -31,18 +31,36 @@ except ImportError:
     )
 
 
+def _is_cuda_root(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "bin", "nvcc")) and os.path.isfile(
+        os.path.join(path, "include", "cuda_runtime.h")
+    )
+
+
 def _find_cuda_home() -> str | None:
     """The CUDA toolkit root, found before torch.utils.cpp_extension guesses it.
 
     torch guesses from `which nvcc`, which is wrong where nvcc is a wrapper script
-    in /usr/local/bin; prefer an explicit CUDA_HOME, then /usr/local/cuda.
+    in /usr/local/bin (it would take /usr/local). A candidate counts only if it
+    holds both bin/nvcc and include/cuda_runtime.h: an explicit CUDA_HOME or
+    CUDA_PATH first, then /usr/local/cuda, the root above a real nvcc on PATH, and
+    versioned /usr/local/cuda-* installs, newest first.
     """
-    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if candidate and os.path.exists(os.path.join(candidate, "bin", "nvcc")):
-            return candidate
+    explicit = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")]
+    for name, value in zip(("CUDA_HOME", "CUDA_PATH"), explicit, strict=True):
+        if value and not _is_cuda_root(value):
+            print(
+                f"pyllm build: ignoring {name}={value}: no bin/nvcc and include/cuda_runtime.h",
+                file=sys.stderr,
+            )
+    candidates = [*explicit, "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for candidate in candidates:
+        if candidate and _is_cuda_root(candidate):
+            return candidate
     return None
 
 
@@ -63,7 +81,9 @@ def _choose_target() -> str:
         target = "cuda" if torch_has_cuda and cuda_home else "cpu"
     if target == "cuda":
         os.environ["CUDA_HOME"] = cuda_home
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        # Without it torch asks the (absent) GPU for its architecture and raises.
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     return target
 
 
@@ -90,6 +110,9 @@ link_flags = ["-fopenmp"]
 sources = _sources("csrc/**/*.cpp")
 
 if TARGET == "cuda":
+    # The .cu files include c10/cuda headers only: ATen/cuda/CUDAContext.h would
+    # need the cuBLAS/cuSPARSE headers, which a bare toolkit (/usr/local/cuda
+    # here) lacks; they live in the nvidia-* wheels, not on the include path.
     cxx_flags.append("-DPYLLM_WITH_CUDA")
     nvcc_flags = [
         "-O3",

@@ -408,7 +408,8 @@ def copy_blocks(
     """Copies whole blocks within each layer's cache (copy-on-write of shared blocks).
 
     block_mapping: ``[num_pairs, 2]`` int64 on the CPU, rows of (src_block, dst_block),
-    applied to every layer's key and value cache.
+    applied to every layer's key and value cache. The pairs are copied in parallel, in
+    no set order: a block must not be both a source and a destination in one call.
     """
     if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
         raise TypeError("key_caches and value_caches must be lists of tensors")
@@ -421,13 +422,16 @@ def copy_blocks(
     first = _tensor("key_caches[0]", key_caches[0])
     _supported_device("key_caches[0]", first)
     _float_dtype("key_caches[0]", first)
-    num_blocks = _check_kv_cache(first, value_caches[0], first.dtype, first.device)[0]
+    # Every layer, layer 0 included, is checked against layer 0's dtype and device,
+    # so each error says which layer it is about.
     for i, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
         try:
             layer = _check_kv_cache(k, v, first.dtype, first.device)
         except (TypeError, ValueError) as error:
             raise type(error)(f"layer {i}: {error}") from None
-        if layer[0] != num_blocks or k.shape != first.shape:
+        if i == 0:
+            num_blocks = layer[0]
+        elif layer[0] != num_blocks or k.shape != first.shape:
             raise ValueError(f"layer {i}'s cache shape differs from layer 0's")
     _check_block_mapping(block_mapping, num_blocks, num_blocks)
     _C.copy_blocks(list(key_caches), list(value_caches), block_mapping)
@@ -496,6 +500,9 @@ def paged_attention_v2_workspace(
     query: torch.Tensor, max_seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocates (exp_sums, max_logits, tmp_out) for paged_attention_v2."""
+    _tensor("query", query)
+    _ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+    _positive_int("max_seq_len", max_seq_len)
     num_seqs, num_heads, head_size = query.shape
     partitions = max(1, -(-max_seq_len // PARTITION_SIZE))
     stats = dict(dtype=torch.float32, device=query.device)
@@ -600,13 +607,15 @@ def paged_attention_prefill(
         raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
     _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
     _positive_int("max_query_len", max_query_len)
+    # Checked for zero sequences too: query tokens that no sequence covers would
+    # leave their rows of out unwritten.
+    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
+            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
+        )
     if num_seqs:
         q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
-            raise ValueError(
-                f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
-                f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
-            )
         if int(q_lens.min()) < 0:
             raise ValueError("query_start_loc must be non-decreasing")
         if int(q_lens.max()) > max_query_len:

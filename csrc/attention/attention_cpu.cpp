@@ -1,27 +1,826 @@
-// TEMPORARY scaffold: replaced by the real CPU attention kernels.
+// Paged attention on the CPU: decode (v1, v2) and causal prefill over the paged
+// KV cache.
+//
+// One task handles one (sequence, kv head) pair -- for v2 one partition of it,
+// for prefill one tile of query tokens -- and all the query heads that share
+// that kv head ("rows"), so each K/V block is read from memory once per task
+// and reused from L1 by every row. Tasks are claimed dynamically by
+// at::parallel_for's threads since their costs differ with sequence length.
+//
+// Within a task, keys are visited in chunks of kPartitionSize tokens (one
+// chunk is exactly one v2 partition). Per chunk:
+//   1. logits: for each block, q . k for every row. A key block is
+//      [D/x, block_size, x]: each x-group of 16 bytes holds x consecutive head
+//      dimensions of one token, so a 16-lane vector holds 16/x tokens with x
+//      dimensions each. Each row's query is pre-tiled the same way ("q_tiled"),
+//      partial products accumulate lane-wise over the D/x groups, and a few
+//      folds (vec::fold) then sum each token's x lanes, leaving one logit per
+//      lane for 16 consecutive tokens.
+//   2. softmax: the chunk's max per row, rescaling of what earlier chunks
+//      accumulated (online softmax), p = exp(logit - max) in place.
+//   3. values: a value block is [D, block_size], so head dimension d of 16
+//      consecutive tokens is one vector. p[row] * v[d] accumulates lane-wise
+//      (one lane per token) over the whole chunk, and the lanes are summed once
+//      per chunk, so value rows are used as stored, without a transpose.
+// Softmax and accumulation are float32; bf16/f16 are converted on load.
+//
+// Masking is by selection, never arithmetic: logits of keys a row may not see
+// (past its causal limit, or cache slots past the sequence end, which may hold
+// garbage including NaN) are replaced by -inf, and the value pass only reads
+// the tokens inside the range. A sequence with seq_len 0 gets zeros in out.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../cpu_vec.h"
+#include "../dispatch_utils.h"
 #include "../ops.h"
 
 namespace pyllm::cpu {
+namespace {
 
-void paged_attention_v1(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        int64_t, double, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                        const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "paged_attention_v1: not implemented yet");
+using vec::kLanes;
+using vec::Vec16;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Row tiles of at most this many query rows share each loaded key/value vector.
+constexpr int kMaxRowTile = 8;
+// Logits of one row for one chunk, plus one vector of slack: the last token
+// group's 16-lane store may reach past the chunk's last token.
+constexpr int kLogitsStride = static_cast<int>(kPartitionSize) + kLanes;
+// Prefill: query tokens per task are chosen so a task holds about this many rows
+// (query tokens x query heads per kv head): enough rows to reuse each K/V block,
+// few enough to leave tasks for both cores on short prompts.
+constexpr int kPrefillRowsPerTask = 32;
+
+// ---------------------------------------------------------------------------
+// The cache and the per-call shapes every task shares.
+
+template <typename scalar_t>
+struct PagedCache {
+  // x elements of one key make 16 bytes.
+  static constexpr int kX = 16 / sizeof(scalar_t);
+
+  const scalar_t* key_cache;    // [num_blocks, num_kv_heads, D / x, block_size, x]
+  const scalar_t* value_cache;  // [num_blocks, num_kv_heads, D, block_size]
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+
+  // Offset of (physical block of the seq's logical block, kv_head) in either cache;
+  // both caches hold head_size * block_size elements per (block, kv head).
+  int64_t block_offset(int64_t seq, int kv_head, int64_t logical_block) const {
+    const int64_t physical = block_tables[seq * max_blocks_per_seq + logical_block];
+    return (physical * num_kv_heads + kv_head) * int64_t(head_size) * block_size;
+  }
+};
+
+// Query rows a task attends together, and their softmax state. Row-major
+// arrays of `count` rows.
+struct Rows {
+  int count = 0;
+  int head_size = 0;
+  std::vector<float> q_tiled;    // [count][D/x][16]: scale * q, x-groups repeated to 16 lanes
+  std::vector<int> last_key;     // [count] last key position the row attends (inclusive)
+  std::vector<int> query_pos;    // [count] position of the row's query token (for alibi)
+  std::vector<float> alibi;      // [count] slope, or empty when there is no alibi
+  std::vector<float> max_logit;  // [count] running max of the logits seen
+  std::vector<float> exp_sum;    // [count] running sum of exp(logit - max_logit)
+  std::vector<float> acc;        // [count][D] running sum of exp(logit - max_logit) * v
+
+  void reset(int rows, int head_size_, int x, bool with_alibi) {
+    count = rows;
+    head_size = head_size_;
+    q_tiled.resize(size_t(rows) * (head_size / x) * kLanes);
+    last_key.resize(rows);
+    query_pos.resize(rows);
+    alibi.resize(with_alibi ? rows : 0);
+    max_logit.assign(rows, kNegInf);
+    exp_sum.assign(rows, 0.0f);
+    acc.assign(size_t(rows) * head_size, 0.0f);
+  }
+
+  // Loads row r's query (head_size packed elements), pre-multiplied by scale.
+  template <typename scalar_t>
+  void set_query(int r, const scalar_t* q, float scale) {
+    constexpr int x = PagedCache<scalar_t>::kX;
+    float* dst = &q_tiled[size_t(r) * (head_size / x) * kLanes];
+    for (int c = 0; c < head_size / x; ++c) {
+      for (int lane = 0; lane < kLanes; ++lane) {
+        dst[c * kLanes + lane] = scale * static_cast<float>(q[c * x + lane % x]);
+      }
+    }
+  }
+};
+
+// Per-thread scratch, reused across the tasks a thread runs.
+struct Workspace {
+  Rows rows;
+  std::vector<float> logits;  // [rows][kLogitsStride]
+
+  void reserve_scratch(int num_rows) { logits.resize(size_t(num_rows) * kLogitsStride); }
+};
+
+// ---------------------------------------------------------------------------
+// Step 1: logits.
+
+// Sums each token's x lanes of `wide` (n vectors, 16/x tokens each, tokens in
+// order) into one vector holding one logit per token.
+template <int X>
+inline Vec16 fold_to_tokens(Vec16* wide, int n) {
+  auto level = [&](auto fold_k) {
+    int m = 0;
+    for (int i = 0; i < n; i += 2)
+      wide[m++] = fold_k(wide[i], i + 1 < n ? wide[i + 1] : Vec16::zero());
+    n = m;
+  };
+  if constexpr (X == 8) level([](Vec16 a, Vec16 b) { return vec::fold<8>(a, b); });
+  level([](Vec16 a, Vec16 b) { return vec::fold<4>(a, b); });
+  level([](Vec16 a, Vec16 b) { return vec::fold<2>(a, b); });
+  return wide[0];
 }
 
-void paged_attention_v2(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&, int64_t, double, const at::Tensor&,
-                        const at::Tensor&, int64_t, int64_t, const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "paged_attention_v2: not implemented yet");
+// Token-group vectors accumulated at once by a tile of RT rows: RT * NV
+// independent multiply-add chains hide the FMA latency, and the RT * NV
+// accumulators, NV keys and a query vector still fit in the 32 registers.
+constexpr int vecs_in_flight(int rows, int vecs) {
+  int nv = 1;
+  while (nv * 2 * rows <= 16 && nv * 2 <= vecs) nv *= 2;
+  return nv;
 }
 
-void paged_attention_prefill(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             int64_t, double, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, int64_t, int64_t,
-                             const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "paged_attention_prefill: not implemented yet");
+// Logits of rows [r0, r0 + RT) for one token group: VECS * 16 / x tokens (16,
+// or 8 when block_size is 8) starting at `key` (key block + token offset * x).
+// Written as 16 lanes at logits[row][offset], lanes past each row's limit -inf.
+template <typename scalar_t, int RT, int VECS>
+void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset, int r0, Rows& rows,
+                 float* logits) {
+  constexpr int X = PagedCache<scalar_t>::kX;
+  constexpr int kTokens = VECS * kLanes / X;
+  constexpr int NV = vecs_in_flight(RT, VECS);
+  const int num_groups = rows.head_size / X;
+  const int64_t key_group_stride = int64_t(block_size) * X;  // elements between x-groups
+  const size_t q_row_stride = size_t(num_groups) * kLanes;
+  const float* q_tile = &rows.q_tiled[r0 * q_row_stride];
+  Vec16 wide[RT][VECS];
+  for (int v0 = 0; v0 < VECS; v0 += NV) {
+    Vec16 acc[RT][NV];
+    for (auto& row : acc) {
+      for (auto& a : row) a = Vec16::zero();
+    }
+    const scalar_t* k = key + v0 * kLanes;
+    const float* q = q_tile;
+    for (int c = 0; c < num_groups; ++c, k += key_group_stride, q += kLanes) {
+      Vec16 kv[NV];
+      for (int n = 0; n < NV; ++n) kv[n] = Vec16::load(k + n * kLanes);
+      for (int r = 0; r < RT; ++r) {
+        const Vec16 qr = Vec16::load(q + r * q_row_stride);
+        for (int n = 0; n < NV; ++n) acc[r][n] = Vec16::fmadd(kv[n], qr, acc[r][n]);
+      }
+    }
+    for (int r = 0; r < RT; ++r) {
+      for (int n = 0; n < NV; ++n) wide[r][v0 + n] = acc[r][n];
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    const int row = r0 + r;
+    Vec16 logit = fold_to_tokens<X>(wide[r], VECS);
+    if (!rows.alibi.empty()) {
+      // bias = slope * (key_pos - query_pos), key_pos = first_pos + lane.
+      const float slope = rows.alibi[row];
+      logit =
+          Vec16::fmadd(Vec16::set1(slope),
+                       Vec16::iota() + Vec16::set1(float(first_pos - rows.query_pos[row])), logit);
+    }
+    const int visible = std::clamp(rows.last_key[row] - first_pos + 1, 0, kTokens);
+    logit.keep_first(visible, kNegInf).store(logits + size_t(row) * kLogitsStride + offset);
+  }
+}
+
+template <typename scalar_t, int VECS>
+void qk_all_rows(const scalar_t* key, int block_size, int first_pos, int offset, Rows& rows,
+                 float* logits) {
+  int r = 0;
+  for (; r + kMaxRowTile <= rows.count; r += kMaxRowTile) {
+    qk_row_tile<scalar_t, kMaxRowTile, VECS>(key, block_size, first_pos, offset, r, rows, logits);
+  }
+#define PYLLM_QK_TAIL(N)                                                                 \
+  case N:                                                                                \
+    qk_row_tile<scalar_t, N, VECS>(key, block_size, first_pos, offset, r, rows, logits); \
+    break;
+  switch (rows.count - r) {
+    PYLLM_QK_TAIL(1)
+    PYLLM_QK_TAIL(2)
+    PYLLM_QK_TAIL(3)
+    PYLLM_QK_TAIL(4)
+    PYLLM_QK_TAIL(5)
+    PYLLM_QK_TAIL(6)
+    PYLLM_QK_TAIL(7)
+    default:
+      break;
+  }
+#undef PYLLM_QK_TAIL
+}
+
+// ---------------------------------------------------------------------------
+// Step 2: softmax over one chunk, merged into the running state.
+
+// Turns rows' logits[0, n) into p = exp(logit - new_max) in place and folds the
+// chunk into each row's running (max_logit, exp_sum, acc).
+void softmax_chunk(Rows& rows, float* logits, int n) {
+  const int padded = (n + kLanes - 1) / kLanes * kLanes;  // lanes past n hold -inf
+  for (int r = 0; r < rows.count; ++r) {
+    float* p = logits + size_t(r) * kLogitsStride;
+    Vec16 vmax = Vec16::set1(kNegInf);
+    for (int i = 0; i < padded; i += kLanes) vmax = Vec16::max(vmax, Vec16::load(p + i));
+    const float chunk_max = vmax.reduce_max();
+    if (chunk_max == kNegInf) {
+      // The row sees no key in this chunk (causal prefill): nothing to add.
+      std::fill(p, p + padded, 0.0f);
+      continue;
+    }
+    const float old_max = rows.max_logit[r];
+    const float new_max = std::max(old_max, chunk_max);
+    if (new_max != old_max && old_max != kNegInf) {
+      const float alpha = std::exp(old_max - new_max);
+      rows.exp_sum[r] *= alpha;
+      float* acc = &rows.acc[size_t(r) * rows.head_size];
+      for (int d = 0; d < rows.head_size; ++d) acc[d] *= alpha;
+    }
+    rows.max_logit[r] = new_max;
+    const Vec16 shift = Vec16::set1(new_max);
+    Vec16 sum = Vec16::zero();
+    for (int i = 0; i < padded; i += kLanes) {
+      const Vec16 e = (Vec16::load(p + i) - shift).exp();
+      e.store(p + i);
+      sum = sum + e;
+    }
+    rows.exp_sum[r] += sum.reduce_add();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Step 3: values.
+
+// Where the value rows of a chunk's 16-token groups start. A value block is
+// [D, block_size], so head dimension d of 16 consecutive tokens is 16
+// contiguous elements when block_size >= 16, and two 8-element halves from
+// consecutive blocks when block_size is 8.
+template <typename scalar_t>
+struct ValueGroups {
+  static constexpr int kMaxGroups = int(kPartitionSize) / kLanes;
+  const scalar_t* lo[kMaxGroups];
+  // block_size 8: the second half's block. Past the chunk's end it repeats lo
+  // (any readable memory does: those lanes are masked).
+  const scalar_t* hi[kMaxGroups];
+  int count = 0;
+  int last_tokens = 0;  // valid tokens in the last group (1..16)
+  int row_stride = 0;   // elements between head dimensions d and d + 1: block_size
+
+  void build(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int chunk, int n) {
+    const int bs = cache.block_size;
+    count = (n + kLanes - 1) / kLanes;
+    last_tokens = n - (count - 1) * kLanes;
+    row_stride = bs;
+    for (int g = 0; g < count; ++g) {
+      const int tok = chunk + g * kLanes;
+      lo[g] = cache.value_cache + cache.block_offset(seq, kv_head, tok / bs) + tok % bs;
+      hi[g] = bs < kLanes && tok + bs < chunk + n
+                  ? cache.value_cache + cache.block_offset(seq, kv_head, tok / bs + 1)
+                  : lo[g];
+    }
+  }
+};
+
+// Horizontal sums of w[0..n) (n <= 16): lane k of the result is the sum of w[k]'s lanes.
+inline Vec16 sum_each(Vec16* w, int n) {
+  auto level = [&](auto fold_k) {
+    int m = 0;
+    for (int i = 0; i < n; i += 2) w[m++] = fold_k(w[i], i + 1 < n ? w[i + 1] : Vec16::zero());
+    n = m;
+  };
+  level([](Vec16 a, Vec16 b) { return vec::fold<16>(a, b); });
+  level([](Vec16 a, Vec16 b) { return vec::fold<8>(a, b); });
+  level([](Vec16 a, Vec16 b) { return vec::fold<4>(a, b); });
+  level([](Vec16 a, Vec16 b) { return vec::fold<2>(a, b); });
+  return w[0];
+}
+
+// Head dimensions handled together in the value pass, per row tile of kValueRows.
+constexpr int kValueDims = 4;
+constexpr int kValueRows = 4;
+
+// acc[row][d] += sum_t p[row][t] * v[t][d] over the chunk, rows [r0, r0 + RT).
+// Products accumulate lane-wise (one lane per token of a group) over all of
+// the chunk's groups and are summed across lanes once at the end, so value
+// rows are used as stored, without transposing.
+template <typename scalar_t, int RT, bool kHalves>
+void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const float* logits) {
+  const int64_t stride = groups.row_stride;
+  const float* p[RT];
+  for (int r = 0; r < RT; ++r) p[r] = logits + size_t(r0 + r) * kLogitsStride;
+  for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
+    // Accumulators indexed only by constants, so they stay in registers;
+    // sum_each works on a copy.
+    Vec16 wide[RT * kValueDims];
+    for (auto& w : wide) w = Vec16::zero();
+    for (int g = 0; g < groups.count; ++g) {
+      // Lanes past the chunk's end are zeroed by selection: the cache may hold
+      // anything there, and 0 * NaN would not vanish.
+      const int valid = g == groups.count - 1 ? groups.last_tokens : kLanes;
+      Vec16 pg[RT];
+      for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
+      const scalar_t* lo = groups.lo[g] + d0 * stride;
+      const scalar_t* hi = groups.hi[g] + d0 * stride;
+      for (int j = 0; j < kValueDims; ++j) {
+        Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
+                          : Vec16::load(lo + j * stride);
+        v = v.keep_first(valid, 0.0f);
+        for (int r = 0; r < RT; ++r) {
+          wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
+        }
+      }
+    }
+    Vec16 folded[RT * kValueDims];
+    std::copy(wide, wide + RT * kValueDims, folded);
+    alignas(64) float sums[kLanes];
+    sum_each(folded, RT * kValueDims).store(sums);
+    for (int r = 0; r < RT; ++r) {
+      float* acc = &rows.acc[size_t(r0 + r) * rows.head_size + d0];
+      for (int j = 0; j < kValueDims; ++j) acc[j] += sums[r * kValueDims + j];
+    }
+  }
+}
+
+template <typename scalar_t, bool kHalves>
+void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits) {
+  int r = 0;
+  for (; r + kValueRows <= rows.count; r += kValueRows) {
+    pv_row_tile<scalar_t, kValueRows, kHalves>(groups, r, rows, logits);
+  }
+  switch (rows.count - r) {
+    case 1:
+      pv_row_tile<scalar_t, 1, kHalves>(groups, r, rows, logits);
+      break;
+    case 2:
+      pv_row_tile<scalar_t, 2, kHalves>(groups, r, rows, logits);
+      break;
+    case 3:
+      pv_row_tile<scalar_t, 3, kHalves>(groups, r, rows, logits);
+      break;
+    default:
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// One task: rows of one (seq, kv_head) over keys [t_begin, t_end).
+
+template <typename scalar_t>
+void prefetch_block(const scalar_t* block, int64_t elements, bool to_l1) {
+  const char* p = reinterpret_cast<const char*>(block);
+  for (int64_t byte = 0; byte < elements * int64_t(sizeof(scalar_t)); byte += 64) {
+    if (to_l1) {
+      vec::prefetch_l1(p + byte);
+    } else {
+      vec::prefetch_l2(p + byte);
+    }
+  }
+}
+
+// t_begin is a multiple of kPartitionSize; every row's last_key is < t_end.
+// Memory: cache blocks are scattered, which defeats the hardware prefetcher at
+// every block, so the key pass prefetches the key block two ahead (to L1) and
+// the value block of the same position (to L2, for the value pass), and the
+// value pass prefetches the first key blocks of the next chunk (to L2).
+template <typename scalar_t>
+void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_begin, int t_end,
+            Workspace& ws) {
+  constexpr int X = PagedCache<scalar_t>::kX;
+  constexpr int kKeyAhead = 2;
+  const int bs = cache.block_size;
+  const int64_t block_elems = int64_t(cache.head_size) * bs;
+  const int group = std::min(bs, kLanes);  // tokens per logits vector
+  Rows& rows = ws.rows;
+  ws.reserve_scratch(rows.count);
+  float* logits = ws.logits.data();
+  auto key_block = [&](int tok) {
+    return cache.key_cache + cache.block_offset(seq, kv_head, tok / bs);
+  };
+  auto value_block = [&](int tok) {
+    return cache.value_cache + cache.block_offset(seq, kv_head, tok / bs);
+  };
+  ValueGroups<scalar_t> groups;
+
+  for (int chunk = t_begin; chunk < t_end; chunk += kPartitionSize) {
+    const int chunk_end = std::min<int>(t_end, chunk + kPartitionSize);
+    if (chunk == t_begin) {
+      for (int i = 0; i < kKeyAhead && chunk + i * bs < chunk_end; ++i) {
+        prefetch_block(key_block(chunk + i * bs), block_elems, true);
+      }
+    }
+    for (int start = chunk; start < chunk_end; start += bs) {
+      if (start + kKeyAhead * bs < chunk_end) {
+        prefetch_block(key_block(start + kKeyAhead * bs), block_elems, true);
+      }
+      prefetch_block(value_block(start), block_elems, false);
+      const scalar_t* key = key_block(start);
+      const int end = std::min(chunk_end, start + bs);
+      for (int tok = start; tok < end; tok += group) {
+        // A group of 16 tokens spans x vectors of keys; 8 tokens (block_size 8) half as many.
+        if (bs >= kLanes) {
+          qk_all_rows<scalar_t, X>(key + (tok - start) * X, bs, tok, tok - chunk, rows, logits);
+        } else {
+          qk_all_rows<scalar_t, X / 2>(key, bs, tok, tok - chunk, rows, logits);
+        }
+      }
+    }
+    softmax_chunk(rows, logits, chunk_end - chunk);
+    const int next_end = std::min<int>(t_end, chunk_end + kPartitionSize);
+    for (int i = 0; i < kKeyAhead && chunk_end + i * bs < next_end; ++i) {
+      prefetch_block(key_block(chunk_end + i * bs), block_elems, false);
+    }
+    groups.build(cache, seq, kv_head, chunk, chunk_end - chunk);
+    if (bs >= kLanes) {
+      pv_all_rows<scalar_t, false>(groups, rows, logits);
+    } else {
+      pv_all_rows<scalar_t, true>(groups, rows, logits);
+    }
+  }
+}
+
+// Writes row r's normalized output (zeros when it saw no key).
+template <typename scalar_t>
+void store_row(const Rows& rows, int r, scalar_t* out) {
+  const float sum = rows.exp_sum[r];
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float* acc = &rows.acc[size_t(r) * rows.head_size];
+  for (int d = 0; d < rows.head_size; ++d) out[d] = vec::from_float<scalar_t>(acc[d] * inv);
+}
+
+// ---------------------------------------------------------------------------
+// Scheduling.
+
+// Runs task(i, workspace) for i in [0, num_tasks) on at::parallel_for's
+// threads; each thread claims the next unclaimed task, so tasks of different
+// cost (listed longest first) spread evenly.
+template <typename F>
+void run_tasks(int64_t num_tasks, const F& task) {
+  if (num_tasks == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Workspace ws;
+    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) task(i, ws);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Argument checks: what a direct torch.ops call could otherwise turn into an
+// out-of-bounds access. pyllm/ops.py checks the rest with friendlier messages.
+
+struct AttentionShape {
+  int64_t num_tokens, num_heads, head_size, num_kv_heads, block_size, num_blocks;
+};
+
+AttentionShape check_attention(const char* op, const at::Tensor& out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               int64_t num_kv_heads, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, int64_t block_size,
+                               const std::optional<at::Tensor>& alibi_slopes) {
+  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens}) {
+    TORCH_CHECK(t->device().is_cpu(), op, ": all tensors must be on the CPU, got ", t->device());
+  }
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ",
+              query.sizes());
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  TORCH_CHECK(
+      (num_heads <= 1 || query.stride(1) == head_size) && (head_size <= 1 || query.stride(2) == 1),
+      op, ": each query token's [num_heads, head_size] must be packed, got strides ",
+      query.strides());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), op,
+              ": out must be contiguous with the query's shape ", query.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              op, ": out, key_cache and value_cache must have the query's dtype ", dtype);
+  TORCH_CHECK(head_size == 64 || head_size == 80 || head_size == 96 || head_size == 112 ||
+                  head_size == 128 || head_size == 256,
+              op, ": unsupported head_size ", head_size);
+  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, op,
+              ": unsupported block_size ", block_size);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
+              num_kv_heads, " must divide num_heads ", num_heads);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": key_cache and value_cache must be contiguous");
+  TORCH_CHECK(value_cache.dim() == 4 && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(2) == head_size && value_cache.size(3) == block_size,
+              op, ": value_cache must be [num_blocks, ", num_kv_heads, ", ", head_size, ", ",
+              block_size, "], got ", value_cache.sizes());
+  const int64_t num_blocks = value_cache.size(0);
+  const int64_t x = 16 / int64_t(query.element_size());
+  TORCH_CHECK(key_cache.dim() == 5 && key_cache.size(0) == num_blocks &&
+                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == head_size / x &&
+                  key_cache.size(3) == block_size && key_cache.size(4) == x,
+              op, ": key_cache must be [", num_blocks, ", ", num_kv_heads, ", ", head_size / x,
+              ", ", block_size, ", ", x, "], got ", key_cache.sizes());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              op, ": block_tables must be a contiguous 2-D int32 tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0),
+              op, ": seq_lens must be a contiguous int32 [num_seqs] matching block_tables, got ",
+              seq_lens.sizes());
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.dim() == 1 &&
+                    a.size(0) == num_heads && a.is_contiguous(),
+                op, ": alibi_slopes must be a contiguous float32 [", num_heads, "] CPU tensor");
+  }
+  return {num_tokens, num_heads, head_size, num_kv_heads, block_size, num_blocks};
+}
+
+// Reads seq_lens and the used block_tables entries once (a few microseconds)
+// so that no task can index outside the cache or the outputs.
+void check_block_tables(const char* op, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        const AttentionShape& shape, int64_t max_seq_len) {
+  const int64_t num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= max_seq_len && lens[s] <= max_blocks * shape.block_size,
+                op, ": seq_lens[", s, "] = ", lens[s], " is outside [0, ",
+                std::min(max_seq_len, max_blocks * shape.block_size), "]");
+    const int64_t used = (lens[s] + shape.block_size - 1) / shape.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < shape.num_blocks, op, ": block_tables[", s, ", ", b,
+                  "] = ", block, " is outside [0, ", shape.num_blocks, ")");
+    }
+  }
+}
+
+template <typename scalar_t>
+PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const AttentionShape& shape) {
+  return {key_cache.data_ptr<scalar_t>(),
+          value_cache.data_ptr<scalar_t>(),
+          block_tables.data_ptr<int32_t>(),
+          block_tables.size(1),
+          int(shape.num_kv_heads),
+          int(shape.head_size),
+          int(shape.block_size)};
+}
+
+// Sets up the decode rows of (seq, kv_head): its group of query heads, all at
+// position seq_len - 1, limited to keys before t_end.
+template <typename scalar_t>
+void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t seq,
+                 int kv_head, int group, int head_size, float scale, const float* alibi,
+                 int seq_len, int t_end) {
+  constexpr int X = PagedCache<scalar_t>::kX;
+  rows.reset(group, head_size, X, alibi != nullptr);
+  const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
+  for (int g = 0; g < group; ++g) {
+    rows.set_query(g, q + g * head_size, scale);
+    rows.query_pos[g] = seq_len - 1;
+    rows.last_key[g] = std::min(seq_len, t_end) - 1;
+    if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
+  }
+}
+
+int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kPartitionSize); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Ops.
+
+void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_v1";
+  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  TORCH_CHECK(seq_lens.size(0) == shape.num_tokens, op, ": seq_lens has ", seq_lens.size(0),
+              " entries but query has ", shape.num_tokens, " sequences");
+  check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
+  const int64_t num_seqs = shape.num_tokens;
+  const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+
+  // Tasks (seq, kv_head), longest sequences first.
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
+    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, Workspace& ws) {
+      const int64_t seq = order[i / num_kv_heads];
+      const int kv_head = int(i % num_kv_heads);
+      const int seq_len = lens[seq];
+      decode_rows(ws.rows, q, query.stride(0), seq, kv_head, group, head_size, float(scale), alibi,
+                  seq_len, seq_len);
+      attend(cache, seq, kv_head, 0, seq_len, ws);
+      scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
+      for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
+    });
+  });
+}
+
+void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
+                        at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_v2";
+  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  const int64_t num_seqs = shape.num_tokens, num_heads = shape.num_heads;
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, op, ": seq_lens has ", seq_lens.size(0),
+              " entries but query has ", num_seqs, " sequences");
+  const int64_t needed = std::max<int64_t>(1, (max_seq_len + kPartitionSize - 1) / kPartitionSize);
+  for (const at::Tensor* t : {&exp_sums, &max_logits}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
+                    t->is_contiguous() && t->size(0) == num_seqs && t->size(1) == num_heads &&
+                    t->size(2) >= needed,
+                op, ": exp_sums and max_logits must be contiguous float32 [", num_seqs, ", ",
+                num_heads, ", >= ", needed, "], got ", t->sizes());
+  }
+  TORCH_CHECK(max_logits.size(2) == exp_sums.size(2), op,
+              ": exp_sums and max_logits must have the same number of partitions");
+  const int64_t max_parts = exp_sums.size(2);
+  TORCH_CHECK(tmp_out.device().is_cpu() && tmp_out.scalar_type() == query.scalar_type() &&
+                  tmp_out.is_contiguous() && tmp_out.dim() == 4 && tmp_out.size(0) == num_seqs &&
+                  tmp_out.size(1) == num_heads && tmp_out.size(2) == max_parts &&
+                  tmp_out.size(3) == shape.head_size,
+              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", ", max_parts,
+              ", ", shape.head_size, "] in the query's dtype, got ", tmp_out.sizes());
+  check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
+
+  const int group = int(num_heads / num_kv_heads), head_size = int(shape.head_size);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+
+  // Tasks (seq, kv_head, partition) for the partitions that hold tokens. All
+  // but each sequence's last are full, so the order hardly matters.
+  struct Part {
+    int64_t seq;
+    int partition;
+  };
+  std::vector<Part> parts;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int p = 0; p < num_partitions(lens[s]); ++p) parts.push_back({s, p});
+  }
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v2", [&] {
+    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    float* sums = exp_sums.data_ptr<float>();
+    float* maxes = max_logits.data_ptr<float>();
+    scalar_t* partial = tmp_out.data_ptr<scalar_t>();
+    run_tasks(int64_t(parts.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+      const Part part = parts[i / num_kv_heads];
+      const int kv_head = int(i % num_kv_heads);
+      const int seq_len = lens[part.seq];
+      const int t_begin = part.partition * int(kPartitionSize);
+      const int t_end = std::min<int>(seq_len, t_begin + kPartitionSize);
+      decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size, float(scale),
+                  alibi, seq_len, t_end);
+      attend(cache, part.seq, kv_head, t_begin, t_end, ws);
+      for (int g = 0; g < group; ++g) {
+        const int64_t stat =
+            (part.seq * num_heads + int64_t(kv_head) * group + g) * max_parts + part.partition;
+        maxes[stat] = ws.rows.max_logit[g];
+        sums[stat] = ws.rows.exp_sum[g];
+        store_row(ws.rows, g, partial + stat * head_size);
+      }
+    });
+
+    // Merge: out = sum_p w_p * tmp_out[p] / sum_p w_p, w_p = exp_sum_p * exp(max_p - max).
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged(head_size);
+      for (int64_t sh = begin; sh < end; ++sh) {
+        const int parts_here = num_partitions(lens[sh / num_heads]);
+        const float* m = maxes + sh * max_parts;
+        const float* l = sums + sh * max_parts;
+        float global_max = kNegInf;
+        for (int p = 0; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        float total = 0.0f;
+        for (int p = 0; p < parts_here; ++p) {
+          const float w = l[p] * std::exp(m[p] - global_max);
+          total += w;
+          const scalar_t* src = partial + (sh * max_parts + p) * head_size;
+          for (int d = 0; d < head_size; ++d) merged[d] += w * static_cast<float>(src[d]);
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // seq_len 0: zeros
+        scalar_t* dst = o + sh * head_size;
+        for (int d = 0; d < head_size; ++d) dst[d] = vec::from_float<scalar_t>(merged[d] * inv);
+      }
+    });
+  });
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t block_size,
+                             int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_prefill";
+  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.device().is_cpu() && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.dim() == 1 && query_start_loc.is_contiguous() &&
+                  query_start_loc.size(0) == num_seqs + 1,
+              op, ": query_start_loc must be a contiguous int32 [num_seqs + 1 = ", num_seqs + 1,
+              "] CPU tensor, got ", query_start_loc.sizes());
+  check_block_tables(op, block_tables, seq_lens, shape, std::numeric_limits<int32_t>::max());
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == shape.num_tokens, op,
+              ": query_start_loc must run from 0 to num_tokens = ", shape.num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = int64_t(starts[s + 1]) - starts[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], op, ": sequence ", s, " has ", q_len,
+                " query tokens but seq_lens ", lens[s]);
+  }
+
+  const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
+  const int tile = std::max(1, kPrefillRowsPerTask / group);  // query tokens per task
+  const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+
+  // Tasks (seq, kv_head, query tile), the most key positions first.
+  struct Tile {
+    int64_t seq;
+    int first;  // first query token of the tile, relative to the sequence's
+    int count;
+    int64_t cost;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int q_len = starts[s + 1] - starts[s];
+    for (int i = 0; i < q_len; i += tile) {
+      const int count = std::min(tile, q_len - i);
+      const int last_pos = lens[s] - q_len + i + count - 1;
+      tiles.push_back({s, i, count, int64_t(last_pos + 1) * count});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
+    constexpr int X = PagedCache<scalar_t>::kX;
+    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t q_stride = query.stride(0);
+    run_tasks(int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+      const Tile& t = tiles[i / num_kv_heads];
+      const int kv_head = int(i % num_kv_heads);
+      const int seq_len = lens[t.seq];
+      const int q_len = starts[t.seq + 1] - starts[t.seq];
+      Rows& rows = ws.rows;
+      rows.reset(t.count * group, head_size, X, alibi != nullptr);
+      // Row (token j of the tile, head g) = j * group + g.
+      for (int j = 0; j < t.count; ++j) {
+        const int64_t token = starts[t.seq] + t.first + j;
+        const int pos = seq_len - q_len + t.first + j;
+        for (int g = 0; g < group; ++g) {
+          const int r = j * group + g;
+          rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size,
+                         float(scale));
+          rows.query_pos[r] = pos;
+          rows.last_key[r] = pos;
+          if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
+        }
+      }
+      attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1, ws);
+      for (int j = 0; j < t.count; ++j) {
+        const int64_t token = starts[t.seq] + t.first + j;
+        scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
+        for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
+      }
+    });
+  });
 }
 
 }  // namespace pyllm::cpu

@@ -1,22 +1,248 @@
-// TEMPORARY scaffold: replaced by the real CPU cache kernels.
+// CPU kernels of the paged KV cache: writing new tokens into their slots, and
+// copying whole blocks (copy-on-write inside a layer, swaps between caches).
+//
+// These kernels only move bits, so they are written over the element's width
+// (uint16_t for bf16/fp16, uint32_t for fp32) rather than its dtype: one
+// instantiation per width, and a copy is exact whatever the values are.
+//
+// Layout (ops.h), x = 16 / element_size so one x-group of a key is 16 bytes:
+//   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
+//   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
 
 namespace pyllm::cpu {
+namespace {
 
-void reshape_and_cache(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                       const at::Tensor&, const std::string&) {
-  TORCH_CHECK(false, "reshape_and_cache: not implemented yet");
+// Work below this many elements per thread is not worth waking a second thread.
+constexpr int64_t kGrainElements = 1 << 14;
+// Block copies: bytes per thread before splitting pays off.
+constexpr int64_t kGrainBytes = 1 << 18;
+
+bool is_supported_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
 }
 
-void copy_blocks(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                 const at::Tensor&) {
-  TORCH_CHECK(false, "copy_blocks: not implemented yet");
+// [num_tokens, num_kv_heads, head_size] with a free token stride: the ops.py
+// contract for key and value (row views of a fused projection are allowed).
+void check_token_rows(const at::Tensor& t, const char* name, int64_t num_kv_heads,
+                      int64_t head_size) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == num_kv_heads && t.size(2) == head_size, name,
+              " must be [num_tokens, ", num_kv_heads, ", ", head_size, "], got ", t.sizes());
+  TORCH_CHECK((t.size(2) <= 1 || t.stride(2) == 1) &&
+                  (t.size(1) <= 1 || t.stride(1) == head_size),
+              name, " must have each token's [num_kv_heads, head_size] packed, got strides ",
+              t.strides());
 }
 
-void swap_blocks(const at::Tensor&, at::Tensor&, const at::Tensor&) {
-  TORCH_CHECK(false, "swap_blocks: not implemented yet");
+// Raises unless every slot is -1 (skip) or inside the cache: a slot past the
+// end would be a write outside key_cache/value_cache. One pass over num_tokens
+// int64s, negligible next to the copies.
+void check_slots(const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside [-1, ", num_slots, ")");
+  }
+}
+
+template <typename bits_t>
+void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const int64_t* slots) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = value_cache.size(1);
+  const int64_t head_size = value_cache.size(2);
+  const int64_t block_size = value_cache.size(3);
+  constexpr int64_t x = 16 / sizeof(bits_t);
+  const int64_t key_stride = key.stride(0);
+  const int64_t value_stride = value.stride(0);
+  const auto* key_data = static_cast<const bits_t*>(key.data_ptr());
+  const auto* value_data = static_cast<const bits_t*>(value.data_ptr());
+  auto* key_cache_data = static_cast<bits_t*>(key_cache.data_ptr());
+  auto* value_cache_data = static_cast<bits_t*>(value_cache.data_ptr());
+  // Both caches hold head_size * block_size elements per (block, head).
+  const int64_t head_elems = head_size * block_size;
+
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / (2 * num_kv_heads * head_size));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding token: its slot is not written
+      const int64_t block = slot / block_size;
+      const int64_t offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const bits_t* k = key_data + t * key_stride + h * head_size;
+        const bits_t* v = value_data + t * value_stride + h * head_size;
+        // Within (block, head) the key cache is [head_size / x, block_size, x]:
+        // each 16-byte group of the key lands block_size * x elements apart.
+        bits_t* k_dst = key_cache_data + (block * num_kv_heads + h) * head_elems + offset * x;
+        for (int64_t g = 0; g < head_size / x; ++g) {
+          std::memcpy(k_dst + g * block_size * x, k + g * x, 16);
+        }
+        // The value cache is [head_size, block_size]: dimension d of this token
+        // sits block_size elements after dimension d - 1.
+        bits_t* v_dst = value_cache_data + (block * num_kv_heads + h) * head_elems + offset;
+        for (int64_t d = 0; d < head_size; ++d) {
+          v_dst[d * block_size] = v[d];
+        }
+      }
+    }
+  });
+}
+
+// block_mapping [num_pairs, 2] int64 on the CPU, rows of (src, dst). Returns the
+// largest block number of each column so callers can bound-check every cache.
+std::pair<int64_t, int64_t> check_block_mapping(const at::Tensor& block_mapping) {
+  TORCH_CHECK(block_mapping.device().is_cpu(), "block_mapping must be a CPU tensor, got ",
+              block_mapping.device());
+  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, "block_mapping must be int64, got ",
+              block_mapping.scalar_type());
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+              "block_mapping must be [num_pairs, 2], got ", block_mapping.sizes());
+  TORCH_CHECK(block_mapping.is_contiguous(), "block_mapping must be contiguous");
+  const int64_t* pairs = block_mapping.const_data_ptr<int64_t>();
+  int64_t max_src = -1, max_dst = -1;
+  for (int64_t i = 0; i < block_mapping.size(0); ++i) {
+    TORCH_CHECK(pairs[2 * i] >= 0 && pairs[2 * i + 1] >= 0, "block_mapping[", i,
+                "] holds a negative block number");
+    max_src = std::max(max_src, pairs[2 * i]);
+    max_dst = std::max(max_dst, pairs[2 * i + 1]);
+  }
+  return {max_src, max_dst};
+}
+
+// Bytes per block of a cache whose blocks (dim 0) are copied as raw bytes. The
+// cache is named in errors as name[layer], or just name when layer < 0.
+int64_t block_bytes(const at::Tensor& cache, const char* name, int64_t layer = -1) {
+  // Built only when a check fails.
+  const auto where = [&] {
+    return layer < 0 ? std::string(name) : c10::str(name, "[", layer, "]");
+  };
+  TORCH_CHECK(cache.device().is_cpu(), where(), " must be a CPU tensor, got ", cache.device());
+  TORCH_CHECK(is_supported_dtype(cache.scalar_type()), where(),
+              " must be float32, float16 or bfloat16, got ", cache.scalar_type());
+  TORCH_CHECK(cache.dim() >= 2, where(), " must be [num_blocks, ...], got ", cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), where(), " must be contiguous");
+  return static_cast<int64_t>(cache.nbytes()) / std::max<int64_t>(1, cache.size(0));
+}
+
+}  // namespace
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                       const std::string& kv_cache_dtype) {
+  TORCH_CHECK(kv_cache_dtype == "auto", "kv_cache_dtype '", kv_cache_dtype,
+              "' is not supported; only 'auto'");
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK(is_supported_dtype(dtype), "key must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(value.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              "key, value, key_cache and value_cache must share one dtype");
+  TORCH_CHECK(value_cache.dim() == 4, "value_cache must be [num_blocks, num_kv_heads, head_size,"
+              " block_size], got ", value_cache.sizes());
+  const int64_t num_blocks = value_cache.size(0);
+  const int64_t num_kv_heads = value_cache.size(1);
+  const int64_t head_size = value_cache.size(2);
+  const int64_t block_size = value_cache.size(3);
+  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
+  TORCH_CHECK(head_size % x == 0, "head_size ", head_size, " must be a multiple of x = ", x);
+  TORCH_CHECK(key_cache.sizes() ==
+                  at::IntArrayRef({num_blocks, num_kv_heads, head_size / x, block_size, x}),
+              "key_cache must be [", num_blocks, ", ", num_kv_heads, ", ", head_size / x, ", ",
+              block_size, ", ", x, "] to match value_cache, got ", key_cache.sizes());
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+              "key_cache and value_cache must be CPU tensors");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key_cache and value_cache must be contiguous");
+  check_token_rows(key, "key", num_kv_heads, head_size);
+  check_token_rows(value, "value", num_kv_heads, head_size);
+  const int64_t num_tokens = key.size(0);
+  TORCH_CHECK(value.size(0) == num_tokens, "value has ", value.size(0), " tokens, key has ",
+              num_tokens);
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens &&
+                  slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous CPU int64 tensor [", num_tokens, "], got ",
+              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  check_slots(slots, num_tokens, num_blocks * block_size);
+
+  if (key.element_size() == 2) {
+    scatter_tokens<uint16_t>(key, value, key_cache, value_cache, slots);
+  } else {
+    scatter_tokens<uint32_t>(key, value, key_cache, value_cache, slots);
+  }
+}
+
+void copy_blocks(const std::vector<at::Tensor>& key_caches,
+                 const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
+              " layers but value_caches has ", value_caches.size());
+  const auto [max_src, max_dst] = check_block_mapping(block_mapping);
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0 || key_caches.empty()) return;
+
+  // Every layer's key and value cache is one "cache" here; all are bounds-checked
+  // before any byte moves, so a bad call changes nothing.
+  const int64_t num_caches = 2 * static_cast<int64_t>(key_caches.size());
+  std::vector<char*> bases(num_caches);
+  std::vector<int64_t> strides(num_caches);
+  for (int64_t c = 0; c < num_caches; ++c) {
+    const at::Tensor& cache = c % 2 ? value_caches[c / 2] : key_caches[c / 2];
+    strides[c] = block_bytes(cache, c % 2 ? "value_caches" : "key_caches", c / 2);
+    TORCH_CHECK(std::max(max_src, max_dst) < cache.size(0), "block_mapping refers to block ",
+                std::max(max_src, max_dst), " but layer ", c / 2, " has ", cache.size(0),
+                " blocks");
+    bases[c] = static_cast<char*>(cache.data_ptr());
+  }
+
+  // The pairs are copied in no particular order (in parallel), so a block must not
+  // be both a source and a destination in one call: the block manager copies a
+  // shared block into a fresh one.
+  const int64_t* pairs = block_mapping.const_data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, strides[0]));
+  at::parallel_for(0, num_caches * num_pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i / num_pairs, p = i % num_pairs;
+      const int64_t bytes = strides[c];
+      // memmove: a pair may name the same block twice.
+      std::memmove(bases[c] + pairs[2 * p + 1] * bytes, bases[c] + pairs[2 * p] * bytes, bytes);
+    }
+  });
+}
+
+void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  // Copies that touch a CUDA tensor are dispatched to the CUDA implementation.
+  const int64_t bytes = block_bytes(src, "src");
+  TORCH_CHECK(block_bytes(dst, "dst") == bytes && src.scalar_type() == dst.scalar_type() &&
+                  src.sizes().slice(1) == dst.sizes().slice(1),
+              "src ", src.sizes(), " and dst ", dst.sizes(),
+              " must have the same dtype and block shape");
+  const auto [max_src, max_dst] = check_block_mapping(block_mapping);
+  TORCH_CHECK(max_src < src.size(0), "block_mapping source block ", max_src,
+              " is outside src's ", src.size(0), " blocks");
+  TORCH_CHECK(max_dst < dst.size(0), "block_mapping destination block ", max_dst,
+              " is outside dst's ", dst.size(0), " blocks");
+
+  const auto* src_data = static_cast<const char*>(src.data_ptr());
+  auto* dst_data = static_cast<char*>(dst.data_ptr());
+  const int64_t* pairs = block_mapping.const_data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes));
+  at::parallel_for(0, block_mapping.size(0), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      std::memmove(dst_data + pairs[2 * p + 1] * bytes, src_data + pairs[2 * p] * bytes, bytes);
+    }
+  });
 }
 
 }  // namespace pyllm::cpu

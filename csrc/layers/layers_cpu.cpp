@@ -1,20 +1,307 @@
-// TEMPORARY scaffold: replaced by the real CPU norm/activation kernels.
-#include <c10/util/Exception.h>
+// CPU kernels of the small per-row layers: RMS norm (plain and fused with the
+// residual add) and the SiLU-gated product of the MLP.
+//
+// Each row is streamed through small float buffers: bf16/fp16 values are widened
+// once on load and rounded once on store, and everything in between is float32
+// loops the compiler vectorizes. Rows are split across threads.
+//
+// Inputs are [..., width] with packed rows; dim 0 may be strided (a row view of a
+// wider tensor, e.g. the gate/up projection), outputs are contiguous.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "../dispatch_utils.h"
 #include "../ops.h"
 
 namespace pyllm::cpu {
+namespace {
 
-void rms_norm(at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
-  TORCH_CHECK(false, "rms_norm: not implemented yet");
+// Elements per thread below which a second thread costs more than it saves.
+constexpr int64_t kGrainElements = 1 << 14;
+// Floats per staging buffer: a row is processed in pieces of this size.
+constexpr int64_t kChunk = 256;
+
+// ---------------------------------------------------------------------------
+// Widening to float and rounding back, written so the compiler vectorizes them
+// (c10's scalar conversions do not vectorize). Same helpers as pos_encoding_cpu.cpp.
+
+inline void load_floats(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
 }
 
-void fused_add_rms_norm(at::Tensor&, at::Tensor&, const at::Tensor&, double) {
-  TORCH_CHECK(false, "fused_add_rms_norm: not implemented yet");
+inline void load_floats(const c10::BFloat16* src, float* dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t{bits[i]} << 16);
 }
 
-void silu_and_mul(at::Tensor&, const at::Tensor&) {
-  TORCH_CHECK(false, "silu_and_mul: not implemented yet");
+inline void load_floats(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_floats(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void store_floats(const float* src, c10::BFloat16* dst, int64_t n) {
+  auto* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    // Round to nearest, ties to even; NaN stays a quiet NaN.
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const auto rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    bits[i] = src[i] != src[i] ? uint16_t{0x7fc0} : rounded;
+  }
+}
+
+inline void store_floats(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// e^x in a form the compiler vectorizes (std::exp is a scalar libm call unless
+// built with -ffast-math). x = n ln2 + r with |r| <= ln2 / 2, e^r from its
+// degree-6 Taylor polynomial (relative error below 2e-7), 2^n built in the
+// exponent bits. The clamp keeps 2^n a normal float (e^-87 and e^88 are far
+// enough out for silu, the only user); NaN passes through. Written with
+// ternaries and a rounding constant because std::clamp and std::floor keep
+// gcc 12 from vectorizing the loop.
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  // Adding then subtracting 1.5 * 2^23 rounds to the nearest integer.
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504f + kRound) - kRound;
+  // ln 2 split in a part exact to 16 bits and the rest, so n * ln2_hi is exact.
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606820309417e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const auto exponent = static_cast<uint32_t>(static_cast<int32_t>(n) + 127);
+  return p * std::bit_cast<float>(exponent << 23);
+}
+
+// ---------------------------------------------------------------------------
+// Row addressing of a [..., width] tensor whose dim 0 may be strided.
+
+struct Rows {
+  int64_t count;           // number of rows: numel / width
+  int64_t width;           // elements per row (the last dim)
+  int64_t rows_per_outer;  // rows per index of dim 0
+  int64_t outer_stride;    // stride of dim 0
+
+  int64_t offset(int64_t row) const {
+    return (row / rows_per_outer) * outer_stride + (row % rows_per_outer) * width;
+  }
+};
+
+// Checks that every dim but the first is packed, and describes the rows.
+Rows packed_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() >= 1, name, " must be [..., hidden_size], got a 0-d tensor");
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == expected, name,
+                " must have each row packed (all dims but the first contiguous), got strides ",
+                t.strides(), " for shape ", t.sizes());
+    expected *= t.size(d);
+  }
+  TORCH_CHECK(t.dim() > 1 || t.size(0) <= 1 || t.stride(0) == 1, name, " must be contiguous");
+  const int64_t width = t.size(-1);
+  const int64_t count = width == 0 ? 0 : t.numel() / width;
+  const int64_t rows_per_outer = t.dim() == 1 ? 1 : std::max<int64_t>(1, expected / width);
+  return {count, width, rows_per_outer, t.dim() == 1 ? 0 : t.stride(0)};
+}
+
+// out: contiguous, input's shape except for a last dim of out_width.
+void check_output(const at::Tensor& out, const at::Tensor& input, int64_t out_width) {
+  TORCH_CHECK(out.device().is_cpu(), "out must be a CPU tensor, got ", out.device());
+  TORCH_CHECK(out.scalar_type() == input.scalar_type(), "out has dtype ", out.scalar_type(),
+              " but input has ", input.scalar_type());
+  TORCH_CHECK(out.dim() == input.dim() && out.size(-1) == out_width &&
+                  out.sizes().slice(0, out.dim() - 1) == input.sizes().slice(0, input.dim() - 1),
+              "out has shape ", out.sizes(), " but input ", input.sizes(), " needs a last dim of ",
+              out_width);
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& input) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == input.size(-1),
+              "weight must be a contiguous CPU tensor [", input.size(-1), "], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), "weight has dtype ",
+              weight.scalar_type(), " but input has ", input.scalar_type());
+}
+
+int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, width));
+}
+
+// ---------------------------------------------------------------------------
+// Row kernels.
+
+template <typename scalar_t>
+float sum_of_squares(const scalar_t* x, int64_t width) {
+  float buf[kChunk];
+  float sum = 0.0f;
+  for (int64_t c = 0; c < width; c += kChunk) {
+    const int64_t n = std::min(kChunk, width - c);
+    load_floats(x + c, buf, n);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += buf[i] * buf[i];
+  }
+  return sum;
+}
+
+// y = x * inv_rms * weight, one rounding at the end.
+template <typename scalar_t>
+void scale_row(const scalar_t* x, const scalar_t* weight, float inv_rms, scalar_t* y,
+               int64_t width) {
+  float buf[kChunk], w[kChunk];
+  for (int64_t c = 0; c < width; c += kChunk) {
+    const int64_t n = std::min(kChunk, width - c);
+    load_floats(x + c, buf, n);
+    load_floats(weight + c, w, n);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * inv_rms * w[i];
+    store_floats(buf, y + c, n);
+  }
+}
+
+template <typename scalar_t>
+void rms_norm_rows(scalar_t* out, const scalar_t* input, const Rows& rows, const scalar_t* weight,
+                   float eps) {
+  at::parallel_for(0, rows.count, row_grain(rows.width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* x = input + rows.offset(r);
+      const float inv_rms = 1.0f / std::sqrt(sum_of_squares(x, rows.width) / rows.width + eps);
+      scale_row(x, weight, inv_rms, out + r * rows.width, rows.width);
+    }
+  });
+}
+
+// residual += input (rounded to the dtype, as the next layer reads it), then
+// input = rms_norm(residual) * weight: the norm sees exactly the stored sum.
+template <typename scalar_t>
+void fused_add_rms_norm_rows(scalar_t* input, scalar_t* residual, int64_t count, int64_t width,
+                             const scalar_t* weight, float eps) {
+  at::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
+    float sum_buf[kChunk], x_buf[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* x = input + r * width;
+      scalar_t* res = residual + r * width;
+      float sum_sq = 0.0f;
+      for (int64_t c = 0; c < width; c += kChunk) {
+        const int64_t n = std::min(kChunk, width - c);
+        load_floats(x + c, x_buf, n);
+        load_floats(res + c, sum_buf, n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) sum_buf[i] += x_buf[i];
+        store_floats(sum_buf, res + c, n);
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          load_floats(res + c, sum_buf, n);  // the rounded sum, as stored
+        }
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < n; ++i) sum_sq += sum_buf[i] * sum_buf[i];
+      }
+      const float inv_rms = 1.0f / std::sqrt(sum_sq / width + eps);
+      scale_row(res, weight, inv_rms, x, width);
+    }
+  });
+}
+
+// out = silu(gate) * up, with input row = [gate (d) | up (d)].
+template <typename scalar_t>
+void silu_and_mul_rows(scalar_t* out, const scalar_t* input, const Rows& rows) {
+  const int64_t d = rows.width / 2;
+  at::parallel_for(0, rows.count, row_grain(rows.width), [&](int64_t begin, int64_t end) {
+    float gate[kChunk], up[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* in = input + rows.offset(r);
+      scalar_t* y = out + r * d;
+      for (int64_t c = 0; c < d; c += kChunk) {
+        const int64_t n = std::min(kChunk, d - c);
+        load_floats(in + c, gate, n);
+        load_floats(in + d + c, up, n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+        store_floats(gate, y + c, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+              double epsilon) {
+  const Rows rows = packed_rows(input, "input");
+  check_output(out, input, rows.width);
+  check_weight(weight, input);
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows,
+                  weight.const_data_ptr<scalar_t>(), static_cast<float>(epsilon));
+  });
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                        double epsilon) {
+  TORCH_CHECK(input.device().is_cpu() && input.dim() >= 1 && input.is_contiguous(),
+              "input must be a contiguous CPU tensor [..., hidden_size], got ", input.sizes());
+  TORCH_CHECK(residual.device().is_cpu() && residual.is_contiguous() &&
+                  residual.sizes() == input.sizes() &&
+                  residual.scalar_type() == input.scalar_type(),
+              "residual must be a contiguous CPU tensor of input's shape and dtype, got ",
+              residual.scalar_type(), " ", residual.sizes());
+  check_weight(weight, input);
+  const int64_t width = input.size(-1);
+  const int64_t count = width == 0 ? 0 : input.numel() / width;
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "fused_add_rms_norm", [&] {
+    fused_add_rms_norm_rows(input.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), count,
+                            width, weight.const_data_ptr<scalar_t>(),
+                            static_cast<float>(epsilon));
+  });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  const Rows rows = packed_rows(input, "input");
+  TORCH_CHECK(rows.width % 2 == 0, "input's last dimension must be even, got ", input.sizes());
+  check_output(out, input, rows.width / 2);
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows);
+  });
 }
 
 }  // namespace pyllm::cpu

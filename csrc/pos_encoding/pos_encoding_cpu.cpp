@@ -1,13 +1,230 @@
-// TEMPORARY scaffold: replaced by the real CPU rotary kernel.
-#include <c10/util/Exception.h>
+// CPU rotary position embedding, applied in place to query and key.
+//
+// For a token at position p, cos_sin_cache[p] holds cos(p * theta_i) in its
+// first rot_dim / 2 columns and sin(p * theta_i) in the rest. Pair i of each
+// head, (a, b), becomes (a cos - b sin, b cos + a sin). The pairs are
+//   neox style:  (i, i + rot_dim / 2)   -- the halves of the rotated part
+//   GPT-J style: (2i, 2i + 1)           -- neighbours
+// and dimensions from rot_dim to head_size are left as they are.
+//
+// query/key are [num_tokens, num_heads * head_size] or [num_tokens, num_heads,
+// head_size] with a free token stride (the model passes the q and k parts of one
+// fused qkv projection), so each token is found through stride(0).
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "../dispatch_utils.h"
 #include "../ops.h"
 
 namespace pyllm::cpu {
+namespace {
 
-void rotary_embedding(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&,
-                      bool) {
-  TORCH_CHECK(false, "rotary_embedding: not implemented yet");
+// Rotations per token and thread below which a second thread costs more than it saves.
+constexpr int64_t kGrainElements = 1 << 14;
+// Pairs rotated per pass: the cos/sin of one pass and one head's values fit in
+// stack buffers; rot_dim <= 256 (every supported head size) takes a single pass.
+constexpr int64_t kPairChunk = 128;
+
+// ---------------------------------------------------------------------------
+// Widening to float and rounding back, written so the compiler vectorizes them
+// (c10's scalar conversions do not vectorize). Same helpers as layers_cpu.cpp.
+
+inline void load_floats(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void load_floats(const c10::BFloat16* src, float* dst, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t{bits[i]} << 16);
+}
+
+inline void load_floats(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_floats(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void store_floats(const float* src, c10::BFloat16* dst, int64_t n) {
+  auto* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    // Round to nearest, ties to even; NaN stays a quiet NaN.
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const auto rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    bits[i] = src[i] != src[i] ? uint16_t{0x7fc0} : rounded;
+  }
+}
+
+inline void store_floats(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// ---------------------------------------------------------------------------
+// One head, pairs [first, first + n) of its rotated part.
+
+template <typename scalar_t>
+void rotate_neox(scalar_t* head, int64_t half, int64_t first, int64_t n, const float* cos,
+                 const float* sin) {
+  float x1[kPairChunk], x2[kPairChunk];
+  load_floats(head + first, x1, n);
+  load_floats(head + half + first, x2, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = x1[i], b = x2[i];
+    x1[i] = a * cos[i] - b * sin[i];
+    x2[i] = b * cos[i] + a * sin[i];
+  }
+  store_floats(x1, head + first, n);
+  store_floats(x2, head + half + first, n);
+}
+
+template <typename scalar_t>
+void rotate_gptj(scalar_t* head, int64_t first, int64_t n, const float* cos, const float* sin) {
+  float x[2 * kPairChunk];
+  load_floats(head + 2 * first, x, 2 * n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = a * cos[i] - b * sin[i];
+    x[2 * i + 1] = b * cos[i] + a * sin[i];
+  }
+  store_floats(x, head + 2 * first, 2 * n);
+}
+
+// query/key of one call, seen as rows of packed heads.
+template <typename scalar_t>
+struct HeadRows {
+  scalar_t* data;
+  int64_t token_stride;
+  int64_t num_heads;
+};
+
+template <typename scalar_t, typename cache_t>
+void rotate_tokens(const at::Tensor& positions, HeadRows<scalar_t> query, HeadRows<scalar_t> key,
+                   int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  const int64_t num_tokens = positions.size(0);
+  const int64_t position_stride = positions.stride(0);
+  const int64_t* position_data = positions.const_data_ptr<int64_t>();
+  const cache_t* cache_data = cos_sin_cache.const_data_ptr<cache_t>();
+  const int64_t rot_dim = cos_sin_cache.size(1);
+  const int64_t half = rot_dim / 2;
+
+  const int64_t work_per_token = (query.num_heads + key.num_heads) * rot_dim;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_token));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    float cos[kPairChunk], sin[kPairChunk];
+    for (int64_t t = begin; t < end; ++t) {
+      const cache_t* cos_sin = cache_data + position_data[t * position_stride] * rot_dim;
+      for (int64_t first = 0; first < half; first += kPairChunk) {
+        const int64_t n = std::min(kPairChunk, half - first);
+        load_floats(cos_sin + first, cos, n);
+        load_floats(cos_sin + half + first, sin, n);
+        for (const HeadRows<scalar_t>* rows : {&query, &key}) {
+          scalar_t* token = rows->data + t * rows->token_stride;
+          for (int64_t h = 0; h < rows->num_heads; ++h) {
+            scalar_t* head = token + h * head_size;
+            if (is_neox) {
+              rotate_neox(head, half, first, n, cos, sin);
+            } else {
+              rotate_gptj(head, first, n, cos, sin);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// Checks one of query/key and returns its number of heads.
+int64_t check_heads(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(0) == num_tokens, name,
+              " must be [num_tokens=", num_tokens, ", num_heads * head_size] or [num_tokens, "
+              "num_heads, head_size], got ", t.sizes());
+  const int64_t width = t.dim() == 2 ? t.size(1) : t.size(1) * t.size(2);
+  TORCH_CHECK(width % head_size == 0 && (t.dim() == 2 || t.size(2) == head_size), name, " ",
+              t.sizes(), " does not hold whole heads of head_size ", head_size);
+  // Each token's heads must be packed; the token stride is free.
+  const bool packed = t.dim() == 2
+                          ? (t.size(1) <= 1 || t.stride(1) == 1)
+                          : ((t.size(2) <= 1 || t.stride(2) == 1) &&
+                             (t.size(1) <= 1 || t.stride(1) == head_size));
+  TORCH_CHECK(packed, name, " must have each token's heads packed, got strides ", t.strides());
+  return width / head_size;
+}
+
+}  // namespace
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                  positions.dim() == 1,
+              "positions must be a 1-D CPU int64 tensor, got ", positions.scalar_type(), " ",
+              positions.sizes());
+  TORCH_CHECK(head_size > 0, "head_size must be positive, got ", head_size);
+  const int64_t num_tokens = positions.size(0);
+  const int64_t num_heads = check_heads(query, "query", num_tokens, head_size);
+  const int64_t num_kv_heads = check_heads(key, "key", num_tokens, head_size);
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key.scalar_type() == dtype, "key has dtype ", key.scalar_type(),
+              " but query has ", dtype);
+  TORCH_CHECK(cos_sin_cache.device().is_cpu() && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be a contiguous CPU tensor [max_position, rot_dim], got ",
+              cos_sin_cache.sizes());
+  TORCH_CHECK(cos_sin_cache.scalar_type() == dtype || cos_sin_cache.scalar_type() == at::kFloat,
+              "cos_sin_cache has dtype ", cos_sin_cache.scalar_type(),
+              "; it must be the query's (", dtype, ") or float32");
+  const int64_t rot_dim = cos_sin_cache.size(1);
+  TORCH_CHECK(rot_dim >= 2 && rot_dim % 2 == 0 && rot_dim <= head_size,
+              "cos_sin_cache's rot_dim ", rot_dim, " must be even and <= head_size ", head_size);
+  // A position past the cache would read outside it: one pass over the positions.
+  const int64_t max_position = cos_sin_cache.size(0);
+  const int64_t* position_data = positions.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t p = position_data[t * positions.stride(0)];
+    TORCH_CHECK(p >= 0 && p < max_position, "positions[", t, "] = ", p, " is outside [0, ",
+                max_position, ")");
+  }
+
+  PYLLM_DISPATCH_FLOATING_TYPES(dtype, "rotary_embedding", [&] {
+    const HeadRows<scalar_t> q{query.data_ptr<scalar_t>(), query.stride(0), num_heads};
+    const HeadRows<scalar_t> k{key.data_ptr<scalar_t>(), key.stride(0), num_kv_heads};
+    if (cos_sin_cache.scalar_type() == at::kFloat) {
+      rotate_tokens<scalar_t, float>(positions, q, k, head_size, cos_sin_cache, is_neox);
+    } else {
+      rotate_tokens<scalar_t, scalar_t>(positions, q, k, head_size, cos_sin_cache, is_neox);
+    }
+  });
 }
 
 }  // namespace pyllm::cpu

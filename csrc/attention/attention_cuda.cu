@@ -1,0 +1,286 @@
+// CUDA paged attention: host-side checks, dtype/head-size/block-size dispatch
+// and launches. The kernels are in decode_kernels.cuh (paged_attention_v1/v2)
+// and prefill_kernel.cuh (paged_attention_prefill).
+//
+// Only the dispatched variants are instantiated: 3 dtypes x 6 head sizes x 3
+// block sizes for decode, 3 x 6 for prefill (its block size is a runtime value).
+#include <type_traits>
+
+#include "../dispatch_utils.h"
+#include "../ops.h"
+#include "decode_kernels.cuh"
+#include "prefill_kernel.cuh"
+
+namespace pyllm::cuda {
+namespace {
+
+// Calls f(std::integral_constant<int, head_size>) for a supported head size.
+template <typename F>
+void dispatch_head_size(int64_t head_size, F&& f) {
+  switch (head_size) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 80: f(std::integral_constant<int, 80>{}); break;
+    case 96: f(std::integral_constant<int, 96>{}); break;
+    case 112: f(std::integral_constant<int, 112>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    default:
+      TORCH_CHECK(false, "head_size ", head_size,
+                  " is not supported; supported: 64, 80, 96, 112, 128, 256");
+  }
+}
+
+template <typename F>
+void dispatch_block_size(int64_t block_size, F&& f) {
+  switch (block_size) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    default:
+      TORCH_CHECK(false, "block_size ", block_size, " is not supported; supported: 8, 16, 32");
+  }
+}
+
+// The shape facts every attention op needs, checked once.
+struct AttentionShape {
+  int num_tokens;  // query rows (sequences for decode)
+  int num_heads;
+  int head_size;
+  int num_kv_heads;
+  int block_size;
+};
+
+AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               int64_t num_kv_heads, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, int64_t block_size,
+                               const std::optional<at::Tensor>& alibi_slopes) {
+  check_cuda(query, "query");
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
+              query.sizes());
+  const int64_t num_heads = query.size(1);
+  const int64_t head_size = query.size(2);
+  TORCH_CHECK(query.stride(2) == 1 && (num_heads == 1 || query.stride(1) == head_size),
+              "query must have each token's heads packed, got strides ", query.strides());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == query.scalar_type() && out.device() == query.device(),
+              "out must be a contiguous tensor shaped and typed like query");
+  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous(),
+              "key_cache/value_cache must be contiguous [num_blocks, num_kv_heads, head_size/x, "
+              "block_size, x] / [num_blocks, num_kv_heads, head_size, block_size]");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "key_cache/value_cache must have the query's dtype ", query.scalar_type());
+  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
+              "key_cache/value_cache must be on the query's device ", query.device());
+  const int64_t x = 16 / static_cast<int64_t>(query.element_size());
+  TORCH_CHECK(value_cache.size(1) == num_kv_heads && value_cache.size(2) == head_size &&
+                  value_cache.size(3) == block_size,
+              "value_cache ", value_cache.sizes(), " does not match num_kv_heads=", num_kv_heads,
+              ", head_size=", head_size, ", block_size=", block_size);
+  TORCH_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == num_kv_heads &&
+                  key_cache.size(2) * x == head_size && key_cache.size(3) == block_size &&
+                  key_cache.size(4) == x,
+              "key_cache ", key_cache.sizes(), " does not match value_cache ",
+              value_cache.sizes(), " with x=", x);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_kv_heads ", num_kv_heads,
+              " must divide num_heads ", num_heads);
+  check_aligned16(key_cache, "key_cache");
+  check_aligned16(value_cache, "value_cache");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && block_tables.device() == query.device(),
+              "block_tables must be [num_seqs, max_blocks] int32 with packed rows, on ",
+              query.device());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous() && seq_lens.device() == query.device() &&
+                  seq_lens.size(0) == block_tables.size(0),
+              "seq_lens must be [num_seqs] int32, contiguous, on ", query.device());
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == num_heads &&
+                    slopes.scalar_type() == at::kFloat && slopes.is_contiguous() &&
+                    slopes.device() == query.device(),
+                "alibi_slopes must be [num_heads] float32, contiguous, on ", query.device());
+  }
+  return AttentionShape{static_cast<int>(query.size(0)), static_cast<int>(num_heads),
+                        static_cast<int>(head_size), static_cast<int>(num_kv_heads),
+                        static_cast<int>(block_size)};
+}
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+void launch_decode(const DecodeParams<T>& params, dim3 grid, cudaStream_t stream) {
+  paged_attention_decode_kernel<T, HEAD_SIZE, BLOCK_SIZE>
+      <<<grid, kDecodeThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// v1 when exp_sums is undefined, v2 otherwise (then followed by the reduce).
+void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* max_logits,
+                            at::Tensor* tmp_out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionShape shape = check_attention(out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  TORCH_CHECK(block_tables.size(0) == shape.num_tokens, "block_tables has ",
+              block_tables.size(0), " rows but query has ", shape.num_tokens, " sequences");
+  const bool partitioned = exp_sums != nullptr;
+  int num_partitions = 1;
+  int max_partitions = 1;
+  if (partitioned) {
+    TORCH_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
+    num_partitions = static_cast<int>((max_seq_len + kPartitionSize - 1) / kPartitionSize);
+    max_partitions = static_cast<int>(tmp_out->size(2));
+    for (const at::Tensor* t : {exp_sums, max_logits}) {
+      TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                      t->size(0) == shape.num_tokens && t->size(1) == shape.num_heads &&
+                      t->size(2) == max_partitions && t->device() == query.device(),
+                  "exp_sums/max_logits must be contiguous float32 [num_seqs, num_heads, "
+                  "num_partitions] matching tmp_out, got ", t->sizes());
+    }
+    TORCH_CHECK(tmp_out->dim() == 4 && tmp_out->is_contiguous() &&
+                    tmp_out->scalar_type() == query.scalar_type() &&
+                    tmp_out->size(0) == shape.num_tokens && tmp_out->size(1) == shape.num_heads &&
+                    tmp_out->size(3) == shape.head_size && tmp_out->device() == query.device(),
+                "tmp_out must be contiguous [num_seqs, num_heads, num_partitions, head_size] "
+                "in the query's dtype, got ", tmp_out->sizes());
+    TORCH_CHECK(max_partitions >= num_partitions, "the v2 workspace holds ", max_partitions,
+                " partitions but max_seq_len ", max_seq_len, " needs ", num_partitions);
+  }
+  if (shape.num_tokens == 0 || shape.num_heads == 0) return;
+  // Grid y and z are limited to 65535.
+  TORCH_CHECK(shape.num_tokens <= 65535 && num_partitions <= 65535,
+              "paged attention handles at most 65535 sequences and 65535 partitions per call, "
+              "got ", shape.num_tokens, " and ", num_partitions);
+
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid(shape.num_heads, shape.num_tokens, num_partitions);
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention", [&] {
+    using T = device_t<scalar_t>;
+    DecodeParams<T> params{};
+    params.out = device_ptr<scalar_t>(out);
+    if (partitioned) {
+      params.exp_sums = exp_sums->data_ptr<float>();
+      params.max_logits = max_logits->data_ptr<float>();
+      params.tmp_out = device_ptr<scalar_t>(*tmp_out);
+    }
+    params.query = device_ptr<scalar_t>(query);
+    params.key_cache = device_ptr<scalar_t>(key_cache);
+    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.block_tables = block_tables.data_ptr<int>();
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+    params.q_stride = query.stride(0);
+    params.block_tables_stride = block_tables.stride(0);
+    params.cache_block_stride = value_cache.stride(0);
+    params.num_heads = shape.num_heads;
+    params.num_kv_heads = shape.num_kv_heads;
+    params.scale = static_cast<float>(scale);
+    params.partition_size = partitioned ? static_cast<int>(kPartitionSize) : 0;
+    params.max_partitions = max_partitions;
+
+    dispatch_head_size(shape.head_size, [&](auto head) {
+      dispatch_block_size(shape.block_size, [&](auto block) {
+        launch_decode<T, decltype(head)::value, decltype(block)::value>(params, grid, stream);
+      });
+    });
+    if (partitioned) {
+      paged_attention_reduce_kernel<T>
+          <<<dim3(shape.num_heads, shape.num_tokens), kDecodeThreads, 0, stream>>>(
+              params.out, params.exp_sums, params.max_logits, params.tmp_out, params.seq_lens,
+              shape.head_size, static_cast<int>(kPartitionSize), num_partitions, max_partitions);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+template <typename T, int HEAD_SIZE>
+void launch_prefill(const PrefillParams<T>& params, dim3 grid, cudaStream_t stream) {
+  constexpr size_t kBytes = PrefillSmem<HEAD_SIZE>::kBytes;
+  auto* kernel = &paged_attention_prefill_kernel<T, HEAD_SIZE>;
+  if constexpr (kBytes > 48 * 1024) {
+    // Beyond the default dynamic shared memory limit: opt in (head size 256).
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kBytes)));
+  }
+  kernel<<<grid, kPrefillThreads, kBytes, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes) {
+  paged_attention_decode(out, nullptr, nullptr, nullptr, query, key_cache, value_cache,
+                         num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+                         alibi_slopes);
+}
+
+void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
+                        at::Tensor& tmp_out, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes) {
+  paged_attention_decode(out, &exp_sums, &max_logits, &tmp_out, query, key_cache, value_cache,
+                         num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+                         alibi_slopes);
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             int64_t block_size, int64_t max_query_len,
+                             const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionShape shape = check_attention(out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.device() == query.device() &&
+                  query_start_loc.size(0) == block_tables.size(0) + 1,
+              "query_start_loc must be [num_seqs + 1] int32, contiguous, on ", query.device(),
+              "; got ", query_start_loc.sizes(), " for ", block_tables.size(0), " sequences");
+  const int num_seqs = static_cast<int>(block_tables.size(0));
+  if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
+  (void)max_query_len;  // tiles are found from query_start_loc; see find_query_tile
+
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // An upper bound on the number of query tiles: sum_s ceil(q_len_s / tile)
+  // <= num_tokens / tile + num_seqs. Blocks past the last tile exit at once.
+  const dim3 grid(ceil_div(shape.num_tokens, kQueryTile) + num_seqs, shape.num_heads);
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
+    using T = device_t<scalar_t>;
+    PrefillParams<T> params{};
+    params.out = device_ptr<scalar_t>(out);
+    params.query = device_ptr<scalar_t>(query);
+    params.key_cache = device_ptr<scalar_t>(key_cache);
+    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.block_tables = block_tables.data_ptr<int>();
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.query_start_loc = query_start_loc.data_ptr<int>();
+    params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+    params.q_stride = query.stride(0);
+    params.block_tables_stride = block_tables.stride(0);
+    params.cache_block_stride = value_cache.stride(0);
+    params.num_seqs = num_seqs;
+    params.num_heads = shape.num_heads;
+    params.num_kv_heads = shape.num_kv_heads;
+    params.block_size = shape.block_size;
+    params.scale = static_cast<float>(scale);
+    dispatch_block_size(shape.block_size, [](auto) {});  // rejects unsupported sizes
+    dispatch_head_size(shape.head_size, [&](auto head) {
+      launch_prefill<T, decltype(head)::value>(params, grid, stream);
+    });
+  });
+}
+
+}  // namespace pyllm::cuda

@@ -1,0 +1,242 @@
+// A 16-lane float vector for the CPU kernels, written once over two back ends:
+// AVX-512 intrinsics where the compiler targets them (-march=native on the
+// build machine), and plain loops elsewhere (the compiler vectorizes what it
+// can; results are the same up to float rounding).
+//
+// Kernels load float/at::Half/at::BFloat16 memory straight into Vec16 (always
+// computing in float32) and keep the lane count fixed at 16 so their blocking
+// does not depend on the back end.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+// gcc 12 reports its own AVX-512 intrinsics' deliberately undefined
+// pass-through operands (`__Y = __Y`) as maybe-uninitialized wherever they
+// are inlined; the warning is about the header, not the kernels.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#endif
+
+namespace pyllm::vec {
+
+constexpr int kLanes = 16;
+
+#ifdef __AVX512F__
+
+struct Vec16 {
+  __m512 v;
+
+ private:
+  template <typename T>
+  static __m256i load16(const T* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // bfloat16 is the top half of a float32: widen and shift.
+  static Vec16 widen(__m256i raw, const c10::BFloat16*) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
+  static Vec16 widen(__m256i raw, const c10::Half*) { return {_mm512_cvtph_ps(raw)}; }
+
+ public:
+  static Vec16 zero() { return {_mm512_setzero_ps()}; }
+  static Vec16 set1(float a) { return {_mm512_set1_ps(a)}; }
+  // 0, 1, ..., 15.
+  static Vec16 iota() {
+    return {_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
+  }
+
+  static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec16 load(const c10::BFloat16* p) { return widen(load16(p), p); }
+  static Vec16 load(const c10::Half* p) { return widen(load16(p), p); }
+
+  // Lanes 0-7 from lo[0..8), lanes 8-15 from hi[0..8), or zeros when hi is null.
+  static Vec16 load_halves(const float* lo, const float* hi) {
+    const __m256 h = hi ? _mm256_loadu_ps(hi) : _mm256_setzero_ps();
+    return {_mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(lo)), h, 1)};
+  }
+  template <typename T>  // at::BFloat16 or at::Half: 8 elements are 16 bytes
+  static Vec16 load_halves(const T* lo, const T* hi) {
+    const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
+    const __m128i h =
+        hi ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)) : _mm_setzero_si128();
+    return widen(_mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1), lo);
+  }
+
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+
+  friend Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  // a * b + c
+  static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+
+  // Lanes >= n become `fill`; a select, so garbage (NaN, inf) in them is dropped.
+  Vec16 keep_first(int n, float fill) const {
+    __mmask16 keep = n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n > 0 ? n : 0)) - 1);
+    return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
+  }
+
+  // exp(x) to about 2 ulp; exp(-inf) = 0 exactly, NaN stays NaN. Range
+  // reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial
+  // for exp(r), then exact scaling by 2^n. Inputs are clamped to [-120, 88.7]
+  // (max/min return their second operand for NaN, so NaN passes through);
+  // 2^-173 scales to exactly zero.
+  Vec16 exp() const {
+    const __m512 x =
+        _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-120.0f), v));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
+};
+
+namespace detail {
+// Permutation indices for fold<K> below: lane i of the low (high) half-sums.
+template <int K>
+inline __m512i fold_index(bool high) {
+  alignas(64) int32_t idx[kLanes];
+  constexpr int half = K / 2, groups = kLanes / K;
+  for (int i = 0; i < kLanes; ++i) {
+    const int group = i / half, lane = i % half + (high ? half : 0);
+    idx[i] = group < groups ? group * K + lane : kLanes + (group - groups) * K + lane;
+  }
+  return _mm512_load_si512(idx);
+}
+}  // namespace detail
+
+// a and b each hold 16 / K groups of K consecutive lanes. Returns 32 / K groups
+// of K / 2 lanes (a's groups, then b's), each the pairwise sum of its group's
+// two halves: repeated folds turn per-lane partial dot products into one sum
+// per group while keeping the groups in order.
+template <int K>
+inline Vec16 fold(Vec16 a, Vec16 b) {
+  static const __m512i lo = detail::fold_index<K>(false), hi = detail::fold_index<K>(true);
+  return {
+      _mm512_add_ps(_mm512_permutex2var_ps(a.v, lo, b.v), _mm512_permutex2var_ps(a.v, hi, b.v))};
+}
+
+// Hints that p's cache line will be read soon: into L1, or only into L2 when
+// it is wanted later and would be evicted from L1 before then.
+inline void prefetch_l1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+#else  // portable back end
+
+struct Vec16 {
+  float v[kLanes];
+
+  static Vec16 zero() { return set1(0.0f); }
+  static Vec16 set1(float a) {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a;
+    return r;
+  }
+  static Vec16 iota() {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = float(i);
+    return r;
+  }
+  template <typename T>
+  static Vec16 load(const T* p) {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  template <typename T>
+  static Vec16 load_halves(const T* lo, const T* hi) {
+    Vec16 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(lo[i]);
+    for (int i = 0; i < 8; ++i) r.v[8 + i] = hi ? static_cast<float>(hi[i]) : 0.0f;
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+
+#define PYLLM_VEC16_BINARY(OP)                                  \
+  friend Vec16 operator OP(Vec16 a, Vec16 b) {                  \
+    Vec16 r;                                                    \
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] OP b.v[i]; \
+    return r;                                                   \
+  }
+  PYLLM_VEC16_BINARY(+)
+  PYLLM_VEC16_BINARY(-)
+  PYLLM_VEC16_BINARY(*)
+#undef PYLLM_VEC16_BINARY
+
+  static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static Vec16 max(Vec16 a, Vec16 b) {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  float reduce_add() const {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += v[i];
+    return s;
+  }
+  float reduce_max() const {
+    float m = v[0];
+    for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+  }
+  Vec16 keep_first(int n, float fill) const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? v[i] : fill;
+    return r;
+  }
+  Vec16 exp() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(v[i]);
+    return r;
+  }
+};
+
+template <int K>
+inline Vec16 fold(Vec16 a, Vec16 b) {
+  constexpr int half = K / 2, groups = kLanes / K;
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) {
+    const int group = i / half, lane = i % half;
+    const Vec16& src = group < groups ? a : b;
+    const int base = (group < groups ? group : group - groups) * K + lane;
+    r.v[i] = src.v[base] + src.v[base + half];
+  }
+  return r;
+}
+
+inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+#endif
+
+// Converts a float32 result to the tensor's element type (round to nearest even).
+template <typename T>
+inline T from_float(float a) {
+  return static_cast<T>(a);
+}
+
+}  // namespace pyllm::vec

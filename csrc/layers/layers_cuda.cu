@@ -1,0 +1,169 @@
+// CUDA norms and activation: rms_norm, fused_add_rms_norm, silu_and_mul.
+// One thread block per row; all arithmetic in float32.
+#include <algorithm>
+#include <vector>
+
+#include "../cuda_utils.cuh"
+#include "../dispatch_utils.h"
+#include "../ops.h"
+
+namespace pyllm::cuda {
+namespace {
+
+// Threads per row: a multiple of the warp size, enough to cover short rows.
+int threads_for(int64_t width, int64_t max_threads) {
+  return static_cast<int>(std::min(max_threads, std::max<int64_t>(32, ((width + 31) / 32) * 32)));
+}
+
+template <typename T>
+__global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ input,
+                                const T* __restrict__ weight, RowLayout input_rows,
+                                int hidden_size, float epsilon) {
+  __shared__ float scratch[kWarpSize];
+  const int64_t row = blockIdx.x;
+  const T* x = input + input_rows.offset(row);
+  float sum_squares = 0.f;
+  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+    const float v = to_float(x[i]);
+    sum_squares += v * v;
+  }
+  sum_squares = block_sum(sum_squares, scratch);
+  const float inv_rms = rsqrtf(sum_squares / static_cast<float>(hidden_size) + epsilon);
+  T* y = out + row * hidden_size;
+  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+    y[i] = from_float<T>(to_float(x[i]) * inv_rms * to_float(weight[i]));
+  }
+}
+
+// residual += input (rounded to T, as stored); input = rms_norm(residual) * weight.
+template <typename T>
+__global__ void fused_add_rms_norm_kernel(T* __restrict__ input, T* __restrict__ residual,
+                                          const T* __restrict__ weight, int hidden_size,
+                                          float epsilon) {
+  __shared__ float scratch[kWarpSize];
+  const int64_t row = blockIdx.x;
+  T* x = input + row * hidden_size;
+  T* r = residual + row * hidden_size;
+  float sum_squares = 0.f;
+  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+    const T z = from_float<T>(to_float(x[i]) + to_float(r[i]));
+    r[i] = z;
+    const float v = to_float(z);
+    sum_squares += v * v;
+  }
+  sum_squares = block_sum(sum_squares, scratch);
+  const float inv_rms = rsqrtf(sum_squares / static_cast<float>(hidden_size) + epsilon);
+  // Each thread reads back only the residual elements it wrote itself.
+  for (int i = threadIdx.x; i < hidden_size; i += blockDim.x) {
+    x[i] = from_float<T>(to_float(r[i]) * inv_rms * to_float(weight[i]));
+  }
+}
+
+template <typename T>
+__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input,
+                                    RowLayout input_rows, int d) {
+  const int64_t row = blockIdx.x;
+  const T* gate = input + input_rows.offset(row);
+  const T* up = gate + d;
+  T* y = out + row * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float g = to_float(gate[i]);
+    y[i] = from_float<T>(g / (1.f + __expf(-g)) * to_float(up[i]));
+  }
+}
+
+void check_norm_args(const at::Tensor& t, const at::Tensor& weight, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.dim() >= 1, name, " must have a hidden dimension");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == t.size(-1) && weight.is_contiguous() &&
+                  weight.scalar_type() == t.scalar_type() && weight.device() == t.device(),
+              "weight must be a contiguous [", t.size(-1), "] tensor of ", name,
+              "'s dtype and device, got ", weight.sizes());
+}
+
+// Packed rows: every dimension after the first is contiguous.
+bool has_packed_rows(const at::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t dim = t.dim() - 1; dim >= 1; --dim) {
+    if (t.size(dim) > 1 && t.stride(dim) != expected) return false;
+    expected *= t.size(dim);
+  }
+  return t.dim() != 1 || t.size(0) <= 1 || t.stride(0) == 1;
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+              double epsilon) {
+  check_norm_args(input, weight, "input");
+  TORCH_CHECK(has_packed_rows(input), "input must have packed rows, got strides ",
+              input.strides());
+  TORCH_CHECK(out.sizes() == input.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == input.scalar_type() && out.device() == input.device(),
+              "out must be contiguous and shaped/typed like input");
+  const int64_t hidden_size = input.size(-1);
+  if (input.numel() == 0) return;
+  const int64_t rows = input.numel() / hidden_size;
+
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<device_t<scalar_t>><<<rows, threads_for(hidden_size, 512), 0, stream>>>(
+        device_ptr<scalar_t>(out), device_ptr<scalar_t>(input), device_ptr<scalar_t>(weight),
+        row_layout(input, hidden_size), static_cast<int>(hidden_size),
+        static_cast<float>(epsilon));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                        double epsilon) {
+  check_norm_args(input, weight, "input");
+  TORCH_CHECK(input.is_contiguous() && residual.is_contiguous() &&
+                  residual.sizes() == input.sizes() &&
+                  residual.scalar_type() == input.scalar_type() &&
+                  residual.device() == input.device(),
+              "input and residual must be contiguous and of one shape, dtype and device");
+  const int64_t hidden_size = input.size(-1);
+  if (input.numel() == 0) return;
+  const int64_t rows = input.numel() / hidden_size;
+
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "fused_add_rms_norm", [&] {
+    fused_add_rms_norm_kernel<device_t<scalar_t>>
+        <<<rows, threads_for(hidden_size, 512), 0, stream>>>(
+            device_ptr<scalar_t>(input), device_ptr<scalar_t>(residual),
+            device_ptr<scalar_t>(weight), static_cast<int>(hidden_size),
+            static_cast<float>(epsilon));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  check_cuda(input, "input");
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0,
+              "input's last dimension must be even (gate and up halves), got ", input.sizes());
+  TORCH_CHECK(has_packed_rows(input), "input must have packed rows, got strides ",
+              input.strides());
+  const int64_t d = input.size(-1) / 2;
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape.back() = d;
+  TORCH_CHECK(out.sizes().equals(out_shape) && out.is_contiguous() &&
+                  out.scalar_type() == input.scalar_type() && out.device() == input.device(),
+              "out must be contiguous ", at::IntArrayRef(out_shape), " in input's dtype, got ",
+              out.sizes());
+  if (out.numel() == 0) return;
+  const int64_t rows = out.numel() / d;
+
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<device_t<scalar_t>><<<rows, threads_for(d, 1024), 0, stream>>>(
+        device_ptr<scalar_t>(out), device_ptr<scalar_t>(input), row_layout(input, 2 * d),
+        static_cast<int>(d));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace pyllm::cuda

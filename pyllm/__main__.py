@@ -1,0 +1,5 @@
+import sys
+
+from pyllm.cli import main
+
+sys.exit(main())

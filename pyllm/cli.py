@@ -1,0 +1,92 @@
+"""The `pyllm` command: `pyllm generate PROMPT...` (more subcommands as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-batched-tokens", type=int, default=512)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    group.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pyllm.entrypoints.llm import LLM
+    from pyllm.sampling.params import SamplingParams
+
+    llm = LLM(**_engine_options(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.chat:
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False
+        )
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        text = output.outputs[0].text
+        print(text if args.chat else prompt + text, flush=True)
+        if len(args.prompts) > 1:
+            print("-" * 40)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pyllm", description="A fast, small LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one or more prompts")
+    generate.add_argument("prompts", nargs="+")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the chat template"
+    )
+    _engine_arguments(generate)
+    generate.set_defaults(handler=_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"pyllm: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""KV cache blocks: who holds which, and which full blocks can be shared by prefix.
+
+Every block is either held (ref_count > 0, in some sequences' block tables) or free.
+A free block may still hold a cached prefix: its hash stays in `cached_blocks` until
+the block is handed out again, least recently freed first. So "free" counts blocks
+that can be allocated, cached or not, and after every request has ended all blocks
+are free.
+
+A full block's hash covers its tokens and, through the previous block's hash, every
+token before it: two sequences share a block only if their whole prefix up to and
+including that block is the same.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pyllm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((previous, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in the order they were freed: allocation takes the oldest, so
+        # a cached prefix survives as long as possible (LRU eviction).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # hash -> block_id
+        # Per sequence: how many of its blocks are hashed (registered in the cache).
+        self._num_hashed: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens admitted with caching on
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so the cache can hold `num_new_tokens` more of seq's tokens."""
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grows seq's block table to cover `num_new_tokens` more tokens."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
+
+        Only full blocks are shared, and at least one prompt token is always left to
+        compute, since the model needs the last token's logits.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        self._num_hashed[id(seq)] = 0
+        if not self.enable_prefix_caching:
+            return
+        tokens = seq.token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        previous = None
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(previous, chunk)
+            block_id = self.cached_blocks.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            previous = h
+        num_hit = len(seq.block_table)
+        self._num_hashed[id(seq)] = num_hit
+        seq.num_computed_tokens = num_hit * self.block_size
+        seq.num_cached_prompt_tokens = seq.num_computed_tokens
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: make seq's newly filled blocks findable by later prompts."""
+        if not self.enable_prefix_caching:
+            return
+        done = self._num_hashed.get(id(seq), 0)
+        full = seq.num_computed_tokens // self.block_size
+        previous = self.blocks[seq.block_table[done - 1]].hash if done else None
+        for i in range(done, full):
+            block = self.blocks[seq.block_table[i]]
+            chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(previous, chunk)
+            if block.hash is None and h not in self.cached_blocks:
+                block.hash, block.token_ids = h, chunk
+                self.cached_blocks[h] = block.block_id
+            previous = h
+        self._num_hashed[id(seq)] = max(done, full)
+
+    def free(self, seq: Sequence) -> None:
+        """Releases seq's blocks (finished, aborted or preempted)."""
+        # Tail blocks first: they are the least likely to be shared, so they should
+        # be evicted before the prefix blocks they follow.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_hashed.pop(id(seq), None)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict the cached prefix it held
+            if self.cached_blocks.get(block.hash) == block_id:
+                del self.cached_blocks[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

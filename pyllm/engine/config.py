@@ -1,0 +1,102 @@
+"""EngineConfig: every engine option in one place, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or GGUF file; None: the bundled SmolLM2
+    dtype: str = "auto"
+    device: str = "auto"  # "auto": cuda when available (and built), else cpu
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    kv_cache_memory: float | None = None  # GiB; default 2 on CPU
+    gpu_memory_utilization: float = 0.9  # share of free GPU memory for the KV cache
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        from pyllm.model.default_model import default_model_path
+
+        if self.model is None:
+            self.model = default_model_path()
+        self.model_path = str(self.model)
+        self.torch_device = _resolve_device(self.device)
+        self.torch_dtype = _resolve_dtype(self.dtype, self.torch_device)
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def resolve_max_model_len(self, model_config) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's {limit} positions"
+            )
+        return self.max_model_len
+
+    def kv_cache_budget_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory is not None:
+            return int(self.kv_cache_memory * 2**30)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_utilization)
+        return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+
+
+def _resolve_device(device: str) -> torch.device:
+    from pyllm import ops
+
+    if device == "auto":
+        use_cuda = torch.cuda.is_available() and ops.BUILT_WITH_CUDA
+        return torch.device("cuda" if use_cuda else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not (torch.cuda.is_available() and ops.BUILT_WITH_CUDA):
+        raise ValueError(
+            "device cuda requested but no GPU is available or pyllm lacks CUDA kernels"
+        )
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    return resolved
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        from pyllm.model.dtype import auto_dtype
+
+        return auto_dtype(device)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return DTYPES[dtype]

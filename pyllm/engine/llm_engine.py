@@ -1,0 +1,306 @@
+"""The engine: owns the model, the KV cache, the scheduler and the sampler, and
+advances every request by one step at a time.
+
+    engine.add_request(...)   # validated here: a bad request never reaches a step
+    while engine.has_unfinished_requests():
+        for output in engine.step(): ...
+
+One step: schedule -> model runner (flat batch -> model -> logits) -> sampler ->
+append tokens, detokenize, check stops -> free finished sequences' blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pyllm.engine.block_manager import BlockManager
+from pyllm.engine.config import EngineConfig
+from pyllm.engine.model_runner import ModelRunner
+from pyllm.engine.outputs import CompletionOutput, RequestOutput
+from pyllm.engine.scheduler import Scheduler
+from pyllm.engine.sequence import Sequence
+from pyllm.engine.stop_checker import check_stop, streamable_text
+from pyllm.model.loader import load_model
+from pyllm.model.tokenizer import Tokenizer
+from pyllm.sampling.detokenizer import IncrementalDetokenizer
+from pyllm.sampling.params import SamplingParams
+from pyllm.sampling.sampler import Sampler
+
+logger = logging.getLogger("pyllm")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: dict[int, IncrementalDetokenizer]
+    waiting_siblings: list[Sequence]  # n > 1: added once the first has its prompt cached
+    arrival_time: float
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.waiting_siblings and all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        start = time.perf_counter()
+        self.model, self.model_config, self.tokenizer = _load(config)
+        self.device = config.torch_device
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.kv_caches, num_blocks = self._allocate_kv_cache()
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
+        self.stats = EngineStats()
+        logger.info(
+            "pyllm engine: model=%s dtype=%s device=%s block_size=%d kv_blocks=%d "
+            "(%d tokens, %.2f GiB) max_model_len=%d max_num_batched_tokens=%d "
+            "max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
+            config.model_path,
+            str(config.torch_dtype).removeprefix("torch."),
+            self.device,
+            config.block_size,
+            num_blocks,
+            num_blocks * config.block_size,
+            self.kv_cache_bytes / 2**30,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.enable_prefix_caching,
+            time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    def _allocate_kv_cache(self):
+        from pyllm import ops
+
+        mc, cfg = self.model_config, self.config
+        element = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        per_block = (
+            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * cfg.block_size
+        ) * element
+        budget = cfg.kv_cache_budget_bytes(self.device)
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
+            )
+        self.kv_cache_bytes = num_blocks * per_block
+        caches = [
+            ops.allocate_kv_cache(
+                num_blocks,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                cfg.block_size,
+                cfg.torch_dtype,
+                self.device,
+            )  # fmt: skip
+            for _ in range(mc.num_hidden_layers)
+        ]
+        return caches, num_blocks
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queues a request; raises ValueError (naming the field) if it cannot run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self._validate(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = dataclasses.replace(
+                params, max_tokens=self.max_model_len - len(prompt_token_ids)
+            )
+        seqs = []
+        for i in range(params.n):
+            seq_params = params
+            if params.seed is not None and i > 0:  # distinct samples, still reproducible
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            seqs.append(Sequence(f"{request_id}-{i}", prompt_token_ids, seq_params))
+        request = _Request(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            seqs,
+            {
+                id(s): IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                )
+                for s in seqs
+            },
+            waiting_siblings=seqs[1:],
+            arrival_time=time.time(),
+        )
+        self.requests[request_id] = request
+        for seq in seqs:
+            self._request_of[id(seq)] = request
+        self.scheduler.add(seqs[0])
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab})")
+        self.sampler.check_params(params)
+        budget = len(prompt_token_ids) + (params.max_tokens or 1)
+        if budget > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        blocks = -(-budget // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.waiting_siblings.clear()
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self.sampler.forget(seq)
+        self._forget(request)
+
+    def _forget(self, request: _Request) -> None:
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self._request_of.pop(id(seq), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one model step; returns the outputs of requests that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits, sampled = self.runner.run(batch)
+        self.stats.steps += 1
+        self.stats.preemptions += batch.num_preempted
+        for seq, n in batch.all():
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.stats.prompt_tokens_computed += n
+        touched: dict[str, _Request] = {}
+        if sampled:
+            result = self.sampler(logits, sampled)
+            now = time.time()
+            for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+                request = self._request_of[id(seq)]
+                touched[request.request_id] = request
+                request.first_token_time = request.first_token_time or now
+                self._append_token(request, seq, token, logprob)
+        for seq, _ in batch.all():
+            if not seq.is_finished:
+                self.block_manager.register_computed_blocks(seq)
+        return [self._output(r) for r in touched.values()]
+
+    def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
+        seq.append_token(token)
+        self.stats.generation_tokens += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        delta = request.detokenizers[id(seq)].add(token)
+        seq.output_text += delta
+        check_stop(seq, delta, self.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is not None:
+            reason = seq.finish_reason
+            self.scheduler.finish(seq, reason)
+            self.sampler.forget(seq)
+        if request.waiting_siblings and seq is request.seqs[0]:
+            # The prompt's full blocks are now cached: siblings reuse them.
+            for sibling in request.waiting_siblings:
+                self.scheduler.add(sibling)
+            request.waiting_siblings = []
+
+    def _output(self, request: _Request) -> RequestOutput:
+        outputs = []
+        for i, seq in enumerate(request.seqs):
+            text = streamable_text(seq)
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs)
+                    if seq.sampling_params.logprobs is not None
+                    else None,
+                )
+            )
+        finished = request.finished
+        if finished:
+            self._forget(request)
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_prompt_tokens,
+            metrics={
+                "arrival_time": request.arrival_time,
+                "first_token_time": request.first_token_time or 0.0,
+            },
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def kv_cache_usage(self) -> float:
+        bm = self.block_manager
+        return 1.0 - bm.num_free_blocks / bm.num_blocks
+
+
+def _load(config: EngineConfig):
+    model, model_config = load_model(config.model_path, config.torch_dtype, config.torch_device)
+    tokenizer = Tokenizer.from_pretrained(config.model_path)
+    return model, model_config, tokenizer

@@ -1,0 +1,88 @@
+"""Turns a scheduled batch into the flat tensors the model takes, and runs it.
+
+Tokens of all sequences go into one flat batch, no padding: prompt chunks first, then
+decode tokens, one per sequence. For each token the runner computes its position and
+its KV slot (block_table[position // block_size] * block_size + position % block_size).
+Logits are computed only where a token will be sampled: the last token of each
+sequence whose pending tokens are all computed by this step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyllm.engine.scheduler import ScheduledBatch
+from pyllm.engine.sequence import Sequence
+from pyllm.model.layers import AttentionMetadata
+
+
+def _padded_block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    width = max((len(s.block_table) for s in seqs), default=0)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch):
+        """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+
+        for seq, n in batch.all():
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start : start + n])
+            span = range(start, start + n)
+            positions.extend(span)
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
+            query_start_loc.append(query_start_loc[-1] + n)
+            if start + n == seq.num_tokens:  # everything pending is computed: sample
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(seq)
+
+        device = self.device
+        prefill_seqs = [s for s, _ in batch.prefills]
+        decode_seqs = [s for s, _ in batch.decodes]
+        num_prefills = len(prefill_seqs)
+        prefill_lens = [s.num_computed_tokens + n for s, n in batch.prefills]
+        decode_lens = [s.num_computed_tokens + 1 for s in decode_seqs]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            num_prefill_tokens=query_start_loc[num_prefills],
+            prefill_query_start_loc=torch.tensor(
+                query_start_loc[: num_prefills + 1], dtype=torch.int32, device=device
+            ),
+            prefill_seq_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
+            prefill_block_tables=_padded_block_tables(prefill_seqs, device),
+            max_query_len=max((n for _, n in batch.prefills), default=0),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+            decode_block_tables=_padded_block_tables(decode_seqs, device),
+            max_decode_seq_len=max(decode_lens, default=0),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            metadata,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            sampled,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; returns float32 logits [len(sampled), vocab] and those sequences."""
+        input_ids, positions, metadata, logits_indices, sampled = self.prepare(batch)
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        if not sampled:
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampled
+        return self.model.compute_logits(hidden, logits_indices), sampled

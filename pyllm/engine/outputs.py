@@ -1,0 +1,32 @@
+"""What the engine hands back for a request: vLLM's RequestOutput shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or token id that matched
+    # Per generated token: (chosen token's logprob, {token_id: logprob} of the top k).
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,77 @@
+"""One request's state as the engine sees it: tokens, progress through the KV cache,
+sampling parameters and output so far."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from pyllm.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not scheduled yet, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated after it.
+
+    `num_computed_tokens` tokens have their keys/values in the cache (in the blocks of
+    `block_table`); the rest are pending. A decode step has one pending token (the last
+    one sampled); a prompt has all its tokens pending and may be fed over several steps
+    (chunked prefill). After preemption everything is pending again and recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # served from the prefix cache on first schedule
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    # Per generated token: (chosen logprob, {token: logprob} of the top k) when asked.
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

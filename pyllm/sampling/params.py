@@ -1,0 +1,115 @@
+"""SamplingParams: what one request asks of the sampler and of the stop checks.
+
+Field names and meanings follow the OpenAI API and vLLM, so a request body maps onto
+this class field by field. Every value is validated here, once, and a bad one raises
+ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    # How many tokens, and when to stop.
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+
+    # The distribution: temperature 0 means greedy.
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    # Penalties. repeat_last_n: the window of most recent tokens repetition_penalty
+    # looks at (0 = the whole context, as in llama.cpp).
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    seed: int | None = None
+    n: int = 1
+    best_of: int | None = None
+
+    # Log-probabilities: of the chosen token (logprobs=0) plus the top k (logprobs=k).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def integer(name: str, value: object, low: int | None = None) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if low is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"{name} must be finite, got {value}")
+            return float(value)
+
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1)
+        integer("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        for token_id in self.stop_token_ids:
+            integer("stop_token_ids", token_id, 0)
+        if number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        integer("top_k", self.top_k, -1)
+        top_p = number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        integer("repeat_last_n", self.repeat_last_n, 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token_id, bias in self.logit_bias.items():
+            integer("logit_bias key", token_id, 0)
+            if not -100.0 <= number("logit_bias value", bias) <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        integer("n", self.n, 1)
+        if self.best_of is not None:
+            integer("best_of", self.best_of, 1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                integer(name, value, 0)
+                if value > MAX_TOP_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_TOP_LOGPROBS}, got {value}")

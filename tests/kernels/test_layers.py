@@ -1,0 +1,164 @@
+"""rms_norm, fused_add_rms_norm and silu_and_mul against plain-PyTorch float64 references.
+
+Outputs are poisoned (NaN) before each call, so a row or element the kernel skips fails.
+Hidden sizes include ones that are not multiples of the kernels' vector width or
+staging chunk, and inputs include row views of wider tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyllm.ops as ops
+from tests.kernels.utils import ALL_DEVICES, DTYPES, POISON, assert_close
+
+HIDDEN_SIZES = [64, 576, 1030, 4096]
+NUM_TOKENS = [1, 7, 300]
+EPS = 1e-6
+
+
+def rows_input(shape, dtype, device, generator, layout, scale=1.0):
+    """A [..., width] input: contiguous, a row view of a wider 2-D tensor, or a 3-D
+    tensor whose dim 0 is strided (rows packed inside each index of dim 0)."""
+    *lead, width = shape
+    num_rows = 1
+    for n in lead:
+        num_rows *= n
+    if layout == "contiguous":
+        x = torch.randn(*shape, generator=generator) * scale
+        return x.to(dtype).to(device)
+    if layout == "row_view":
+        wide = torch.randn(num_rows, width + 40, generator=generator) * scale
+        return wide.to(dtype).to(device)[:, 8 : 8 + width].view(*lead, width)
+    assert layout == "3d_view" and len(lead) == 1
+    outer = 2 if num_rows % 2 == 0 else 1
+    inner = num_rows // outer
+    base = torch.randn(outer, inner * width + 24, generator=generator) * scale
+    return base.to(dtype).to(device)[:, : inner * width].view(outer, inner, width)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x = x.cpu().double()
+    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS)
+    return x * inv_rms * weight.cpu().double()
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    x = x.cpu().double()
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "row_view", "3d_view"])
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype, hidden_size, num_tokens, layout, device):
+    generator = torch.Generator().manual_seed(hidden_size + num_tokens)
+    x = rows_input((num_tokens, hidden_size), dtype, device, generator, layout)
+    weight = (1 + 0.1 * torch.randn(hidden_size, generator=generator)).to(dtype).to(device)
+    out = torch.full(x.shape, POISON, dtype=dtype, device=device)
+
+    ops.rms_norm(out, x, weight, EPS)
+
+    assert_close(out, rms_norm_reference(x, weight), dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_large_and_small_rows(dtype, device):
+    """Rows of very different scales: the norm is per row, and eps matters for tiny rows."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 576, generator=generator)
+    x *= torch.tensor([1e-3, 1.0, 30.0, 1e-8])[:, None]
+    x = x.to(dtype).to(device)
+    weight = torch.randn(576, generator=generator).to(dtype).to(device)
+    out = torch.full(x.shape, POISON, dtype=dtype, device=device)
+
+    ops.rms_norm(out, x, weight, EPS)
+
+    assert_close(out, rms_norm_reference(x, weight), dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype, hidden_size, num_tokens, device):
+    generator = torch.Generator().manual_seed(hidden_size * 3 + num_tokens)
+    x = rows_input((num_tokens, hidden_size), dtype, device, generator, "contiguous")
+    residual = rows_input((num_tokens, hidden_size), dtype, device, generator, "contiguous", 4.0)
+    weight = (1 + 0.1 * torch.randn(hidden_size, generator=generator)).to(dtype).to(device)
+    # The sum is rounded once to the dtype (exact in float64), and the norm is taken
+    # of that stored sum.
+    expected_residual = (residual.cpu().double() + x.cpu().double()).to(dtype)
+    expected_out = rms_norm_reference(expected_residual, weight)
+
+    ops.fused_add_rms_norm(x, residual, weight, EPS)
+
+    assert torch.equal(residual.cpu(), expected_residual)
+    assert_close(x, expected_out, dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_3d(dtype, device):
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, 576, generator=generator).to(dtype).to(device)
+    residual = torch.randn(2, 5, 576, generator=generator).to(dtype).to(device)
+    weight = torch.randn(576, generator=generator).to(dtype).to(device)
+    expected_residual = (residual.cpu().double() + x.cpu().double()).to(dtype)
+    expected_out = rms_norm_reference(expected_residual, weight)
+
+    ops.fused_add_rms_norm(x, residual, weight, EPS)
+
+    assert torch.equal(residual.cpu(), expected_residual)
+    assert_close(x, expected_out, dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "row_view", "3d_view"])
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("d", [64, 1003, 1536])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype, d, num_tokens, layout, device):
+    generator = torch.Generator().manual_seed(d + num_tokens)
+    # Scale 4 reaches well into both tails of the sigmoid.
+    x = rows_input((num_tokens, 2 * d), dtype, device, generator, layout, scale=4.0)
+    out = torch.full((*x.shape[:-1], d), POISON, dtype=dtype, device=device)
+
+    ops.silu_and_mul(out, x)
+
+    assert_close(out, silu_and_mul_reference(x), dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_extreme_gates(dtype, device):
+    """Gates far in both tails, zero, and around the exp range limits of float32."""
+    gate = torch.tensor([-1e4, -200.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 1e4])
+    up = torch.linspace(-3, 3, gate.numel())
+    x = torch.cat([gate, up])[None, :].to(dtype).to(device)
+    out = torch.full((1, gate.numel()), POISON, dtype=dtype, device=device)
+
+    ops.silu_and_mul(out, x)
+
+    assert_close(out, silu_and_mul_reference(x), dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+def test_layers_no_rows(device):
+    x = torch.empty(0, 64, device=device)
+    weight = torch.ones(64, device=device)
+    ops.rms_norm(torch.empty_like(x), x, weight, EPS)
+    ops.fused_add_rms_norm(x, torch.empty_like(x), weight, EPS)
+    ops.silu_and_mul(torch.empty(0, 32, device=device), x)
+
+
+def test_rms_norm_kernel_rejects_mismatched_out():
+    """The kernel itself refuses an out of the wrong shape when called without ops.py."""
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="out"):
+        torch.ops.pyllm.rms_norm(torch.empty(3, 64), x, torch.ones(64), EPS)

@@ -1,0 +1,730 @@
+"""Argument errors of every public function in pyllm.ops.
+
+Each case starts from arguments that pass every check, changes one of them, and
+expects the documented TypeError/ValueError with the argument's name in the message.
+The compiled ops are replaced by a recorder during these tests: the checks must fire
+before any kernel is reached (and the baseline test shows the unchanged arguments do
+reach it), so the tests hold whether or not a kernel is implemented yet.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import pyllm.ops as ops
+
+NUM_BLOCKS, NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 4, 64, 8
+
+
+class KernelRecorder:
+    """Stands in for torch.ops.pyllm: records which op was called, runs nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args: self.calls.append(name)
+
+
+@pytest.fixture
+def kernels(monkeypatch) -> KernelRecorder:
+    recorder = KernelRecorder()
+    monkeypatch.setattr(ops, "_C", recorder)
+    return recorder
+
+
+# ---------------------------------------------------------------------------
+# Valid arguments for each function (fresh tensors for every test).
+
+
+def cache(num_blocks=NUM_BLOCKS, dtype=torch.float32):
+    return ops.allocate_kv_cache(num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype)
+
+
+def valid_allocate_kv_cache():
+    return dict(num_blocks=4, num_kv_heads=2, head_size=64, block_size=8, dtype=torch.bfloat16)
+
+
+def valid_reshape_and_cache():
+    key_cache, value_cache = cache()
+    return dict(
+        key=torch.randn(3, NUM_KV_HEADS, HEAD_SIZE),
+        value=torch.randn(3, NUM_KV_HEADS, HEAD_SIZE),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=torch.tensor([0, NUM_BLOCKS * BLOCK_SIZE - 1, -1]),
+        kv_cache_dtype="auto",
+    )
+
+
+def valid_copy_blocks():
+    layers = [cache(), cache()]
+    return dict(
+        key_caches=[k for k, _ in layers],
+        value_caches=[v for _, v in layers],
+        block_mapping=torch.tensor([[0, 1], [2, 3]]),
+    )
+
+
+def valid_swap_blocks():
+    return dict(src=cache()[0], dst=cache(3)[0], block_mapping=torch.tensor([[3, 0], [1, 2]]))
+
+
+def valid_attention_common(num_tokens):
+    key_cache, value_cache = cache()
+    return dict(
+        out=torch.empty(num_tokens, NUM_HEADS, HEAD_SIZE),
+        query=torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        num_kv_heads=NUM_KV_HEADS,
+        scale=HEAD_SIZE**-0.5,
+        # Sequence 1 uses one block; its second entry is unused and may hold anything.
+        block_tables=torch.tensor([[3, 0], [1, 99]], dtype=torch.int32),
+        seq_lens=torch.tensor([16, 5], dtype=torch.int32),
+        block_size=BLOCK_SIZE,
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+    )
+
+
+def valid_paged_attention_v1():
+    return dict(valid_attention_common(2), max_seq_len=16)
+
+
+def valid_paged_attention_v2():
+    args = valid_attention_common(2)
+    exp_sums, max_logits, tmp_out = ops.paged_attention_v2_workspace(args["query"], 16)
+    return dict(args, exp_sums=exp_sums, max_logits=max_logits, tmp_out=tmp_out, max_seq_len=16)
+
+
+def valid_paged_attention_prefill():
+    return dict(
+        valid_attention_common(5),
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        max_query_len=3,
+    )
+
+
+def valid_paged_attention_v2_workspace():
+    return dict(query=torch.randn(2, NUM_HEADS, HEAD_SIZE), max_seq_len=600)
+
+
+def valid_rotary_embedding():
+    # query and key as column views of one fused qkv projection.
+    qkv = torch.randn(3, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_SIZE)
+    q_width, kv_width = NUM_HEADS * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE
+    return dict(
+        positions=torch.tensor([0, 5, 31]),
+        query=qkv[:, :q_width],
+        key=qkv[:, q_width : q_width + kv_width],
+        head_size=HEAD_SIZE,
+        cos_sin_cache=torch.randn(32, 32),
+        is_neox=True,
+    )
+
+
+def valid_rms_norm():
+    return dict(
+        out=torch.empty(3, 64), input=torch.randn(3, 80)[:, :64], weight=torch.ones(64), eps=1e-6
+    )
+
+
+def valid_fused_add_rms_norm():
+    return dict(
+        input=torch.randn(3, 64), residual=torch.randn(3, 64), weight=torch.ones(64), eps=1e-6
+    )
+
+
+def valid_silu_and_mul():
+    return dict(out=torch.empty(3, 32), input=torch.randn(3, 64))
+
+
+VALID = {
+    "allocate_kv_cache": valid_allocate_kv_cache,
+    "reshape_and_cache": valid_reshape_and_cache,
+    "copy_blocks": valid_copy_blocks,
+    "swap_blocks": valid_swap_blocks,
+    "paged_attention_v1": valid_paged_attention_v1,
+    "paged_attention_v2": valid_paged_attention_v2,
+    "paged_attention_prefill": valid_paged_attention_prefill,
+    "paged_attention_v2_workspace": valid_paged_attention_v2_workspace,
+    "rotary_embedding": valid_rotary_embedding,
+    "rms_norm": valid_rms_norm,
+    "fused_add_rms_norm": valid_fused_add_rms_norm,
+    "silu_and_mul": valid_silu_and_mul,
+}
+# Functions that end in a kernel call (the others only allocate).
+KERNEL_CALLING = set(VALID) - {"allocate_kv_cache", "paged_attention_v2_workspace"}
+
+
+def test_every_public_function_is_covered():
+    public = {name for name in ops.__all__ if callable(getattr(ops, name))} - {"kv_cache_x"}
+    assert public == set(VALID)
+
+
+@pytest.mark.parametrize("function", sorted(VALID))
+def test_valid_arguments_pass_the_checks(function, kernels):
+    getattr(ops, function)(**VALID[function]())
+    assert kernels.calls == ([function] if function in KERNEL_CALLING else [])
+
+
+# ---------------------------------------------------------------------------
+# Bad arguments: one change each.
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values as t, in a transposed memory order."""
+    flipped = t.transpose(0, 1).contiguous().transpose(0, 1)
+    assert flipped.shape == t.shape and not flipped.is_contiguous()
+    return flipped
+
+
+def heads_not_packed(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with the same values, head_size no longer the fastest dimension."""
+    flipped = t.transpose(1, 2).contiguous().transpose(1, 2)
+    assert flipped.shape == t.shape and flipped.stride(2) != 1
+    return flipped
+
+
+def on_meta(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on a device pyllm does not run on, available on every machine."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+@dataclass
+class Case:
+    function: str
+    name: str  # test id
+    change: dict[str, Any]  # argument -> new value, or a function of the valid arguments
+    error: type[Exception]
+    match: str  # the argument the message must name (a whole word), or a regex
+
+    def apply(self, args: dict[str, Any]) -> dict[str, Any]:
+        for key, value in self.change.items():
+            args[key] = value(args) if callable(value) and not isinstance(value, type) else value
+        return args
+
+    def pattern(self) -> str:
+        return rf"\b{self.match}\b" if re.fullmatch(r"\w+", self.match) else self.match
+
+
+def cases_for(function: str, *cases: tuple) -> list[Case]:
+    return [Case(function, *case) for case in cases]
+
+
+def different_cache_layout(args):
+    """A value cache whose head_size does not match the key cache's (x groups)."""
+    return torch.empty(NUM_BLOCKS, NUM_KV_HEADS, 2 * HEAD_SIZE, BLOCK_SIZE)
+
+
+CASES = [
+    *cases_for(
+        "allocate_kv_cache",
+        ("num_blocks_zero", {"num_blocks": 0}, ValueError, "num_blocks"),
+        ("num_kv_heads_float", {"num_kv_heads": 2.0}, ValueError, "num_kv_heads"),
+        ("head_size_unsupported", {"head_size": 72}, ValueError, "head_size"),
+        ("block_size_unsupported", {"block_size": 12}, ValueError, "block_size"),
+        ("dtype_int8", {"dtype": torch.int8}, TypeError, "dtype"),
+    ),
+    *cases_for(
+        "reshape_and_cache",
+        ("key_not_tensor", {"key": lambda a: a["key"].tolist()}, TypeError, "key"),
+        ("key_float64", {"key": lambda a: a["key"].double()}, TypeError, "key"),
+        ("key_on_meta", {"key": lambda a: on_meta(a["key"])}, ValueError, "key"),
+        ("key_2d", {"key": lambda a: a["key"].flatten(1)}, ValueError, "key"),
+        (
+            "key_heads_not_packed",
+            {"key": lambda a: heads_not_packed(a["key"])},
+            ValueError,
+            "key",
+        ),
+        ("value_dtype", {"value": lambda a: a["value"].half()}, TypeError, "value"),
+        ("value_shape", {"value": lambda a: a["value"][:2]}, ValueError, "value"),
+        ("value_on_meta", {"value": lambda a: on_meta(a["value"])}, ValueError, "value"),
+        (
+            "value_heads_not_packed",
+            {"value": lambda a: heads_not_packed(a["value"])},
+            ValueError,
+            "value",
+        ),
+        ("kv_cache_dtype_fp8", {"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype"),
+        (
+            "key_cache_not_contiguous",
+            {"key_cache": lambda a: non_contiguous(a["key_cache"])},
+            ValueError,
+            "key_cache",
+        ),
+        (
+            "value_cache_not_contiguous",
+            {"value_cache": lambda a: non_contiguous(a["value_cache"])},
+            ValueError,
+            "value_cache",
+        ),
+        ("key_cache_dtype", {"key_cache": lambda a: a["key_cache"].half()}, TypeError, "key_cache"),
+        (
+            "value_cache_3d",
+            {"value_cache": lambda a: a["value_cache"][0]},
+            ValueError,
+            "value_cache",
+        ),
+        (
+            "key_cache_layout_mismatch",
+            {"value_cache": different_cache_layout},
+            ValueError,
+            "key_cache",
+        ),
+        (
+            "cache_head_size_unsupported",
+            {"key_cache": torch.empty(4, 2, 18, 8, 4), "value_cache": torch.empty(4, 2, 72, 8)},
+            ValueError,
+            "head_size",
+        ),
+        (
+            "cache_block_size_unsupported",
+            {"key_cache": torch.empty(4, 2, 16, 12, 4), "value_cache": torch.empty(4, 2, 64, 12)},
+            ValueError,
+            "block_size",
+        ),
+        (
+            "key_heads_differ_from_cache",
+            {"key": torch.randn(3, 1, 64), "value": torch.randn(3, 1, 64)},
+            ValueError,
+            "key",
+        ),
+        (
+            "slot_mapping_int32",
+            {"slot_mapping": lambda a: a["slot_mapping"].int()},
+            TypeError,
+            "slot_mapping",
+        ),
+        ("slot_mapping_not_tensor", {"slot_mapping": [0, 1, 2]}, TypeError, "slot_mapping"),
+        ("slot_mapping_length", {"slot_mapping": torch.tensor([0, 1])}, ValueError, "slot_mapping"),
+        (
+            "slot_mapping_on_meta",
+            {"slot_mapping": lambda a: on_meta(a["slot_mapping"])},
+            ValueError,
+            "slot_mapping",
+        ),
+        (
+            "slot_past_cache_end",
+            {"slot_mapping": torch.tensor([0, NUM_BLOCKS * BLOCK_SIZE, 1])},
+            ValueError,
+            "slot_mapping",
+        ),
+        (
+            "slot_below_minus_one",
+            {"slot_mapping": torch.tensor([0, -2, 1])},
+            ValueError,
+            "slot_mapping",
+        ),
+    ),
+    *cases_for(
+        "copy_blocks",
+        (
+            "key_caches_tensor",
+            {"key_caches": lambda a: a["key_caches"][0]},
+            TypeError,
+            "key_caches",
+        ),
+        (
+            "layer_counts_differ",
+            {"value_caches": lambda a: a["value_caches"][:1]},
+            ValueError,
+            "value_caches",
+        ),
+        ("no_layers", {"key_caches": [], "value_caches": []}, ValueError, "key_caches"),
+        (
+            "layer0_key_cache_not_contiguous",
+            {"key_caches": lambda a: [non_contiguous(a["key_caches"][0]), a["key_caches"][1]]},
+            ValueError,
+            "layer 0: key_cache",
+        ),
+        (
+            "layer1_value_cache_dtype",
+            {"value_caches": lambda a: [a["value_caches"][0], a["value_caches"][1].half()]},
+            TypeError,
+            "layer 1: value_cache",
+        ),
+        (
+            "layer1_num_blocks_differs",
+            {
+                "key_caches": lambda a: [a["key_caches"][0], cache(5)[0]],
+                "value_caches": lambda a: [a["value_caches"][0], cache(5)[1]],
+            },
+            ValueError,
+            "layer 1",
+        ),
+        (
+            "block_mapping_int32",
+            {"block_mapping": lambda a: a["block_mapping"].int()},
+            TypeError,
+            "block_mapping",
+        ),
+        (
+            "block_mapping_three_columns",
+            {"block_mapping": torch.tensor([[0, 1, 2]])},
+            ValueError,
+            "block_mapping",
+        ),
+        ("block_mapping_1d", {"block_mapping": torch.tensor([0, 1])}, ValueError, "block_mapping"),
+        (
+            "block_mapping_not_contiguous",
+            {"block_mapping": torch.tensor([[0, 2], [1, 3]]).t()},
+            ValueError,
+            "block_mapping",
+        ),
+        (
+            "block_mapping_on_meta",
+            {"block_mapping": lambda a: on_meta(a["block_mapping"])},
+            ValueError,
+            "block_mapping",
+        ),
+        (
+            "source_block_out_of_range",
+            {"block_mapping": torch.tensor([[NUM_BLOCKS, 0]])},
+            ValueError,
+            "block_mapping",
+        ),
+        (
+            "destination_block_negative",
+            {"block_mapping": torch.tensor([[0, -1]])},
+            ValueError,
+            "block_mapping",
+        ),
+    ),
+    *cases_for(
+        "swap_blocks",
+        ("src_int", {"src": lambda a: a["src"].int()}, TypeError, "src"),
+        ("src_on_meta", {"src": lambda a: on_meta(a["src"])}, ValueError, "src"),
+        ("dst_dtype", {"dst": lambda a: a["dst"].bfloat16()}, TypeError, "dst"),
+        ("dst_not_contiguous", {"dst": lambda a: non_contiguous(a["dst"])}, ValueError, "dst"),
+        ("dst_block_shape", {"dst": lambda a: cache(3)[1]}, ValueError, "dst"),
+        (
+            "destination_block_out_of_range",
+            {"block_mapping": torch.tensor([[0, 3]])},
+            ValueError,
+            "block_mapping",
+        ),
+        (
+            "block_mapping_float",
+            {"block_mapping": torch.tensor([[0.0, 1.0]])},
+            TypeError,
+            "block_mapping",
+        ),
+    ),
+]
+
+# The three attention functions share their query/cache/block table checks.
+ATTENTION_COMMON = [
+    ("query_float64", {"query": lambda a: a["query"].double()}, TypeError, "query"),
+    ("query_2d", {"query": lambda a: a["query"].flatten(1)}, ValueError, "query"),
+    ("query_on_meta", {"query": lambda a: on_meta(a["query"])}, ValueError, "query"),
+    ("out_shape", {"out": lambda a: a["out"][:, :2]}, ValueError, "out"),
+    ("out_dtype", {"out": lambda a: a["out"].half()}, TypeError, "out"),
+    ("out_not_contiguous", {"out": lambda a: non_contiguous(a["out"])}, ValueError, "out"),
+    (
+        "head_size_unsupported",
+        {
+            "query": lambda a: a["query"].new_zeros(*a["query"].shape[:2], 72),
+            "out": lambda a: a["out"].new_zeros(*a["out"].shape[:2], 72),
+        },
+        ValueError,
+        "head_size",
+    ),
+    ("heads_not_divisible", {"num_kv_heads": 3}, ValueError, "num_kv_heads"),
+    ("num_kv_heads_zero", {"num_kv_heads": 0}, ValueError, "num_kv_heads"),
+    ("num_kv_heads_differs_from_cache", {"num_kv_heads": 4}, ValueError, "num_kv_heads"),
+    (
+        "cache_head_size_differs",
+        {"key_cache": torch.empty(4, 2, 32, 8, 4), "value_cache": torch.empty(4, 2, 128, 8)},
+        ValueError,
+        "head_size",
+    ),
+    (
+        "key_cache_not_contiguous",
+        {"key_cache": lambda a: non_contiguous(a["key_cache"])},
+        ValueError,
+        "key_cache",
+    ),
+    ("block_size_differs_from_cache", {"block_size": 16}, ValueError, "block_size"),
+    ("block_size_unsupported", {"block_size": 12}, ValueError, "block_size"),
+    ("scale_nan", {"scale": float("nan")}, ValueError, "scale"),
+    ("scale_string", {"scale": "0.1"}, TypeError, "scale"),
+    (
+        "block_tables_int64",
+        {"block_tables": lambda a: a["block_tables"].long()},
+        TypeError,
+        "block_tables",
+    ),
+    (
+        "block_tables_entry_out_of_range",
+        {"block_tables": torch.tensor([[3, NUM_BLOCKS], [1, 0]], dtype=torch.int32)},
+        ValueError,
+        "block_tables",
+    ),
+    (
+        "block_tables_entry_negative",
+        {"block_tables": torch.tensor([[3, 0], [-1, 0]], dtype=torch.int32)},
+        ValueError,
+        "block_tables",
+    ),
+    (
+        "block_tables_rows",
+        {"block_tables": lambda a: a["block_tables"][:1]},
+        ValueError,
+        "block_tables",
+    ),
+    (
+        "seq_lens_over_capacity",
+        {"seq_lens": torch.tensor([17, 5], dtype=torch.int32)},
+        ValueError,
+        "seq_lens",
+    ),
+    (
+        "seq_lens_negative",
+        {"seq_lens": torch.tensor([16, -1], dtype=torch.int32)},
+        ValueError,
+        "seq_lens",
+    ),
+    ("seq_lens_int64", {"seq_lens": lambda a: a["seq_lens"].long()}, TypeError, "seq_lens"),
+    ("alibi_slopes_shape", {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes"),
+    (
+        "alibi_slopes_bfloat16",
+        {"alibi_slopes": lambda a: a["alibi_slopes"].bfloat16()},
+        TypeError,
+        "alibi_slopes",
+    ),
+]
+
+for _function in ("paged_attention_v1", "paged_attention_v2", "paged_attention_prefill"):
+    CASES += cases_for(_function, *ATTENTION_COMMON)
+
+CASES += [
+    *cases_for(
+        "paged_attention_v1",
+        (
+            "seq_lens_length",
+            {"seq_lens": torch.tensor([16], dtype=torch.int32)},
+            ValueError,
+            "seq_lens",
+        ),
+        ("max_seq_len_too_small", {"max_seq_len": 15}, ValueError, "max_seq_len"),
+        ("max_seq_len_zero", {"max_seq_len": 0}, ValueError, "max_seq_len"),
+    ),
+    *cases_for(
+        "paged_attention_v2",
+        ("max_seq_len_too_small", {"max_seq_len": 15}, ValueError, "max_seq_len"),
+        (
+            "exp_sums_heads",
+            {"exp_sums": lambda a: a["exp_sums"][:, :3].contiguous()},
+            ValueError,
+            "exp_sums",
+        ),
+        ("exp_sums_not_tensor", {"exp_sums": None}, TypeError, "exp_sums"),
+        (
+            "max_logits_float16",
+            {"max_logits": lambda a: a["max_logits"].half()},
+            TypeError,
+            "max_logits",
+        ),
+        (
+            "tmp_out_head_size",
+            {"tmp_out": lambda a: a["tmp_out"][..., :32].contiguous()},
+            ValueError,
+            "tmp_out",
+        ),
+        ("tmp_out_dtype", {"tmp_out": lambda a: a["tmp_out"].half()}, TypeError, "tmp_out"),
+        # The workspace was sized for max_seq_len 16 (one partition).
+        (
+            "workspace_too_few_partitions",
+            {"max_seq_len": ops.PARTITION_SIZE + 1},
+            ValueError,
+            "exp_sums",
+        ),
+    ),
+    *cases_for(
+        "paged_attention_v2_workspace",
+        ("query_2d", {"query": lambda a: a["query"].flatten(1)}, ValueError, "query"),
+        ("query_not_tensor", {"query": None}, TypeError, "query"),
+        ("max_seq_len_zero", {"max_seq_len": 0}, ValueError, "max_seq_len"),
+    ),
+    *cases_for(
+        "paged_attention_prefill",
+        (
+            "query_start_loc_int64",
+            {"query_start_loc": lambda a: a["query_start_loc"].long()},
+            TypeError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_2d",
+            {"query_start_loc": lambda a: a["query_start_loc"][None]},
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_empty",
+            {"query_start_loc": torch.empty(0, dtype=torch.int32)},
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_not_from_zero",
+            {"query_start_loc": torch.tensor([1, 3, 5], dtype=torch.int32)},
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_short_of_num_tokens",
+            {"query_start_loc": torch.tensor([0, 3, 4], dtype=torch.int32)},
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_decreasing",
+            {"query_start_loc": torch.tensor([0, 6, 5], dtype=torch.int32)},
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "query_start_loc_no_sequences_but_tokens",
+            {
+                "query_start_loc": torch.tensor([0], dtype=torch.int32),
+                "seq_lens": torch.empty(0, dtype=torch.int32),
+                "block_tables": torch.empty(0, 2, dtype=torch.int32),
+            },
+            ValueError,
+            "query_start_loc",
+        ),
+        (
+            "seq_lens_length",
+            {"seq_lens": torch.tensor([16], dtype=torch.int32)},
+            ValueError,
+            "seq_lens",
+        ),
+        (
+            "query_longer_than_seq_len",
+            {"seq_lens": torch.tensor([2, 5], dtype=torch.int32)},
+            ValueError,
+            "seq_lens",
+        ),
+        ("max_query_len_too_small", {"max_query_len": 2}, ValueError, "max_query_len"),
+        ("max_query_len_zero", {"max_query_len": 0}, ValueError, "max_query_len"),
+    ),
+    *cases_for(
+        "rotary_embedding",
+        ("positions_int32", {"positions": lambda a: a["positions"].int()}, TypeError, "positions"),
+        ("positions_2d", {"positions": lambda a: a["positions"][None]}, ValueError, "positions"),
+        (
+            "positions_on_meta",
+            {"positions": lambda a: on_meta(a["positions"])},
+            ValueError,
+            "positions",
+        ),
+        ("position_past_cache", {"positions": torch.tensor([0, 5, 32])}, ValueError, "positions"),
+        ("position_negative", {"positions": torch.tensor([0, -1, 3])}, ValueError, "positions"),
+        ("query_float64", {"query": lambda a: a["query"].double()}, TypeError, "query"),
+        ("query_not_tensor", {"query": None}, TypeError, "query"),
+        ("query_tokens", {"query": lambda a: a["query"][:2]}, ValueError, "query"),
+        ("query_partial_head", {"query": lambda a: a["query"][:, :100]}, ValueError, "query"),
+        ("query_heads_not_packed", {"query": lambda a: a["query"][:, ::2]}, ValueError, "query"),
+        (
+            "query_3d_wrong_head_size",
+            {"query": lambda a: a["query"].reshape(3, 8, 32)},
+            ValueError,
+            "query",
+        ),
+        ("key_dtype", {"key": lambda a: a["key"].half()}, TypeError, "key"),
+        ("key_4d", {"key": lambda a: a["key"].reshape(3, 2, 1, 64)}, ValueError, "key"),
+        ("head_size_zero", {"head_size": 0}, ValueError, "head_size"),
+        (
+            "cos_sin_cache_float64",
+            {"cos_sin_cache": lambda a: a["cos_sin_cache"].double()},
+            TypeError,
+            "cos_sin_cache",
+        ),
+        (
+            "cos_sin_cache_odd_rot_dim",
+            {"cos_sin_cache": torch.randn(32, 31)},
+            ValueError,
+            "cos_sin_cache",
+        ),
+        (
+            "cos_sin_cache_rot_dim_over_head_size",
+            {"cos_sin_cache": torch.randn(32, 66)},
+            ValueError,
+            "cos_sin_cache",
+        ),
+        (
+            "cos_sin_cache_not_contiguous",
+            {"cos_sin_cache": torch.randn(32, 32).t()},
+            ValueError,
+            "cos_sin_cache",
+        ),
+        ("cos_sin_cache_1d", {"cos_sin_cache": torch.randn(32)}, ValueError, "cos_sin_cache"),
+        ("is_neox_int", {"is_neox": 1}, TypeError, "is_neox"),
+    ),
+    *cases_for(
+        "rms_norm",
+        ("input_int", {"input": lambda a: a["input"].int()}, TypeError, "input"),
+        ("input_0d", {"input": torch.tensor(1.0), "out": torch.tensor(0.0)}, ValueError, "input"),
+        (
+            "input_not_packed",
+            {"input": lambda a: a["input"].t().contiguous().t()},
+            ValueError,
+            "input",
+        ),
+        ("out_shape", {"out": lambda a: a["out"][:2]}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].half()}, TypeError, "out"),
+        ("out_not_contiguous", {"out": lambda a: torch.empty(3, 80)[:, :64]}, ValueError, "out"),
+        ("weight_size", {"weight": torch.ones(63)}, ValueError, "weight"),
+        ("weight_dtype", {"weight": lambda a: a["weight"].bfloat16()}, TypeError, "weight"),
+        ("weight_2d", {"weight": torch.ones(1, 64)}, ValueError, "weight"),
+        ("eps_zero", {"eps": 0.0}, ValueError, "eps"),
+        ("eps_nan", {"eps": float("nan")}, ValueError, "eps"),
+        ("eps_string", {"eps": "1e-6"}, TypeError, "eps"),
+    ),
+    *cases_for(
+        "fused_add_rms_norm",
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        (
+            "input_not_contiguous",
+            {"input": lambda a: torch.randn(3, 80)[:, :64]},
+            ValueError,
+            "input",
+        ),
+        ("residual_shape", {"residual": lambda a: a["residual"][:2]}, ValueError, "residual"),
+        ("residual_dtype", {"residual": lambda a: a["residual"].half()}, TypeError, "residual"),
+        (
+            "residual_not_contiguous",
+            {"residual": lambda a: non_contiguous(a["residual"])},
+            ValueError,
+            "residual",
+        ),
+        ("weight_size", {"weight": torch.ones(65)}, ValueError, "weight"),
+        ("eps_negative", {"eps": -1e-6}, ValueError, "eps"),
+    ),
+    *cases_for(
+        "silu_and_mul",
+        ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
+        ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+        ("out_not_contiguous", {"out": lambda a: torch.empty(3, 40)[:, :32]}, ValueError, "out"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.function}-{c.name}" for c in CASES])
+def test_bad_argument_raises_naming_it(case: Case, kernels):
+    args = case.apply(VALID[case.function]())
+    with pytest.raises(case.error, match=case.pattern()):
+        getattr(ops, case.function)(**args)
+    assert kernels.calls == []
