@@ -722,15 +722,15 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                 op, ": exp_sums and max_logits must be contiguous float32 [", num_seqs, ", ",
                 num_heads, ", >= ", needed, "], got ", t->sizes());
   }
-  TORCH_CHECK(max_logits.size(2) == exp_sums.size(2), op,
-              ": exp_sums and max_logits must have the same number of partitions");
-  const int64_t max_parts = exp_sums.size(2);
   TORCH_CHECK(tmp_out.device().is_cpu() && tmp_out.scalar_type() == query.scalar_type() &&
                   tmp_out.is_contiguous() && tmp_out.dim() == 4 && tmp_out.size(0) == num_seqs &&
-                  tmp_out.size(1) == num_heads && tmp_out.size(2) == max_parts &&
+                  tmp_out.size(1) == num_heads && tmp_out.size(2) >= needed &&
                   tmp_out.size(3) == shape.head_size,
-              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", ", max_parts,
+              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", >= ", needed,
               ", ", shape.head_size, "] in the query's dtype, got ", tmp_out.sizes());
+  // Each workspace tensor may hold more partitions than needed; index each by its own.
+  const int64_t sums_parts = exp_sums.size(2), maxes_parts = max_logits.size(2),
+                partial_parts = tmp_out.size(2);
   check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
 
   const int group = int(num_heads / num_kv_heads), head_size = int(shape.head_size);
@@ -764,11 +764,10 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                   alibi, seq_len, t_end);
       attend(cache, part.seq, kv_head, t_begin, t_end, ws);
       for (int g = 0; g < group; ++g) {
-        const int64_t stat =
-            (part.seq * num_heads + int64_t(kv_head) * group + g) * max_parts + part.partition;
-        maxes[stat] = ws.rows.max_logit[g];
-        sums[stat] = ws.rows.exp_sum[g];
-        store_row(ws.rows, g, partial + stat * head_size);
+        const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
+        maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
+        sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
+        store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
       }
     });
 
@@ -778,8 +777,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
       std::vector<float> merged(head_size);
       for (int64_t sh = begin; sh < end; ++sh) {
         const int parts_here = num_partitions(lens[sh / num_heads]);
-        const float* m = maxes + sh * max_parts;
-        const float* l = sums + sh * max_parts;
+        const float* m = maxes + sh * maxes_parts;
+        const float* l = sums + sh * sums_parts;
         float global_max = kNegInf;
         for (int p = 0; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
         std::fill(merged.begin(), merged.end(), 0.0f);
@@ -787,7 +786,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
         for (int p = 0; p < parts_here; ++p) {
           const float w = l[p] * std::exp(m[p] - global_max);
           total += w;
-          const scalar_t* src = partial + (sh * max_parts + p) * head_size;
+          const scalar_t* src = partial + (sh * partial_parts + p) * head_size;
           for (int d = 0; d < head_size; ++d) merged[d] += w * static_cast<float>(src[d]);
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // seq_len 0: zeros
