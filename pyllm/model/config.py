@@ -1,0 +1,312 @@
+"""One description of a Llama-family model, read from an HF config.json or from GGUF metadata.
+
+The Llama family here means: token embedding, N pre-norm decoder layers (RMSNorm,
+grouped-query attention with neox-style rotary embeddings, RMSNorm, SiLU-gated MLP), a
+final RMSNorm and an LM head (optionally tied to the embedding). Llama 2/3, Mistral,
+SmolLM2 and Qwen2 differ only in the fields below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# HF `model_type` -> the bias layout of that family's projections.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_HF_CLASS_TO_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None, or {"rope_type": "linear", "factor": f} or {"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None = None
+    # GGUF files of Llama 3.1+ store the llama3 scaling as per-frequency divisors
+    # (tensor rope_freqs.weight, head_dim / 2 values) instead of parameters.
+    rope_freq_factors: tuple[float, ...] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets this and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    source: str = ""  # the file this config came from, for error messages
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def __post_init__(self) -> None:
+        where = f" in {self.source}" if self.source else ""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}{where}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int{where}, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads}){where}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim must be even for rotary embeddings{where}, got {self.head_dim}"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise NotImplementedError(
+                    f"rope scaling type {rope_type!r}{where} is not supported; supported: "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} values{where}; "
+                f"expected head_dim / 2 = {self.head_dim // 2}"
+            )
+
+    # -- HF config.json -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(
+                f"{config_file} not found (an HF model folder needs config.json)"
+            )
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+        return cls.from_hf_dict(raw, source=config_file)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        arch = _hf_architecture(raw, source)
+        _check_activation(raw.get("hidden_act", "silu"), source)
+        _check_sliding_window(raw, arch, source)
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ValueError(f"{source} lacks {key!r}, which a {arch} model needs")
+            return raw[key]
+
+        num_heads = need("num_attention_heads")
+        hidden_size = need("hidden_size")
+        rope_theta, rope_scaling = _hf_rope(raw, source)
+        attention_bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch != "qwen2" and attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            source=source,
+        )
+
+    # -- GGUF metadata --------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        metadata: dict[str, Any],
+        tensor_names: set[str],
+        source: str,
+        rope_freq_factors: tuple[float, ...] | None = None,
+    ) -> ModelConfig:
+        """metadata: the file's key/value pairs (``llama.block_count`` ...);
+        tensor_names: the names of its tensors (a missing ``output.weight`` means the
+        LM head is tied to ``token_embd.weight``)."""
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {source} (general.architecture); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def key(name: str, default: Any = None) -> Any:
+            full = f"{arch}.{name}"
+            if full in metadata:
+                return metadata[full]
+            if default is None:
+                raise ValueError(f"{source} lacks the GGUF metadata key {full!r}")
+            return default
+
+        hidden_size = int(key("embedding_length"))
+        num_heads = int(key("attention.head_count"))
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if tokens is not None else int(key("vocab_size"))
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=int(key("attention.key_length", hidden_size // num_heads)),
+            max_position_embeddings=int(key("context_length")),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(metadata, arch, source),
+            rope_freq_factors=rope_freq_factors,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_down.bias" in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            source=source,
+        )
+
+
+def _hf_architecture(raw: dict[str, Any], source: str) -> str:
+    classes = raw.get("architectures") or []
+    for name in classes:
+        if name in _HF_CLASS_TO_ARCH:
+            return _HF_CLASS_TO_ARCH[name]
+    model_type = raw.get("model_type")
+    if not classes and model_type in SUPPORTED_ARCHITECTURES:
+        return model_type
+    found = ", ".join(classes) if classes else repr(model_type)
+    raise ValueError(
+        f"unsupported architecture {found} in {source}; supported: {', '.join(_HF_CLASS_TO_ARCH)}"
+    )
+
+
+def _check_activation(act: str, source: str) -> None:
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act {act!r} in {source} is not supported (only 'silu')")
+
+
+def _check_sliding_window(raw: dict[str, Any], arch: str, source: str) -> None:
+    """Sliding-window attention is not implemented; a window at least as long as the
+    model's context never limits attention, so such configs load."""
+    window = raw.get("sliding_window")
+    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+        return
+    max_positions = raw.get("max_position_embeddings", 2048)
+    if window is not None and window < max_positions:
+        raise NotImplementedError(
+            f"{source} sets sliding_window={window} (< max_position_embeddings={max_positions}); "
+            "sliding-window attention is not implemented"
+        )
+
+
+def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """transformers 5 writes ``rope_parameters`` (theta inside); older files write
+    ``rope_theta`` and ``rope_scaling`` (with ``type`` or ``rope_type``)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope scaling type {rope_type!r} in {source} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    needed = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}[rope_type]
+    missing = [k for k in needed if k not in merged]
+    if missing:
+        raise ValueError(f"{source}: {rope_type} rope scaling lacks {', '.join(missing)}")
+    return theta, {"rope_type": rope_type, **{k: merged[k] for k in needed}}
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _gguf_rope_scaling(metadata: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+    rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if rope_type == "none":
+        return None
+    if rope_type == "linear":
+        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    raise NotImplementedError(
+        f"rope scaling type {rope_type!r} in {source} ({arch}.rope.scaling.type) is not supported"
+    )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] in float32, scaled as the config asks."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's long-context rule: wavelengths longer than the original context /
+    low_freq_factor are stretched by `factor`, those shorter than original context /
+    high_freq_factor are kept, and the band between is interpolated linearly in
+    (original context / wavelength)."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    stretched = inv_freq / factor
+    blend = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    # blend = 0 on the long side (fully stretched), 1 on the short side (unchanged).
+    scaled = (1 - blend) * stretched + blend * inv_freq
+    keep = wavelen < original / high
+    stretch = wavelen > original / low
+    return torch.where(keep, inv_freq, torch.where(stretch, stretched, scaled))

@@ -1,0 +1,220 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2) over pyllm's paged-attention ops.
+
+``LlamaForCausalLM(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden
+[T, hidden_size]`` runs one step of a flat batch (see layers.AttentionMetadata), and
+``compute_logits(hidden, logits_indices)`` projects only the rows asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyllm.ops as ops
+from pyllm.model.config import ModelConfig
+from pyllm.model.layers import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    RMSNorm,
+    _param,
+    rotary_cos_sin_cache,
+    v2_workspace,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
+        """Pre-norm block. `residual` carries the stream between layers, so each norm
+        fuses the previous layer's residual add (None before the first layer)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, workspace)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+    ) -> None:
+        """max_model_len bounds the positions (and the rotary table); it defaults to
+        and may not exceed config.max_position_embeddings."""
+        super().__init__()
+        if dtype not in ops.SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {dtype} is not supported; supported: {ops.SUPPORTED_DTYPES}")
+        if config.head_dim not in ops.SUPPORTED_HEAD_SIZES:
+            raise ValueError(
+                f"head_dim {config.head_dim} ({config.source}) is not supported by pyllm's "
+                f"attention kernels; supported: {ops.SUPPORTED_HEAD_SIZES}"
+            )
+        limit = config.max_position_embeddings
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len must lie in [1, {limit}] (max_position_embeddings), "
+                f"got {max_model_len}"
+            )
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len or limit
+        self.model = LlamaModel(config, dtype, device)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(
+                config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            )
+        self.register_buffer(
+            "cos_sin_cache",
+            rotary_cos_sin_cache(config, self.max_model_len, device),
+            persistent=False,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]: the embedding itself when the two are tied."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache],
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """One step; returns the final-normed hidden states [T, hidden_size].
+        validate=False skips the per-step index checks (for callers that built the
+        metadata themselves and checked it)."""
+        if validate:
+            self.validate_step(input_ids, positions, attn_metadata, kv_caches)
+        workspace = v2_workspace(
+            attn_metadata,
+            self.config.num_attention_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(
+                positions, hidden, residual, self.cos_sin_cache, kv_cache, attn_metadata, workspace
+            )
+        return self.model.norm(hidden, residual)
+
+    @torch.inference_mode()
+    def compute_logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Float32 logits [N, vocab_size] for hidden[logits_indices] (all rows if None)."""
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def validate_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> None:
+        """The checks pyllm.ops would make per op, made once for the whole step."""
+        config = self.config
+        if len(kv_caches) != config.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} layers, the model {config.num_hidden_layers}"
+            )
+        key_cache, value_cache = kv_caches[0]
+        num_blocks, num_kv_heads, head_size, block_size = ops._check_kv_cache(
+            key_cache, value_cache, self.dtype, self.device
+        )
+        if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
+            raise ValueError(
+                f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
+                f"{config.num_key_value_heads} of size {config.head_dim}"
+            )
+        for i, (k, v) in enumerate(kv_caches):
+            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != self.dtype:
+                raise ValueError(f"kv_caches[{i}] differs in shape or dtype from kv_caches[0]")
+        T = attn_metadata.num_tokens
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if t.dtype != torch.int64 or t.shape != (T,) or t.device != self.device:
+                raise ValueError(
+                    f"{name} must be int64 [{T}] (one per slot_mapping entry) on {self.device}, "
+                    f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+        if T and (int(positions.min()) < 0 or int(positions.max()) >= self.max_model_len):
+            raise ValueError(
+                f"positions must lie in [0, max_model_len={self.max_model_len}), got "
+                f"{int(positions.min())}..{int(positions.max())}"
+            )
+        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, {config.vocab_size}), got "
+                f"{int(input_ids.min())}..{int(input_ids.max())}"
+            )
+        attn_metadata.validate(num_blocks, block_size, self.device)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        """One (key_cache, value_cache) pair per layer, in the model's dtype and device."""
+        return allocate_kv_caches(self.config, num_blocks, block_size, self.dtype, self.device)
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device
+) -> list[KVCache]:
+    return [
+        ops.allocate_kv_cache(
+            num_blocks, config.num_key_value_heads, config.head_dim, block_size, dtype, device
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values): for sizing the cache."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * block_size
+        * element
+    )

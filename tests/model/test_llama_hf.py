@@ -1,0 +1,146 @@
+"""pyllm's Llama-family model against HF transformers on tiny random models.
+
+Each family's model is created and saved with transformers, loaded by pyllm, and run
+on a batch of sequences of different lengths: in one prefill, in prompt chunks mixed
+with decode steps, and with 16 decode steps. Every position's logits must match HF's
+full forward over the whole sequence (float32, max abs diff < 1e-3; logits are of
+order one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyllm.model.layers as layers
+from pyllm.model.loader import load_model
+from tests.model.conftest import hf_logits, make_hf_model, run_sequences
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500000.0,
+}
+
+FAMILIES = {
+    # Llama 3: GQA, llama3 rope scaling.
+    "llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    # SmolLM2-like: tied embeddings, rope theta 100000.
+    "smollm2": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e5},
+        },
+    ),
+    # Mistral with head_dim set apart from hidden_size / num_heads (256 != 192).
+    "mistral": ("mistral", {"hidden_size": 192, "num_key_value_heads": 1}),
+    # Qwen2: biases on q, k, v.
+    "qwen2": ("qwen2", {}),
+}
+
+SEQ_LENS = [41, 23, 18]
+MAX_ABS_DIFF = 1e-3
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    kind, overrides = FAMILIES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(kind, path, **overrides)
+    model, _ = load_model(path, dtype="float32")
+    gen = torch.Generator().manual_seed(1)
+    tokens = [
+        torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in SEQ_LENS
+    ]
+    expected = [hf_logits(hf, t) for t in tokens]
+    return model, tokens, expected
+
+
+def assert_matches_hf(result, expected) -> None:
+    for i, (ours, ref) in enumerate(zip(result.logits, expected, strict=True)):
+        assert ours.shape == ref.shape, f"sequence {i}"
+        assert ref.abs().max() > 1.0  # the comparison is not between near-zero logits
+        diff = (ours - ref).abs().max().item()
+        assert diff < MAX_ABS_DIFF, f"sequence {i}: max abs diff {diff:.2e}"
+
+
+def test_one_prefill(family):
+    model, tokens, expected = family
+    result = run_sequences(model, tokens, block_size=16)
+    assert result.num_steps == 1
+    assert_matches_hf(result, expected)
+
+
+def test_prompt_chunks_mixed_with_decodes(family):
+    model, tokens, expected = family
+    prompt_lens = [n - 4 for n in SEQ_LENS]
+    result = run_sequences(model, tokens, prompt_lens, chunk_size=7, block_size=8)
+    assert result.mixed_steps > 0  # short prompts decode while long ones still prefill
+    assert_matches_hf(result, expected)
+
+
+def test_16_decode_steps(family):
+    model, tokens, expected = family
+    prompt_lens = [n - 16 for n in SEQ_LENS]
+    result = run_sequences(model, tokens, prompt_lens, block_size=32)
+    assert result.num_steps == 17
+    assert_matches_hf(result, expected)
+
+
+def test_decode_with_paged_attention_v2(family, monkeypatch):
+    """Long contexts decode with v2; lower the switch so these short ones take it."""
+    monkeypatch.setattr(layers, "V2_MIN_SEQ_LEN", 0)
+    model, tokens, expected = family
+    result = run_sequences(model, tokens, [n - 5 for n in SEQ_LENS], block_size=16)
+    assert_matches_hf(result, expected)
+
+
+def test_bfloat16_close_to_float32_reference(tmp_path):
+    hf = make_hf_model("llama", tmp_path)
+    model, _ = load_model(tmp_path, dtype="bfloat16")
+    tokens = [list(range(3, 40)), list(range(100, 112))]
+    result = run_sequences(model, tokens, [30, 5], chunk_size=16)
+    for ours, t in zip(result.logits, tokens, strict=True):
+        ref = hf_logits(hf, t)
+        # bf16 keeps ~3 significant digits through 2 layers: errors of a few 1e-2.
+        assert (ours - ref).abs().max() < 0.15
+        assert torch.equal(ours.argmax(-1)[-5:], ref.argmax(-1)[-5:])
+
+
+def test_compute_logits_selects_rows(family):
+    model, tokens, expected = family
+    hidden = torch.randn(5, model.config.hidden_size)
+    all_rows = model.compute_logits(hidden)
+    picked = model.compute_logits(hidden, torch.tensor([4, 1]))
+    assert picked.dtype == torch.float32 and picked.shape == (2, model.config.vocab_size)
+    torch.testing.assert_close(picked, all_rows[[4, 1]])
+
+
+def test_bad_step_inputs_are_named(family):
+    model, tokens, _ = family
+    caches = model.allocate_kv_caches(4, 16)
+    meta = layers.AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 64]),  # 64 is past 4 blocks of 16
+        num_prefill_tokens=3,
+        prefill_query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([3], dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[0]], dtype=torch.int32),
+        max_query_len=3,
+    )
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        model(ids, pos, meta, caches)
+    meta.slot_mapping = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="kv_caches has 1 layers"):
+        model(ids, pos, meta, caches[:1])
+    with pytest.raises(ValueError, match="positions must lie"):
+        model(ids, pos + model.max_model_len, meta, caches)
+    meta.prefill_block_tables = torch.tensor([[7]], dtype=torch.int32)
+    with pytest.raises(
+        ValueError, match=r"prefill_block_tables holds block numbers outside \[0, 4\)"
+    ):
+        model(ids, pos, meta, caches)
