@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.server.conftest import read_metrics
+
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT = "The three primary colors are"
 
@@ -311,3 +313,43 @@ def test_stop_token_ids(client, server, hf_tokenizer):
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == k + 1
     assert r.choices[0].logprobs.tokens == tokens[: k + 1]
+
+
+def test_metrics_count_a_request(client, server):
+    names = [
+        "pyllm:num_requests_running",
+        "pyllm:num_requests_waiting",
+        "pyllm:kv_cache_usage_perc",
+        "pyllm:num_free_kv_blocks",
+        "pyllm:num_kv_blocks",
+        "pyllm:prompt_tokens_total",
+        "pyllm:generation_tokens_total",
+        "pyllm:num_preemptions_total",
+        "pyllm:prefix_cache_queries_total",
+        "pyllm:prefix_cache_hits_total",
+        "pyllm:time_to_first_token_seconds_count",
+        "pyllm:time_per_output_token_seconds_count",
+        "pyllm:e2e_request_latency_seconds_count",
+    ]
+    before = read_metrics(server.base_url)
+    assert set(names) <= set(before), set(names) - set(before)
+    # Long enough to fill whole KV blocks, so the second request can reuse them.
+    prompt = " ".join(f"word{i}" for i in range(60))
+    usages = [
+        client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=5, temperature=0
+        ).usage
+        for _ in range(2)
+    ]
+    after = read_metrics(server.base_url)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("pyllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("pyllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("pyllm:time_to_first_token_seconds_count") == 2
+    assert delta("pyllm:e2e_request_latency_seconds_count") == 2
+    assert delta("pyllm:prefix_cache_hits_total") >= 32  # the second prompt's full blocks
+    assert after["pyllm:num_free_kv_blocks"] == after["pyllm:num_kv_blocks"]
+    assert after["pyllm:kv_cache_usage_perc"] == 0
