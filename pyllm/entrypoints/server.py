@@ -194,7 +194,6 @@ class _Progress:
 
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
-    prompt_tokens: int = 0
     finals: dict[int, RequestOutput] = field(default_factory=dict)
 
 
@@ -338,9 +337,8 @@ class OpenAIServing:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def _collect(self, request: Request, jobs: list[_Job]) -> _Progress:
+    async def _collect(self, request: Request, jobs: list[_Job], progress: _Progress) -> None:
         """Runs the jobs to the end; aborts them if the client disconnects first."""
-        progress = _Progress()
         self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
 
         async def run() -> None:
@@ -355,7 +353,6 @@ class OpenAIServing:
                 raise
             raise RequestError(str(error)) from None
         self._observe(progress)
-        return progress
 
     # ---------------------------------------------------------- logprobs
 
@@ -416,12 +413,13 @@ class OpenAIServing:
     # ---------------------------------------------------------- chat
 
     async def chat(self, request: Request) -> Response:
+        progress = _Progress()  # arrival: before parsing and tokenizing
         body = await _read_request(request, api.ChatCompletionRequest, self.max_bytes)
         jobs = await self._prepare_chat(body)
         created = api.now()
         if body.stream:
-            return _event_stream(self._chat_stream(body, jobs, created))
-        progress = await self._collect(request, jobs)
+            return _event_stream(self._chat_stream(body, jobs, created, progress))
+        await self._collect(request, jobs, progress)
         choices = []
         for c in progress.finals[0].outputs:
             logprobs = None
@@ -445,10 +443,13 @@ class OpenAIServing:
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _chat_stream(
-        self, body: api.ChatCompletionRequest, jobs: list[_Job], created: int
+        self,
+        body: api.ChatCompletionRequest,
+        jobs: list[_Job],
+        created: int,
+        progress: _Progress,
     ) -> AsyncIterator[str]:
         job = jobs[0]
-        progress = _Progress()
         self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
         state = [_Choice() for _ in range(body.n)]
 
@@ -499,12 +500,13 @@ class OpenAIServing:
     # ---------------------------------------------------------- completions
 
     async def completions(self, request: Request) -> Response:
+        progress = _Progress()  # arrival: before parsing and tokenizing
         body = await _read_request(request, api.CompletionRequest, self.max_bytes)
         jobs = await self._prepare_completion(body)
         created = api.now()
         if body.stream:
-            return _event_stream(self._completion_stream(body, jobs, created))
-        progress = await self._collect(request, jobs)
+            return _event_stream(self._completion_stream(body, jobs, created, progress))
+        await self._collect(request, jobs, progress)
         choices = []
         for index, job in enumerate(jobs):
             prefix = job.prompt_text if body.echo else ""
@@ -530,10 +532,13 @@ class OpenAIServing:
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def _completion_stream(
-        self, body: api.CompletionRequest, jobs: list[_Job], created: int
+        self,
+        body: api.CompletionRequest,
+        jobs: list[_Job],
+        created: int,
+        progress: _Progress,
     ) -> AsyncIterator[str]:
         response_id = jobs[0].request_id.rsplit("-", 1)[0]
-        progress = _Progress()
         self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
         state = {(i, k): _Choice() for i in range(len(jobs)) for k in range(body.n)}
 
