@@ -114,15 +114,20 @@ struct Vec16 {
 namespace detail {
 // Permutation indices for fold<K> below: lane i of the low (high) half-sums.
 template <int K>
-inline __m512i fold_index(bool high) {
-  alignas(64) int32_t idx[kLanes];
-  constexpr int half = K / 2, groups = kLanes / K;
-  for (int i = 0; i < kLanes; ++i) {
-    const int group = i / half, lane = i % half + (high ? half : 0);
-    idx[i] = group < groups ? group * K + lane : kLanes + (group - groups) * K + lane;
+struct FoldIndex {
+  alignas(64) int32_t lo[kLanes];
+  alignas(64) int32_t hi[kLanes];
+  constexpr FoldIndex() : lo(), hi() {
+    constexpr int half = K / 2, groups = kLanes / K;
+    for (int i = 0; i < kLanes; ++i) {
+      const int group = i / half, lane = i % half;
+      lo[i] = group < groups ? group * K + lane : kLanes + (group - groups) * K + lane;
+      hi[i] = lo[i] + half;
+    }
   }
-  return _mm512_load_si512(idx);
-}
+};
+template <int K>
+inline constexpr FoldIndex<K> kFoldIndex{};
 }  // namespace detail
 
 // a and b each hold 16 / K groups of K consecutive lanes. Returns 32 / K groups
@@ -131,10 +136,27 @@ inline __m512i fold_index(bool high) {
 // per group while keeping the groups in order.
 template <int K>
 inline Vec16 fold(Vec16 a, Vec16 b) {
-  static const __m512i lo = detail::fold_index<K>(false), hi = detail::fold_index<K>(true);
+  const __m512i lo = _mm512_load_si512(detail::kFoldIndex<K>.lo);
+  const __m512i hi = _mm512_load_si512(detail::kFoldIndex<K>.hi);
   return {
       _mm512_add_ps(_mm512_permutex2var_ps(a.v, lo, b.v), _mm512_permutex2var_ps(a.v, hi, b.v))};
 }
+
+#ifdef __AVX512BF16__
+// 32 bfloat16 values as stored, for dot_pairs.
+struct BF16x32 {
+  __m512bh v;
+  static BF16x32 load(const c10::BFloat16* p) {
+    return {(__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p))};
+  }
+};
+
+// acc + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i (vdpbf16ps): products
+// of bfloat16 are exact in float32, sums are float32.
+inline Vec16 dot_pairs(Vec16 acc, BF16x32 a, BF16x32 b) {
+  return {_mm512_dpbf16_ps(acc.v, a.v, b.v)};
+}
+#endif
 
 // Hints that p's cache line will be read soon: into L1, or only into L2 when
 // it is wanted later and would be evicted from L1 before then.

@@ -11,11 +11,12 @@
 // chunk is exactly one v2 partition). Per chunk:
 //   1. logits: for each block, q . k for every row. A key block is
 //      [D/x, block_size, x]: each x-group of 16 bytes holds x consecutive head
-//      dimensions of one token, so a 16-lane vector holds 16/x tokens with x
-//      dimensions each. Each row's query is pre-tiled the same way ("q_tiled"),
-//      partial products accumulate lane-wise over the D/x groups, and a few
-//      folds (vec::fold) then sum each token's x lanes, leaving one logit per
-//      lane for 16 consecutive tokens.
+//      dimensions of one token, so one vector of keys holds a few tokens with
+//      several head dimensions each. Each row's query is pre-tiled to match
+//      ("q_tiled"), partial products accumulate lane-wise over the D/x groups,
+//      and a few folds (vec::fold) then sum each token's lanes, leaving one
+//      logit per lane for 16 consecutive tokens. bf16 keys meet a bf16 query
+//      through vdpbf16ps where the CPU has it (see KeyOps).
 //   2. softmax: the chunk's max per row, rescaling of what earlier chunks
 //      accumulated (online softmax), p = exp(logit - max) in place.
 //   3. values: a value block is [D, block_size], so head dimension d of 16
@@ -26,8 +27,13 @@
 //
 // Masking is by selection, never arithmetic: logits of keys a row may not see
 // (past its causal limit, or cache slots past the sequence end, which may hold
-// garbage including NaN) are replaced by -inf, and the value pass only reads
-// the tokens inside the range. A sequence with seq_len 0 gets zeros in out.
+// garbage including NaN) are replaced by -inf, and value lanes past the range
+// are replaced by zeros. A sequence with seq_len 0 gets zeros in out.
+//
+// Memory: at long contexts decode reads each K/V byte once and does little
+// arithmetic per byte, so the aim is to stream the cache near the machine's
+// copy bandwidth; scattered blocks defeat the hardware prefetcher, hence the
+// software prefetches in attend().
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -35,7 +41,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../cpu_vec.h"
@@ -49,7 +57,7 @@ using vec::kLanes;
 using vec::Vec16;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Row tiles of at most this many query rows share each loaded key/value vector.
+// Row tiles of at most this many query rows share each loaded key vector.
 constexpr int kMaxRowTile = 8;
 // Logits of one row for one chunk, plus one vector of slack: the last token
 // group's 16-lane store may reach past the chunk's last token.
@@ -83,12 +91,53 @@ struct PagedCache {
   }
 };
 
+// How key vectors meet the query in step 1. A 16-lane step consumes kElems key
+// elements: 16 converted to float32 (x head dimensions of 16/x tokens, one per
+// lane), or, for bfloat16 where the CPU has AVX512-BF16, 32 as stored, paired
+// by vdpbf16ps (x/2 lanes per token, two head dimensions per lane, exact
+// products, float32 sums). The tiled query uses the same 64 bytes per x-group
+// either way.
+template <typename scalar_t, bool kPairs>
+struct KeyOpsImpl {
+  using KeyVec = Vec16;
+  static constexpr int kElems = kLanes;
+  static KeyVec load_key(const scalar_t* p) { return Vec16::load(p); }
+  static KeyVec load_query(const float* p) { return Vec16::load(p); }
+  static Vec16 fma(Vec16 acc, KeyVec k, KeyVec q) { return Vec16::fmadd(k, q, acc); }
+  using QueryElem = float;
+};
+
+#ifdef __AVX512BF16__
+template <>
+struct KeyOpsImpl<c10::BFloat16, true> {
+  using KeyVec = vec::BF16x32;
+  static constexpr int kElems = 2 * kLanes;
+  static KeyVec load_key(const c10::BFloat16* p) { return KeyVec::load(p); }
+  static KeyVec load_query(const float* p) {
+    return KeyVec::load(reinterpret_cast<const c10::BFloat16*>(p));
+  }
+  static Vec16 fma(Vec16 acc, KeyVec k, KeyVec q) { return vec::dot_pairs(acc, k, q); }
+  using QueryElem = c10::BFloat16;
+};
+constexpr bool kHavePairDot = true;
+#else
+constexpr bool kHavePairDot = false;
+#endif
+
+template <typename scalar_t>
+struct KeyOps : KeyOpsImpl<scalar_t, kHavePairDot && std::is_same_v<scalar_t, c10::BFloat16>> {
+  static constexpr int kX = PagedCache<scalar_t>::kX;
+  // Lanes that hold partial sums of one token's logit.
+  static constexpr int kLanesPerToken = kX * kLanes / KeyOps::kElems;
+};
+
 // Query rows a task attends together, and their softmax state. Row-major
 // arrays of `count` rows.
 struct Rows {
   int count = 0;
   int head_size = 0;
-  std::vector<float> q_tiled;    // [count][D/x][16]: scale * q, x-groups repeated to 16 lanes
+  float scale = 1.0f;            // applied to q . k before the alibi bias
+  std::vector<float> q_tiled;    // [count][D/x][64 bytes]: q's x-groups repeated (KeyOps)
   std::vector<int> last_key;     // [count] last key position the row attends (inclusive)
   std::vector<int> query_pos;    // [count] position of the row's query token (for alibi)
   std::vector<float> alibi;      // [count] slope, or empty when there is no alibi
@@ -96,9 +145,10 @@ struct Rows {
   std::vector<float> exp_sum;    // [count] running sum of exp(logit - max_logit)
   std::vector<float> acc;        // [count][D] running sum of exp(logit - max_logit) * v
 
-  void reset(int rows, int head_size_, int x, bool with_alibi) {
+  void reset(int rows, int head_size_, int x, float scale_, bool with_alibi) {
     count = rows;
     head_size = head_size_;
+    scale = scale_;
     q_tiled.resize(size_t(rows) * (head_size / x) * kLanes);
     last_key.resize(rows);
     query_pos.resize(rows);
@@ -108,15 +158,20 @@ struct Rows {
     acc.assign(size_t(rows) * head_size, 0.0f);
   }
 
-  // Loads row r's query (head_size packed elements), pre-multiplied by scale.
+  // Loads row r's query (head_size packed elements), each x-group repeated to
+  // fill the 64 bytes that meet one key vector (copied bytewise: the buffer
+  // is float storage, the elements may be bf16).
   template <typename scalar_t>
-  void set_query(int r, const scalar_t* q, float scale) {
-    constexpr int x = PagedCache<scalar_t>::kX;
+  void set_query(int r, const scalar_t* q) {
+    using Ops = KeyOps<scalar_t>;
+    using Elem = typename Ops::QueryElem;
+    constexpr int x = Ops::kX;
+    static_assert(Ops::kElems * sizeof(Elem) == kLanes * sizeof(float));
     float* dst = &q_tiled[size_t(r) * (head_size / x) * kLanes];
     for (int c = 0; c < head_size / x; ++c) {
-      for (int lane = 0; lane < kLanes; ++lane) {
-        dst[c * kLanes + lane] = scale * static_cast<float>(q[c * x + lane % x]);
-      }
+      Elem tile[Ops::kElems];
+      for (int i = 0; i < Ops::kElems; ++i) tile[i] = static_cast<Elem>(q[c * x + i % x]);
+      std::memcpy(dst + c * kLanes, tile, sizeof(tile));
     }
   }
 };
@@ -132,9 +187,9 @@ struct Workspace {
 // ---------------------------------------------------------------------------
 // Step 1: logits.
 
-// Sums each token's x lanes of `wide` (n vectors, 16/x tokens each, tokens in
+// Sums each token's L lanes of `wide` (n vectors, 16/L tokens each, tokens in
 // order) into one vector holding one logit per token.
-template <int X>
+template <int L>
 inline Vec16 fold_to_tokens(Vec16* wide, int n) {
   auto level = [&](auto fold_k) {
     int m = 0;
@@ -142,8 +197,8 @@ inline Vec16 fold_to_tokens(Vec16* wide, int n) {
       wide[m++] = fold_k(wide[i], i + 1 < n ? wide[i + 1] : Vec16::zero());
     n = m;
   };
-  if constexpr (X == 8) level([](Vec16 a, Vec16 b) { return vec::fold<8>(a, b); });
-  level([](Vec16 a, Vec16 b) { return vec::fold<4>(a, b); });
+  if constexpr (L >= 8) level([](Vec16 a, Vec16 b) { return vec::fold<8>(a, b); });
+  if constexpr (L >= 4) level([](Vec16 a, Vec16 b) { return vec::fold<4>(a, b); });
   level([](Vec16 a, Vec16 b) { return vec::fold<2>(a, b); });
   return wide[0];
 }
@@ -157,18 +212,20 @@ constexpr int vecs_in_flight(int rows, int vecs) {
   return nv;
 }
 
-// Logits of rows [r0, r0 + RT) for one token group: VECS * 16 / x tokens (16,
-// or 8 when block_size is 8) starting at `key` (key block + token offset * x).
-// Written as 16 lanes at logits[row][offset], lanes past each row's limit -inf.
+// Logits of rows [r0, r0 + RT) for one token group: VECS vectors of key
+// partial sums, 16 tokens (8 when block_size is 8) starting at `key` (key
+// block + token offset * x). Written as 16 lanes at logits[row][offset], lanes
+// past each row's limit -inf.
 template <typename scalar_t, int RT, int VECS>
 void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset, int r0, Rows& rows,
                  float* logits) {
-  constexpr int X = PagedCache<scalar_t>::kX;
-  constexpr int kTokens = VECS * kLanes / X;
+  using Ops = KeyOps<scalar_t>;
+  constexpr int X = Ops::kX;
+  constexpr int kTokens = VECS * kLanes / Ops::kLanesPerToken;
   constexpr int NV = vecs_in_flight(RT, VECS);
   const int num_groups = rows.head_size / X;
   const int64_t key_group_stride = int64_t(block_size) * X;  // elements between x-groups
-  const size_t q_row_stride = size_t(num_groups) * kLanes;
+  const size_t q_row_stride = size_t(num_groups) * kLanes;   // floats
   const float* q_tile = &rows.q_tiled[r0 * q_row_stride];
   Vec16 wide[RT][VECS];
   for (int v0 = 0; v0 < VECS; v0 += NV) {
@@ -176,23 +233,24 @@ void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset,
     for (auto& row : acc) {
       for (auto& a : row) a = Vec16::zero();
     }
-    const scalar_t* k = key + v0 * kLanes;
+    const scalar_t* k = key + v0 * Ops::kElems;
     const float* q = q_tile;
     for (int c = 0; c < num_groups; ++c, k += key_group_stride, q += kLanes) {
-      Vec16 kv[NV];
-      for (int n = 0; n < NV; ++n) kv[n] = Vec16::load(k + n * kLanes);
+      typename Ops::KeyVec kv[NV];
+      for (int n = 0; n < NV; ++n) kv[n] = Ops::load_key(k + n * Ops::kElems);
       for (int r = 0; r < RT; ++r) {
-        const Vec16 qr = Vec16::load(q + r * q_row_stride);
-        for (int n = 0; n < NV; ++n) acc[r][n] = Vec16::fmadd(kv[n], qr, acc[r][n]);
+        const auto qr = Ops::load_query(q + r * q_row_stride);
+        for (int n = 0; n < NV; ++n) acc[r][n] = Ops::fma(acc[r][n], kv[n], qr);
       }
     }
     for (int r = 0; r < RT; ++r) {
       for (int n = 0; n < NV; ++n) wide[r][v0 + n] = acc[r][n];
     }
   }
+  const Vec16 scale = Vec16::set1(rows.scale);
   for (int r = 0; r < RT; ++r) {
     const int row = r0 + r;
-    Vec16 logit = fold_to_tokens<X>(wide[r], VECS);
+    Vec16 logit = fold_to_tokens<Ops::kLanesPerToken>(wide[r], VECS) * scale;
     if (!rows.alibi.empty()) {
       // bias = slope * (key_pos - query_pos), key_pos = first_pos + lane.
       const float slope = rows.alibi[row];
@@ -435,11 +493,12 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
       const scalar_t* key = key_block(start);
       const int end = std::min(chunk_end, start + bs);
       for (int tok = start; tok < end; tok += group) {
-        // A group of 16 tokens spans x vectors of keys; 8 tokens (block_size 8) half as many.
+        // 16 tokens make kLanesPerToken key vectors; 8 tokens (block_size 8) half as many.
+        constexpr int kVecs = KeyOps<scalar_t>::kLanesPerToken;  // per 16 tokens
         if (bs >= kLanes) {
-          qk_all_rows<scalar_t, X>(key + (tok - start) * X, bs, tok, tok - chunk, rows, logits);
+          qk_all_rows<scalar_t, kVecs>(key + (tok - start) * X, bs, tok, tok - chunk, rows, logits);
         } else {
-          qk_all_rows<scalar_t, X / 2>(key, bs, tok, tok - chunk, rows, logits);
+          qk_all_rows<scalar_t, kVecs / 2>(key, bs, tok, tok - chunk, rows, logits);
         }
       }
     }
@@ -587,10 +646,10 @@ void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, 
                  int kv_head, int group, int head_size, float scale, const float* alibi,
                  int seq_len, int t_end) {
   constexpr int X = PagedCache<scalar_t>::kX;
-  rows.reset(group, head_size, X, alibi != nullptr);
+  rows.reset(group, head_size, X, scale, alibi != nullptr);
   const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
   for (int g = 0; g < group; ++g) {
-    rows.set_query(g, q + g * head_size, scale);
+    rows.set_query(g, q + g * head_size);
     rows.query_pos[g] = seq_len - 1;
     rows.last_key[g] = std::min(seq_len, t_end) - 1;
     if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
@@ -663,15 +722,15 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                 op, ": exp_sums and max_logits must be contiguous float32 [", num_seqs, ", ",
                 num_heads, ", >= ", needed, "], got ", t->sizes());
   }
-  TORCH_CHECK(max_logits.size(2) == exp_sums.size(2), op,
-              ": exp_sums and max_logits must have the same number of partitions");
-  const int64_t max_parts = exp_sums.size(2);
   TORCH_CHECK(tmp_out.device().is_cpu() && tmp_out.scalar_type() == query.scalar_type() &&
                   tmp_out.is_contiguous() && tmp_out.dim() == 4 && tmp_out.size(0) == num_seqs &&
-                  tmp_out.size(1) == num_heads && tmp_out.size(2) == max_parts &&
+                  tmp_out.size(1) == num_heads && tmp_out.size(2) >= needed &&
                   tmp_out.size(3) == shape.head_size,
-              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", ", max_parts,
+              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", >= ", needed,
               ", ", shape.head_size, "] in the query's dtype, got ", tmp_out.sizes());
+  // Each workspace tensor may hold more partitions than needed; index each by its own.
+  const int64_t sums_parts = exp_sums.size(2), maxes_parts = max_logits.size(2),
+                partial_parts = tmp_out.size(2);
   check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
 
   const int group = int(num_heads / num_kv_heads), head_size = int(shape.head_size);
@@ -705,11 +764,10 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                   alibi, seq_len, t_end);
       attend(cache, part.seq, kv_head, t_begin, t_end, ws);
       for (int g = 0; g < group; ++g) {
-        const int64_t stat =
-            (part.seq * num_heads + int64_t(kv_head) * group + g) * max_parts + part.partition;
-        maxes[stat] = ws.rows.max_logit[g];
-        sums[stat] = ws.rows.exp_sum[g];
-        store_row(ws.rows, g, partial + stat * head_size);
+        const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
+        maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
+        sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
+        store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
       }
     });
 
@@ -719,8 +777,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
       std::vector<float> merged(head_size);
       for (int64_t sh = begin; sh < end; ++sh) {
         const int parts_here = num_partitions(lens[sh / num_heads]);
-        const float* m = maxes + sh * max_parts;
-        const float* l = sums + sh * max_parts;
+        const float* m = maxes + sh * maxes_parts;
+        const float* l = sums + sh * sums_parts;
         float global_max = kNegInf;
         for (int p = 0; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
         std::fill(merged.begin(), merged.end(), 0.0f);
@@ -728,7 +786,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
         for (int p = 0; p < parts_here; ++p) {
           const float w = l[p] * std::exp(m[p] - global_max);
           total += w;
-          const scalar_t* src = partial + (sh * max_parts + p) * head_size;
+          const scalar_t* src = partial + (sh * partial_parts + p) * head_size;
           for (int d = 0; d < head_size; ++d) merged[d] += w * static_cast<float>(src[d]);
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // seq_len 0: zeros
@@ -799,15 +857,14 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
       const int seq_len = lens[t.seq];
       const int q_len = starts[t.seq + 1] - starts[t.seq];
       Rows& rows = ws.rows;
-      rows.reset(t.count * group, head_size, X, alibi != nullptr);
+      rows.reset(t.count * group, head_size, X, float(scale), alibi != nullptr);
       // Row (token j of the tile, head g) = j * group + g.
       for (int j = 0; j < t.count; ++j) {
         const int64_t token = starts[t.seq] + t.first + j;
         const int pos = seq_len - q_len + t.first + j;
         for (int g = 0; g < group; ++g) {
           const int r = j * group + g;
-          rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size,
-                         float(scale));
+          rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
           rows.query_pos[r] = pos;
           rows.last_key[r] = pos;
           if (alibi) rows.alibi[r] = alibi[kv_head * group + g];

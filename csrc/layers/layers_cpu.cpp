@@ -174,7 +174,7 @@ int64_t row_grain(int64_t width) {
 
 template <typename scalar_t>
 float sum_of_squares(const scalar_t* x, int64_t width) {
-  float buf[kChunk];
+  alignas(64) float buf[kChunk];
   float sum = 0.0f;
   for (int64_t c = 0; c < width; c += kChunk) {
     const int64_t n = std::min(kChunk, width - c);
@@ -189,7 +189,7 @@ float sum_of_squares(const scalar_t* x, int64_t width) {
 template <typename scalar_t>
 void scale_row(const scalar_t* x, const scalar_t* weight, float inv_rms, scalar_t* y,
                int64_t width) {
-  float buf[kChunk], w[kChunk];
+  alignas(64) float buf[kChunk], w[kChunk];
   for (int64_t c = 0; c < width; c += kChunk) {
     const int64_t n = std::min(kChunk, width - c);
     load_floats(x + c, buf, n);
@@ -218,7 +218,7 @@ template <typename scalar_t>
 void fused_add_rms_norm_rows(scalar_t* input, scalar_t* residual, int64_t count, int64_t width,
                              const scalar_t* weight, float eps) {
   at::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
-    float sum_buf[kChunk], x_buf[kChunk];
+    alignas(64) float sum_buf[kChunk], x_buf[kChunk];
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* x = input + r * width;
       scalar_t* res = residual + r * width;
@@ -247,7 +247,7 @@ template <typename scalar_t>
 void silu_and_mul_rows(scalar_t* out, const scalar_t* input, const Rows& rows) {
   const int64_t d = rows.width / 2;
   at::parallel_for(0, rows.count, row_grain(rows.width), [&](int64_t begin, int64_t end) {
-    float gate[kChunk], up[kChunk];
+    alignas(64) float gate[kChunk], up[kChunk];
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* in = input + rows.offset(r);
       scalar_t* y = out + r * d;

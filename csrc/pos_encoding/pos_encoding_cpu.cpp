@@ -94,7 +94,7 @@ inline void store_floats(const float* src, c10::Half* dst, int64_t n) {
 template <typename scalar_t>
 void rotate_neox(scalar_t* head, int64_t half, int64_t first, int64_t n, const float* cos,
                  const float* sin) {
-  float x1[kPairChunk], x2[kPairChunk];
+  alignas(64) float x1[kPairChunk], x2[kPairChunk];
   load_floats(head + first, x1, n);
   load_floats(head + half + first, x2, n);
 #pragma omp simd
@@ -109,7 +109,7 @@ void rotate_neox(scalar_t* head, int64_t half, int64_t first, int64_t n, const f
 
 template <typename scalar_t>
 void rotate_gptj(scalar_t* head, int64_t first, int64_t n, const float* cos, const float* sin) {
-  float x[2 * kPairChunk];
+  alignas(64) float x[2 * kPairChunk];
   load_floats(head + 2 * first, x, 2 * n);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -141,7 +141,7 @@ void rotate_tokens(const at::Tensor& positions, HeadRows<scalar_t> query, HeadRo
   const int64_t work_per_token = (query.num_heads + key.num_heads) * rot_dim;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_token));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    float cos[kPairChunk], sin[kPairChunk];
+    alignas(64) float cos[kPairChunk], sin[kPairChunk];
     for (int64_t t = begin; t < end; ++t) {
       const cache_t* cos_sin = cache_data + position_data[t * position_stride] * rot_dim;
       for (int64_t first = 0; first < half; first += kPairChunk) {

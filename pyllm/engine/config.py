@@ -6,16 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 
@@ -55,16 +45,6 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
-    def resolve_max_model_len(self, model_config) -> int:
-        limit = model_config.max_position_embeddings
-        if self.max_model_len is None:
-            return limit
-        if self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's {limit} positions"
-            )
-        return self.max_model_len
-
     def kv_cache_budget_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory * 2**30)
@@ -91,12 +71,6 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        from pyllm.model.dtype import auto_dtype
+    from pyllm.model.dtype import resolve_dtype
 
-        return auto_dtype(device)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return DTYPES[dtype]
+    return resolve_dtype(dtype, device)

@@ -64,7 +64,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device
-        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.max_model_len = self.model.max_model_len
         self.kv_caches, num_blocks = self._allocate_kv_cache()
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -301,6 +301,8 @@ class LLMEngine:
 
 
 def _load(config: EngineConfig):
-    model, model_config = load_model(config.model_path, config.torch_dtype, config.torch_device)
+    model, model_config = load_model(
+        config.model_path, config.torch_dtype, config.torch_device, config.max_model_len
+    )
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     return model, model_config, tokenizer

@@ -82,7 +82,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step; returns float32 logits [len(sampled), vocab] and those sequences."""
         input_ids, positions, metadata, logits_indices, sampled = self.prepare(batch)
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        # The metadata is built here from the scheduler's own state: skip re-validating it.
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches, validate=False)
         if not sampled:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampled
         return self.model.compute_logits(hidden, logits_indices), sampled

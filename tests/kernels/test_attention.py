@@ -312,6 +312,32 @@ def test_decode_alibi(dtype, block_size, device):
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_v2_workspace_with_spare_partitions(dtype, device):
+    """paged_attention_v2 accepts workspaces with more partitions than max_seq_len needs
+    (each may differ, e.g. allocated once for the longest context); results are unchanged."""
+    seq_lens, num_heads, num_kv_heads, head_size, block_size = [3, 1300, 700], 8, 2, 64, 16
+    kv = make_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, device)
+    poison_unowned_slots(kv)
+    query = random_query(len(seq_lens), num_heads, head_size, dtype, device)
+    scale = 1.0 / math.sqrt(head_size)
+    parts = -(-max(seq_lens) // PARTITION)
+    stats = dict(dtype=torch.float32, device=device)
+    exp_sums = torch.full((len(seq_lens), num_heads, parts + 2), POISON, **stats)
+    max_logits = torch.full((len(seq_lens), num_heads, parts + 1), POISON, **stats)
+    tmp_out = torch.full(
+        (len(seq_lens), num_heads, parts + 3, head_size), POISON, dtype=dtype, device=device
+    )
+    out = torch.full_like(query, POISON)
+    with kernel_threads():
+        ops.paged_attention_v2(
+            out, exp_sums, max_logits, tmp_out, query, kv.key_cache, kv.value_cache,
+            num_kv_heads, scale, kv.block_tables, kv.seq_lens, block_size, max(seq_lens),
+        )  # fmt: skip
+    assert_close(out, reference_decode(query, kv, scale), dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_strided_query(dtype, device):
     check_decode([5, 700], 8, 2, 64, 16, dtype, device, strided=True)
 

@@ -1,0 +1,128 @@
+"""The engine end to end: continuous batching, chunked prefill, preemption and prefix
+caching must not change what a request generates, and must leave every block free."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pyllm import LLM, SamplingParams
+from tests.model.conftest import make_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_hf_model("llama", path, max_position_embeddings=1024)
+    # The engine needs a tokenizer beside the weights: a tiny byte-level one.
+    _write_byte_tokenizer(path, vocab_size=512)
+    return str(path)
+
+
+def _write_byte_tokenizer(path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"eos_token": "<1>", "bos_token": "<0>"}')
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 3, 15, 16, 17, 40, 100, 170]) for _ in range(count)]
+    return [[rng.randint(2, 511) for _ in range(n)] for n in lengths]
+
+
+def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.engine.scheduler.has_unfinished
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_model_dir):
+    """Each prompt generated on its own, in a fresh float32 engine."""
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=0.05)
+    return [_generate(llm, [p])[0] for p in _prompts(16)]
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_batching_and_chunking_change_nothing(tiny_model_dir, alone_outputs, budget):
+    llm = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=budget, kv_cache_memory=0.05)
+    assert _generate(llm, _prompts(16)) == alone_outputs
+    _assert_all_blocks_free(llm)
+
+
+def test_preemption_loses_nothing(tiny_model_dir, alone_outputs):
+    # 16 prompts of up to 182 tokens each, in a cache of 40 blocks of 16 tokens:
+    # the engine must preempt and recompute to finish them all.
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=40 * 16 * 2 * 2 * 2 * 64 * 4 / 2**30)
+    assert llm.engine.block_manager.num_blocks == 40
+    assert _generate(llm, _prompts(16)) == alone_outputs
+    assert llm.engine.stats.preemptions > 0
+    _assert_all_blocks_free(llm)
+
+
+def test_prefix_cache_serves_shared_prefix(tiny_model_dir):
+    rng = random.Random(1)
+    prefix = [rng.randint(2, 511) for _ in range(256)]
+    first = prefix + [rng.randint(2, 511) for _ in range(5)]
+    second = prefix + [rng.randint(2, 511) for _ in range(7)]
+
+    plain = LLM(tiny_model_dir, dtype="float32", enable_prefix_caching=False)
+    expected = _generate(plain, [second])[0]
+
+    llm = LLM(tiny_model_dir, dtype="float32")
+    _generate(llm, [first])
+    computed_before = llm.engine.stats.prompt_tokens_computed
+    out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 256
+    assert llm.engine.stats.prompt_tokens_computed - computed_before == 7
+    assert out.outputs[0].token_ids == expected
+    _assert_all_blocks_free(llm)
+
+
+def test_too_long_request_is_rejected_without_stalling_others(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32")
+    too_long = SamplingParams(max_tokens=1000, temperature=0.0)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate(prompt_token_ids=[[5] * 100], sampling_params=too_long, use_tqdm=False)
+    _assert_all_blocks_free(llm)
+    assert len(_generate(llm, [[5, 6, 7]])[0]) == GREEDY.max_tokens
+
+
+def test_abort_frees_blocks(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32")
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts(4, seed=3)):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
+    engine.step()
+    engine.step()
+    for i in range(4):
+        engine.abort_request(str(i))
+    _assert_all_blocks_free(llm)
+
+
+def test_n_samples_share_the_prompt(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32")
+    prompt = _prompts(1, seed=5)[0] + list(range(2, 66))
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    # The siblings reused the first sequence's full prompt blocks.
+    full_blocks = (len(prompt) - 1) // 16
+    assert llm.engine.block_manager.prefix_cache_hits >= 2 * full_blocks * 16
+    _assert_all_blocks_free(llm)
