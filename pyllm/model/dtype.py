@@ -19,13 +19,24 @@ _DTYPE_NAMES = {
 def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """The dtype "auto" means on this device.
 
-    CUDA: bfloat16 where the GPU supports it, else float16. CPU: float32 (measured
-    choice, see the note below).
+    CUDA: bfloat16 where the GPU supports it, else float16.
+    CPU: bfloat16 where the cores multiply bf16 natively (AVX512-BF16 or AMX), else
+    float32. Measured on the project's 2-core Zen 5 (AVX512-BF16) with SmolLM2-135M,
+    one decode step at context 64 with oneDNN-packed weights: bf16 took 27 ms vs 37-72
+    ms for f32 at batch 1 (half the bytes to stream) and 57-93 ms vs 103-250 ms at
+    batch 32 (native bf16 dot products); runs were noisy, bf16 won every pair. Without
+    those instructions bf16 is emulated and slower than f32.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:

@@ -21,9 +21,14 @@ from pyllm.model.config import ModelConfig, rope_inv_freq
 _C = torch.ops.pyllm
 
 # Decode attention switches from paged_attention_v1 (one pass per sequence and head)
-# to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) for long contexts,
-# where splitting each sequence gives the cores more independent work.
+# to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) past this context
+# length. Measured on the 2-core Zen 5 CPU with SmolLM2's 9/3 heads, 1-32 sequences,
+# contexts 128-16384: v1 and v2 within noise of each other (v1 already spreads
+# sequences x heads over the cores), so the CPU switches only for very long contexts.
 V2_MIN_SEQ_LEN = 8192
+# A GPU needs hundreds of (sequence, head) pairs in flight to fill its SMs; with fewer,
+# splitting each sequence into partitions is what keeps it busy.
+CUDA_V2_MAX_SEQ_HEADS = 512
 
 
 @dataclass(slots=True)
@@ -57,9 +62,14 @@ class AttentionMetadata:
     def num_decode_tokens(self) -> int:
         return self.num_tokens - self.num_prefill_tokens
 
-    @property
-    def use_v2(self) -> bool:
-        return self.max_decode_seq_len > V2_MIN_SEQ_LEN
+    def use_v2(self, num_heads: int, device: torch.device) -> bool:
+        """Whether this step's decode attention runs paged_attention_v2 (see V2_MIN_SEQ_LEN)."""
+        if self.max_decode_seq_len <= ops.PARTITION_SIZE:
+            return False  # one partition: v2 would only add the merge
+        if self.max_decode_seq_len > V2_MIN_SEQ_LEN:
+            return True
+        few_pairs = self.num_decode_tokens * num_heads <= CUDA_V2_MAX_SEQ_HEADS
+        return device.type == "cuda" and few_pairs
 
     def validate(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         """Checks shapes, dtypes and index ranges against a cache of num_blocks blocks
@@ -154,15 +164,49 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W allocated once and filled by the loader."""
+    """y = x W^T (+ b), with W allocated once and filled by the loader.
+
+    On the CPU, pack() hands W to oneDNN once in its blocked layout: a plain
+    F.linear lets oneDNN re-lay-out the whole weight on every call, which at batch 1
+    (bf16 especially) costs more than the product itself.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Replaces the weight by oneDNN's packed copy (same memory, not a second one);
+        dense_weight() still reads it back."""
+        self.packed_weight = pack_linear_weight(self.weight)
+        self.weight = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.packed_weight is None else self.packed_weight.to_dense()
+
+
+def can_pack_linear_weights(device: torch.device | str) -> bool:
+    """oneDNN-packed weights: CPU tensors, in builds of torch with oneDNN."""
+    return (
+        torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    # The batch-size hint (1) picks the block layout; measured as fast for batch 32.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 class RMSNorm(nn.Module):
@@ -283,7 +327,7 @@ def v2_workspace(
     meta: AttentionMetadata, num_heads: int, head_size: int, dtype: torch.dtype, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The step's scratch for paged_attention_v2 (shared by all layers), or None for v1."""
-    if not meta.num_decode_tokens or not meta.use_v2:
+    if not meta.num_decode_tokens or not meta.use_v2(num_heads, torch.device(device)):
         return None
     partitions = -(-meta.max_decode_seq_len // ops.PARTITION_SIZE)
     shape = (meta.num_decode_tokens, num_heads, partitions)

@@ -17,8 +17,11 @@ from pyllm.model.layers import (
     MLP,
     Attention,
     AttentionMetadata,
+    Linear,
     RMSNorm,
     _param,
+    can_pack_linear_weights,
+    pack_linear_weight,
     rotary_cos_sin_cache,
     v2_workspace,
 )
@@ -92,10 +95,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_model_len = max_model_len or limit
         self.model = LlamaModel(config, dtype, device)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = _param(
-                config.vocab_size, config.hidden_size, dtype=dtype, device=device
-            )
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        # Tied: the embedding is read by row for lookups, so packing it for the LM head
+        # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2).
+        self.tied_lm_head_packed: torch.Tensor | None = None
         self.register_buffer(
             "cos_sin_cache",
             rotary_cos_sin_cache(config, self.max_model_len, device),
@@ -107,7 +110,19 @@ class LlamaForCausalLM(nn.Module):
         """[vocab_size, hidden_size]: the embedding itself when the two are tied."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
-        return self.lm_head.weight
+        return self.lm_head.dense_weight()
+
+    def pack_weights(self) -> bool:
+        """Hands every projection's weight to oneDNN in its packed layout (CPU only;
+        see layers.Linear). Call after loading; returns whether it packed."""
+        if not can_pack_linear_weights(self.device):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed_weight is None:
+                module.pack()
+        if self.config.tie_word_embeddings:
+            self.tied_lm_head_packed = pack_linear_weight(self.model.embed_tokens.weight)
+        return True
 
     @torch.inference_mode()
     def forward(
@@ -145,7 +160,13 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab_size] for hidden[logits_indices] (all rows if None)."""
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        return F.linear(hidden, self.lm_head_weight).float()
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        if self.tied_lm_head_packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden, self.tied_lm_head_packed, None, "none", [], ""
+            ).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def validate_step(
         self,

@@ -28,23 +28,27 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    pack_weights: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds and fills a model from an HF folder (config.json + *.safetensors) or a
-    .gguf file; returns it and its config."""
+    .gguf file; returns it and its config. pack_weights: on the CPU, hand the
+    projection weights to oneDNN in its packed layout (LlamaForCausalLM.pack_weights)."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from pyllm.model.loader_gguf import load_gguf
 
         model = load_gguf(path, dtype, device, max_model_len)
-        return model, model.config
-    if os.path.isdir(path):
+    elif os.path.isdir(path):
         config = ModelConfig.from_hf_dir(path)
         model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
         load_safetensors(model, path)
-        return model, config
-    if not os.path.exists(path):
+    elif not os.path.exists(path):
         raise FileNotFoundError(f"model path {path} does not exist")
-    raise ValueError(f"{path} is neither an HF model folder nor a .gguf file")
+    else:
+        raise ValueError(f"{path} is neither an HF model folder nor a .gguf file")
+    if pack_weights:
+        model.pack_weights()
+    return model, model.config
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
@@ -69,7 +73,7 @@ def weight_slots(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         "model.norm.weight": model.model.norm.weight,
     }
     if not config.tie_word_embeddings:
-        slots["lm_head.weight"] = model.lm_head.weight
+        slots["lm_head.weight"] = model.lm_head.weight  # (before pack_weights)
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp

@@ -57,7 +57,7 @@ def family(request, tmp_path_factory):
         torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in SEQ_LENS
     ]
     expected = [hf_logits(hf, t) for t in tokens]
-    return model, tokens, expected
+    return model, tokens, expected, path
 
 
 def assert_matches_hf(result, expected) -> None:
@@ -69,14 +69,14 @@ def assert_matches_hf(result, expected) -> None:
 
 
 def test_one_prefill(family):
-    model, tokens, expected = family
+    model, tokens, expected, _ = family
     result = run_sequences(model, tokens, block_size=16)
     assert result.num_steps == 1
     assert_matches_hf(result, expected)
 
 
 def test_prompt_chunks_mixed_with_decodes(family):
-    model, tokens, expected = family
+    model, tokens, expected, _ = family
     prompt_lens = [n - 4 for n in SEQ_LENS]
     result = run_sequences(model, tokens, prompt_lens, chunk_size=7, block_size=8)
     assert result.mixed_steps > 0  # short prompts decode while long ones still prefill
@@ -84,7 +84,7 @@ def test_prompt_chunks_mixed_with_decodes(family):
 
 
 def test_16_decode_steps(family):
-    model, tokens, expected = family
+    model, tokens, expected, _ = family
     prompt_lens = [n - 16 for n in SEQ_LENS]
     result = run_sequences(model, tokens, prompt_lens, block_size=32)
     assert result.num_steps == 17
@@ -94,8 +94,17 @@ def test_16_decode_steps(family):
 def test_decode_with_paged_attention_v2(family, monkeypatch):
     """Long contexts decode with v2; lower the switch so these short ones take it."""
     monkeypatch.setattr(layers, "V2_MIN_SEQ_LEN", 0)
-    model, tokens, expected = family
+    model, tokens, expected, _ = family
     result = run_sequences(model, tokens, [n - 5 for n in SEQ_LENS], block_size=16)
+    assert_matches_hf(result, expected)
+
+
+def test_unpacked_weights(family):
+    """The plain F.linear path (CUDA, or torch without oneDNN) gives the same logits."""
+    _, tokens, expected, path = family
+    model, _ = load_model(path, dtype="float32", pack_weights=False)
+    assert model.model.layers[0].self_attn.qkv_proj.packed_weight is None
+    result = run_sequences(model, tokens, [n - 3 for n in SEQ_LENS], chunk_size=16)
     assert_matches_hf(result, expected)
 
 
@@ -112,7 +121,7 @@ def test_bfloat16_close_to_float32_reference(tmp_path):
 
 
 def test_compute_logits_selects_rows(family):
-    model, tokens, expected = family
+    model, tokens, expected, _ = family
     hidden = torch.randn(5, model.config.hidden_size)
     all_rows = model.compute_logits(hidden)
     picked = model.compute_logits(hidden, torch.tensor([4, 1]))
@@ -121,7 +130,7 @@ def test_compute_logits_selects_rows(family):
 
 
 def test_bad_step_inputs_are_named(family):
-    model, tokens, _ = family
+    model, tokens, _, _ = family
     caches = model.allocate_kv_caches(4, 16)
     meta = layers.AttentionMetadata(
         slot_mapping=torch.tensor([0, 1, 64]),  # 64 is past 4 blocks of 16

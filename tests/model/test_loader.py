@@ -4,6 +4,7 @@ bad folders, and the loader's peak memory."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import transformers
 from safetensors.torch import save_file
 
 from pyllm.model.config import ModelConfig, rope_inv_freq
-from pyllm.model.dtype import resolve_dtype
+from pyllm.model.dtype import cpu_has_native_bf16, resolve_dtype
+from pyllm.model.layers import Linear
 from pyllm.model.loader import load_model
 from tests.model.conftest import TINY, make_hf_model
 
@@ -52,8 +54,19 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def dense_params(model) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, packed projection weights read back."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            out[f"{name}.weight"] = module.dense_weight()
+    for name, p in model.named_parameters():
+        out.setdefault(name, p)
+    return out
+
+
 def assert_params_equal(model, expected: dict[str, torch.Tensor]) -> None:
-    ours = dict(model.named_parameters())
+    ours = dense_params(model)
     assert set(ours) == set(expected)
     for name, value in expected.items():
         torch.testing.assert_close(ours[name].float(), value.float(), atol=0, rtol=0, msg=name)
@@ -68,6 +81,7 @@ def test_tensors_land_in_their_fused_slots(tmp_path, kind):
     assert config.tie_word_embeddings == (kind == "tied")
     if kind == "tied":
         assert model.lm_head_weight is model.model.embed_tokens.weight
+    assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None  # CPU default
     assert_params_equal(model, expected_params(hf, config))
 
 
@@ -214,7 +228,8 @@ def test_rope_frequencies_match_transformers(rope):
 
 
 def test_resolve_dtype():
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    native = cpu_has_native_bf16()
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
     assert resolve_dtype("bf16") == torch.bfloat16
     assert resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(ValueError, match="'int8'"):
@@ -237,9 +252,8 @@ _RSS_SCRIPT = textwrap.dedent(
                     return int(line.split()[1]) * 1024
 
     before = status("VmRSS")
-    model, _ = load_model(sys.argv[1], dtype="float32")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(before, status("VmHWM"), weights)
+    model, _ = load_model(sys.argv[1], dtype="float32")  # packs the weights, too
+    print(before, status("VmHWM"))
     """
 )
 
@@ -247,7 +261,7 @@ _RSS_SCRIPT = textwrap.dedent(
 def test_peak_rss_while_loading(tmp_path):
     """A ~340 MB float32 checkpoint: the loader's peak resident memory above what the
     process held before must stay within 1.3x the weights (parameters plus one
-    tensor in flight, not a second copy of the model)."""
+    tensor in flight, not a second copy of the model), packing included."""
     config = dict(TINY, hidden_size=1024, intermediate_size=2048, num_hidden_layers=6,
                   num_attention_heads=16, num_key_value_heads=4, vocab_size=16000)  # fmt: skip
     cfg = _hf_config(**config)
@@ -269,7 +283,8 @@ def test_peak_rss_while_loading(tmp_path):
         [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path), ROOT],
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
-    before, peak, weights = map(int, out.stdout.split())
+    before, peak = map(int, out.stdout.split())
+    weights = sum(math.prod(s) for s in shapes.values()) * 4
     ratio = (peak - before) / weights
     print(f"weights {weights / 2**20:.0f} MiB, peak above start {(peak - before) / 2**20:.0f} "
           f"MiB: {ratio:.2f}x")  # fmt: skip
