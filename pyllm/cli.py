@@ -80,6 +80,35 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from pyllm.benchmark import format_table, rows_to_json, run_bench
+    from pyllm.engine.config import EngineConfig
+    from pyllm.engine.llm_engine import LLMEngine
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in concurrencies) or args.repetitions < 1:
+        raise ValueError("concurrency and repetitions must be positive")
+    options = _engine_options(args)
+    options["enable_prefix_caching"] = False  # every prompt is fresh; measure compute
+    options["max_num_seqs"] = max(options["max_num_seqs"], max(concurrencies))
+    engine = LLMEngine(EngineConfig(**options))
+    print(f"$ pyllm bench {' '.join(sys.argv[2:])}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus, torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    rows = run_bench(engine, args.n_prompt, args.n_gen, args.repetitions, concurrencies)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pyllm", description="A fast, small LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    bench = commands.add_parser("bench", help="prompt-processing and generation speed")
+    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")
+    bench.add_argument("-g", "--n-gen", type=int, default=128, help="generated tokens (0: skip)")
+    bench.add_argument("-r", "--repetitions", type=int, default=3)
+    bench.add_argument("-c", "--concurrency", default="1", help="comma-separated, e.g. 1,8,32")
+    bench.add_argument("--json", default=None, help="also write the rows to this file")
+    _engine_arguments(bench)
+    bench.set_defaults(handler=_bench)
 
     args = parser.parse_args(argv)
     try:
