@@ -160,6 +160,9 @@ class LlamaCppEngine:
         import numpy
 
         self.lib, self.np = llama_cpp, numpy
+        # llama.cpp logs every graph input on stderr; keep the callback alive on self.
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(self._quiet, None)
         self.dtype, self.label = "q4_1", "llama_batch API"
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
@@ -424,6 +427,11 @@ def main() -> int:
             for engine in engines:  # alternate: every engine, then the next repeat
                 seconds, _ = timed(engine, case)
                 rate = case_rate(case_name, case, seconds)
+                print(
+                    f"  {engine.name} {engine.dtype} {titles[case_name]}: {rate:.1f} tok/s "
+                    f"({seconds:.1f} s)",
+                    flush=True,
+                )
                 slot = best[engine.name, engine.dtype]
                 slot[case_name] = max(slot.get(case_name, 0.0), rate)
         print(f"done: {titles[case_name]}", flush=True)
