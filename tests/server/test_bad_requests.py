@@ -94,8 +94,8 @@ CASES = [
     Case("completion prompt longer than the context", 400, "prompt", COMPLETIONS, completion(prompt="hello " * 5000), code="context_length_exceeded"),  # noqa: E501
     Case("suffix", 400, "suffix", COMPLETIONS, completion(suffix="end")),
     # Who and what.
-    Case("unknown model", 404, "model", body=chat(model="gpt-9"), code="model_not_found"),
-    Case("unknown model (completions)", 404, "model", COMPLETIONS, completion(model="gpt-9")),
+    Case("unknown model", 400, "model", body=chat(model="gpt-9"), code="model_not_found"),
+    Case("unknown model (completions)", 400, "model", COMPLETIONS, completion(model="gpt-9")),
     Case("missing API key", 401, headers={"Authorization": ""}, code="invalid_api_key"),
     Case("wrong API key", 401, headers={"Authorization": "Bearer wrong"}, code="invalid_api_key"),
     Case("API key as a prefix", 401, headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),
