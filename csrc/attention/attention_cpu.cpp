@@ -372,6 +372,29 @@ inline Vec16 sum_each(Vec16* w, int n) {
   return w[0];
 }
 
+// Prefetches a list of cache blocks into L2 a few lines per call, so that
+// loading the next chunk's keys overlaps the value pass's arithmetic instead
+// of stalling on a burst of misses.
+struct LinePrefetcher {
+  static constexpr int kMaxBlocks = int(kPartitionSize) / 8;
+  const char* blocks[kMaxBlocks];
+  int num_blocks = 0;
+  int64_t block_bytes = 0;
+  int block = 0;
+  int64_t byte = 0;
+
+  void issue(int lines) {
+    for (; lines > 0 && block < num_blocks; --lines) {
+      vec::prefetch_l2(blocks[block] + byte);
+      byte += 64;
+      if (byte >= block_bytes) {
+        byte = 0;
+        ++block;
+      }
+    }
+  }
+};
+
 // Head dimensions handled together in the value pass, per row tile of kValueRows.
 constexpr int kValueDims = 4;
 constexpr int kValueRows = 4;
@@ -381,11 +404,13 @@ constexpr int kValueRows = 4;
 // the chunk's groups and are summed across lanes once at the end, so value
 // rows are used as stored, without transposing.
 template <typename scalar_t, int RT, bool kHalves>
-void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const float* logits) {
+void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const float* logits,
+                 LinePrefetcher& ahead, int lines_per_step) {
   const int64_t stride = groups.row_stride;
   const float* p[RT];
   for (int r = 0; r < RT; ++r) p[r] = logits + size_t(r0 + r) * kLogitsStride;
   for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
+    ahead.issue(lines_per_step);
     // Accumulators indexed only by constants, so they stay in registers;
     // sum_each works on a copy.
     Vec16 wide[RT * kValueDims];
@@ -418,21 +443,25 @@ void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const 
   }
 }
 
+// `ahead` is prefetched while the first row tile runs.
 template <typename scalar_t, bool kHalves>
-void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits) {
+void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits,
+                 LinePrefetcher& ahead) {
+  const int steps = rows.head_size / kValueDims;
+  const int lines_per_step = int((ahead.num_blocks * ahead.block_bytes / 64 + steps - 1) / steps);
   int r = 0;
   for (; r + kValueRows <= rows.count; r += kValueRows) {
-    pv_row_tile<scalar_t, kValueRows, kHalves>(groups, r, rows, logits);
+    pv_row_tile<scalar_t, kValueRows, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
   }
   switch (rows.count - r) {
     case 1:
-      pv_row_tile<scalar_t, 1, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 1, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     case 2:
-      pv_row_tile<scalar_t, 2, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 2, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     case 3:
-      pv_row_tile<scalar_t, 3, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 3, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     default:
       break;
@@ -458,7 +487,8 @@ void prefetch_block(const scalar_t* block, int64_t elements, bool to_l1) {
 // Memory: cache blocks are scattered, which defeats the hardware prefetcher at
 // every block, so the key pass prefetches the key block two ahead (to L1) and
 // the value block of the same position (to L2, for the value pass), and the
-// value pass prefetches the first key blocks of the next chunk (to L2).
+// value pass trickles the next chunk's key blocks into L2 (measured: decode
+// at 67 MB of bf16 cache, one thread, ~10 -> ~11.5 GB/s).
 template <typename scalar_t>
 void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_begin, int t_end,
             Workspace& ws) {
@@ -503,15 +533,17 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
       }
     }
     softmax_chunk(rows, logits, chunk_end - chunk);
+    LinePrefetcher next_keys;  // the next chunk's key blocks, during the value pass
+    next_keys.block_bytes = block_elems * int64_t(sizeof(scalar_t));
     const int next_end = std::min<int>(t_end, chunk_end + kPartitionSize);
-    for (int i = 0; i < kKeyAhead && chunk_end + i * bs < next_end; ++i) {
-      prefetch_block(key_block(chunk_end + i * bs), block_elems, false);
+    for (int start = chunk_end; start < next_end; start += bs) {
+      next_keys.blocks[next_keys.num_blocks++] = reinterpret_cast<const char*>(key_block(start));
     }
     groups.build(cache, seq, kv_head, chunk, chunk_end - chunk);
     if (bs >= kLanes) {
-      pv_all_rows<scalar_t, false>(groups, rows, logits);
+      pv_all_rows<scalar_t, false>(groups, rows, logits, next_keys);
     } else {
-      pv_all_rows<scalar_t, true>(groups, rows, logits);
+      pv_all_rows<scalar_t, true>(groups, rows, logits, next_keys);
     }
   }
 }
