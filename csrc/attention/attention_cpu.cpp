@@ -483,15 +483,25 @@ void prefetch_block(const scalar_t* block, int64_t elements, bool to_l1) {
   }
 }
 
+// The keys [t_begin, t_end) of (seq, kv_head) a task reads; seq < 0 for none.
+struct KeyRange {
+  int64_t seq = -1;
+  int kv_head = 0;
+  int t_begin = 0;
+  int t_end = 0;
+};
+
 // t_begin is a multiple of kPartitionSize; every row's last_key is < t_end.
 // Memory: cache blocks are scattered, which defeats the hardware prefetcher at
 // every block, so the key pass prefetches the key block two ahead (to L1) and
 // the value block of the same position (to L2, for the value pass), and the
-// value pass trickles the next chunk's key blocks into L2 (measured: decode
-// at 67 MB of bf16 cache, one thread, ~10 -> ~11.5 GB/s).
+// value pass trickles the next chunk's key blocks into L2 -- after the last
+// chunk, those of the task this thread runs next (`after`). That balances
+// memory traffic between the passes (measured: decode at 67 MB of bf16 cache,
+// one thread, ~10 -> ~11.5 GB/s).
 template <typename scalar_t>
 void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_begin, int t_end,
-            Workspace& ws) {
+            const KeyRange& after, Workspace& ws) {
   constexpr int X = PagedCache<scalar_t>::kX;
   constexpr int kKeyAhead = 2;
   const int bs = cache.block_size;
@@ -533,11 +543,16 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
       }
     }
     softmax_chunk(rows, logits, chunk_end - chunk);
-    LinePrefetcher next_keys;  // the next chunk's key blocks, during the value pass
+    // The key blocks of the next chunk, of this task or the next one.
+    const KeyRange next = chunk_end < t_end ? KeyRange{seq, kv_head, chunk_end, t_end} : after;
+    LinePrefetcher next_keys;
     next_keys.block_bytes = block_elems * int64_t(sizeof(scalar_t));
-    const int next_end = std::min<int>(t_end, chunk_end + kPartitionSize);
-    for (int start = chunk_end; start < next_end; start += bs) {
-      next_keys.blocks[next_keys.num_blocks++] = reinterpret_cast<const char*>(key_block(start));
+    if (next.seq >= 0) {
+      const int next_end = std::min<int>(next.t_end, next.t_begin + kPartitionSize);
+      for (int start = next.t_begin; start < next_end; start += bs) {
+        next_keys.blocks[next_keys.num_blocks++] = reinterpret_cast<const char*>(
+            cache.key_cache + cache.block_offset(next.seq, next.kv_head, start / bs));
+      }
     }
     groups.build(cache, seq, kv_head, chunk, chunk_end - chunk);
     if (bs >= kLanes) {
@@ -560,9 +575,11 @@ void store_row(const Rows& rows, int r, scalar_t* out) {
 // ---------------------------------------------------------------------------
 // Scheduling.
 
-// Runs task(i, workspace) for i in [0, num_tasks) on at::parallel_for's
-// threads; each thread claims the next unclaimed task, so tasks of different
-// cost (listed longest first) spread evenly.
+// Runs task(i, following, workspace) for i in [0, num_tasks) on
+// at::parallel_for's threads; each thread claims the next unclaimed task, so
+// tasks of different cost (listed longest first) spread evenly. `following`
+// is the task the same thread runs next (claimed one ahead so that its first
+// keys can be prefetched), or -1.
 template <typename F>
 void run_tasks(int64_t num_tasks, const F& task) {
   if (num_tasks == 0) return;
@@ -570,7 +587,11 @@ void run_tasks(int64_t num_tasks, const F& task) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace ws;
-    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) task(i, ws);
+    for (int64_t i = next.fetch_add(1); i < num_tasks;) {
+      const int64_t following = next.fetch_add(1);
+      task(i, following < num_tasks ? following : -1, ws);
+      i = following;
+    }
   });
 }
 
@@ -721,13 +742,19 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
     const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
+    auto keys_of = [&](int64_t i) {
       const int64_t seq = order[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[seq];
+      return KeyRange{seq, int(i % num_kv_heads), 0, lens[seq]};
+    };
+    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+      const KeyRange keys = keys_of(i);
+      const int64_t seq = keys.seq;
+      const int kv_head = keys.kv_head;
+      const int seq_len = keys.t_end;
       decode_rows(ws.rows, q, query.stride(0), seq, kv_head, group, head_size, float(scale), alibi,
                   seq_len, seq_len);
-      attend(cache, seq, kv_head, 0, seq_len, ws);
+      attend(cache, seq, kv_head, 0, seq_len, following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
       for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
     });
@@ -786,22 +813,30 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
     float* sums = exp_sums.data_ptr<float>();
     float* maxes = max_logits.data_ptr<float>();
     scalar_t* partial = tmp_out.data_ptr<scalar_t>();
-    run_tasks(int64_t(parts.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: partition parts[i / num_kv_heads] of kv head i % num_kv_heads.
+    auto keys_of = [&](int64_t i) {
       const Part part = parts[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[part.seq];
       const int t_begin = part.partition * int(kPartitionSize);
-      const int t_end = std::min<int>(seq_len, t_begin + kPartitionSize);
-      decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size, float(scale),
-                  alibi, seq_len, t_end);
-      attend(cache, part.seq, kv_head, t_begin, t_end, ws);
-      for (int g = 0; g < group; ++g) {
-        const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
-        maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
-        sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
-        store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
-      }
-    });
+      return KeyRange{part.seq, int(i % num_kv_heads), t_begin,
+                      std::min<int>(lens[part.seq], t_begin + kPartitionSize)};
+    };
+    run_tasks(
+        int64_t(parts.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+          const Part part = parts[i / num_kv_heads];
+          const KeyRange keys = keys_of(i);
+          const int kv_head = keys.kv_head;
+          const int seq_len = lens[part.seq];
+          decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size,
+                      float(scale), alibi, seq_len, keys.t_end);
+          attend(cache, part.seq, kv_head, keys.t_begin, keys.t_end,
+                 following >= 0 ? keys_of(following) : KeyRange{}, ws);
+          for (int g = 0; g < group; ++g) {
+            const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
+            maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
+            sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
+            store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
+          }
+        });
 
     // Merge: out = sum_p w_p * tmp_out[p] / sum_p w_p, w_p = exp_sum_p * exp(max_p - max).
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -883,32 +918,41 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t q_stride = query.stride(0);
-    run_tasks(int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: query tile tiles[i / num_kv_heads] of kv head i % num_kv_heads; it
+    // reads keys up to its last query token's position.
+    auto keys_of = [&](int64_t i) {
       const Tile& t = tiles[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[t.seq];
       const int q_len = starts[t.seq + 1] - starts[t.seq];
-      Rows& rows = ws.rows;
-      rows.reset(t.count * group, head_size, X, float(scale), alibi != nullptr);
-      // Row (token j of the tile, head g) = j * group + g.
-      for (int j = 0; j < t.count; ++j) {
-        const int64_t token = starts[t.seq] + t.first + j;
-        const int pos = seq_len - q_len + t.first + j;
-        for (int g = 0; g < group; ++g) {
-          const int r = j * group + g;
-          rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
-          rows.query_pos[r] = pos;
-          rows.last_key[r] = pos;
-          if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
-        }
-      }
-      attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1, ws);
-      for (int j = 0; j < t.count; ++j) {
-        const int64_t token = starts[t.seq] + t.first + j;
-        scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
-        for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
-      }
-    });
+      return KeyRange{t.seq, int(i % num_kv_heads), 0, lens[t.seq] - q_len + t.first + t.count};
+    };
+    run_tasks(
+        int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+          const Tile& t = tiles[i / num_kv_heads];
+          const int kv_head = int(i % num_kv_heads);
+          const int seq_len = lens[t.seq];
+          const int q_len = starts[t.seq + 1] - starts[t.seq];
+          Rows& rows = ws.rows;
+          rows.reset(t.count * group, head_size, X, float(scale), alibi != nullptr);
+          // Row (token j of the tile, head g) = j * group + g.
+          for (int j = 0; j < t.count; ++j) {
+            const int64_t token = starts[t.seq] + t.first + j;
+            const int pos = seq_len - q_len + t.first + j;
+            for (int g = 0; g < group; ++g) {
+              const int r = j * group + g;
+              rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
+              rows.query_pos[r] = pos;
+              rows.last_key[r] = pos;
+              if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
+            }
+          }
+          attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1,
+                 following >= 0 ? keys_of(following) : KeyRange{}, ws);
+          for (int j = 0; j < t.count; ++j) {
+            const int64_t token = starts[t.seq] + t.first + j;
+            scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
+            for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
+          }
+        });
   });
 }
 
