@@ -415,10 +415,7 @@ void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const 
     // sum_each works on a copy.
     Vec16 wide[RT * kValueDims];
     for (auto& w : wide) w = Vec16::zero();
-    for (int g = 0; g < groups.count; ++g) {
-      // Lanes past the chunk's end are zeroed by selection: the cache may hold
-      // anything there, and 0 * NaN would not vanish.
-      const int valid = g == groups.count - 1 ? groups.last_tokens : kLanes;
+    auto accumulate = [&](int g, auto masked) {
       Vec16 pg[RT];
       for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
       const scalar_t* lo = groups.lo[g] + d0 * stride;
@@ -426,12 +423,16 @@ void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const 
       for (int j = 0; j < kValueDims; ++j) {
         Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
                           : Vec16::load(lo + j * stride);
-        v = v.keep_first(valid, 0.0f);
+        // Lanes past the chunk's end are zeroed by selection: the cache may
+        // hold anything there, and 0 * NaN would not vanish.
+        if constexpr (decltype(masked)::value) v = v.keep_first(groups.last_tokens, 0.0f);
         for (int r = 0; r < RT; ++r) {
           wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
         }
       }
-    }
+    };
+    for (int g = 0; g + 1 < groups.count; ++g) accumulate(g, std::false_type{});
+    accumulate(groups.count - 1, std::true_type{});
     Vec16 folded[RT * kValueDims];
     std::copy(wide, wide + RT * kValueDims, folded);
     alignas(64) float sums[kLanes];
