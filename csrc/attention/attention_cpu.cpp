@@ -398,6 +398,9 @@ struct LinePrefetcher {
 // Head dimensions handled together in the value pass, per row tile of kValueRows.
 constexpr int kValueDims = 4;
 constexpr int kValueRows = 4;
+// Token groups (value blocks, for block_size 16) walked together; fewer than
+// the L1's 12 ways.
+constexpr int kValueGroupsPerPass = 8;
 
 // acc[row][d] += sum_t p[row][t] * v[t][d] over the chunk, rows [r0, r0 + RT).
 // Products accumulate lane-wise (one lane per token of a group) over all of
@@ -409,37 +412,48 @@ void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const 
   const int64_t stride = groups.row_stride;
   const float* p[RT];
   for (int r = 0; r < RT; ++r) p[r] = logits + size_t(r0 + r) * kLogitsStride;
-  for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
-    ahead.issue(lines_per_step);
-    // Accumulators indexed only by constants, so they stay in registers;
-    // sum_each works on a copy.
-    Vec16 wide[RT * kValueDims];
-    for (auto& w : wide) w = Vec16::zero();
-    auto accumulate = [&](int g, auto masked) {
-      Vec16 pg[RT];
-      for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
-      const scalar_t* lo = groups.lo[g] + d0 * stride;
-      const scalar_t* hi = groups.hi[g] + d0 * stride;
-      for (int j = 0; j < kValueDims; ++j) {
-        Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
-                          : Vec16::load(lo + j * stride);
-        // Lanes past the chunk's end are zeroed by selection: the cache may
-        // hold anything there, and 0 * NaN would not vanish.
-        if constexpr (decltype(masked)::value) v = v.keep_first(groups.last_tokens, 0.0f);
-        for (int r = 0; r < RT; ++r) {
-          wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
+  // Groups in passes of kValueGroupsPerPass: every group's value block sits at
+  // the same offset modulo 4 KiB, so walking all of a chunk's blocks in step
+  // would map them to the same few L1 sets and evict each other.
+  for (int g0 = 0; g0 < groups.count; g0 += kValueGroupsPerPass) {
+    const int g1 = std::min(groups.count, g0 + kValueGroupsPerPass);
+    for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
+      ahead.issue(lines_per_step);
+      // Accumulators indexed only by constants, so they stay in registers;
+      // sum_each works on a copy.
+      Vec16 wide[RT * kValueDims];
+      for (auto& w : wide) w = Vec16::zero();
+      auto accumulate = [&](int g, auto masked) {
+        Vec16 pg[RT];
+        for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
+        const scalar_t* lo = groups.lo[g] + d0 * stride;
+        const scalar_t* hi = groups.hi[g] + d0 * stride;
+        for (int j = 0; j < kValueDims; ++j) {
+          Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
+                            : Vec16::load(lo + j * stride);
+          // Lanes past the chunk's end are zeroed by selection: the cache may
+          // hold anything there, and 0 * NaN would not vanish.
+          if constexpr (decltype(masked)::value) v = v.keep_first(groups.last_tokens, 0.0f);
+          for (int r = 0; r < RT; ++r) {
+            wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
+          }
+        }
+      };
+      for (int g = g0; g < g1; ++g) {
+        if (g + 1 < groups.count) {
+          accumulate(g, std::false_type{});
+        } else {
+          accumulate(g, std::true_type{});
         }
       }
-    };
-    for (int g = 0; g + 1 < groups.count; ++g) accumulate(g, std::false_type{});
-    accumulate(groups.count - 1, std::true_type{});
-    Vec16 folded[RT * kValueDims];
-    std::copy(wide, wide + RT * kValueDims, folded);
-    alignas(64) float sums[kLanes];
-    sum_each(folded, RT * kValueDims).store(sums);
-    for (int r = 0; r < RT; ++r) {
-      float* acc = &rows.acc[size_t(r0 + r) * rows.head_size + d0];
-      for (int j = 0; j < kValueDims; ++j) acc[j] += sums[r * kValueDims + j];
+      Vec16 folded[RT * kValueDims];
+      std::copy(wide, wide + RT * kValueDims, folded);
+      alignas(64) float sums[kLanes];
+      sum_each(folded, RT * kValueDims).store(sums);
+      for (int r = 0; r < RT; ++r) {
+        float* acc = &rows.acc[size_t(r0 + r) * rows.head_size + d0];
+        for (int j = 0; j < kValueDims; ++j) acc[j] += sums[r * kValueDims + j];
+      }
     }
   }
 }
