@@ -398,8 +398,8 @@ struct LinePrefetcher {
 // Head dimensions handled together in the value pass, per row tile of kValueRows.
 constexpr int kValueDims = 4;
 constexpr int kValueRows = 4;
-// Token groups (value blocks, for block_size 16) walked together; fewer than
-// the L1's 12 ways.
+// Token groups walked together (value blocks, for block_size 16): fewer than
+// the 12 ways of an L1 set (see pv_row_tile).
 constexpr int kValueGroupsPerPass = 8;
 
 // acc[row][d] += sum_t p[row][t] * v[t][d] over the chunk, rows [r0, r0 + RT).
@@ -458,7 +458,7 @@ void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const 
   }
 }
 
-// `ahead` is prefetched while the first row tile runs.
+// `ahead` is prefetched during the first row tile's first pass over the groups.
 template <typename scalar_t, bool kHalves>
 void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits,
                  LinePrefetcher& ahead) {
