@@ -372,67 +372,111 @@ inline Vec16 sum_each(Vec16* w, int n) {
   return w[0];
 }
 
+// Prefetches a list of cache blocks into L2 a few lines per call, so that
+// loading the next chunk's keys overlaps the value pass's arithmetic instead
+// of stalling on a burst of misses.
+struct LinePrefetcher {
+  static constexpr int kMaxBlocks = int(kPartitionSize) / 8;
+  const char* blocks[kMaxBlocks];
+  int num_blocks = 0;
+  int64_t block_bytes = 0;
+  int block = 0;
+  int64_t byte = 0;
+
+  void issue(int lines) {
+    for (; lines > 0 && block < num_blocks; --lines) {
+      vec::prefetch_l2(blocks[block] + byte);
+      byte += 64;
+      if (byte >= block_bytes) {
+        byte = 0;
+        ++block;
+      }
+    }
+  }
+};
+
 // Head dimensions handled together in the value pass, per row tile of kValueRows.
 constexpr int kValueDims = 4;
 constexpr int kValueRows = 4;
+// Token groups walked together (value blocks, for block_size 16): fewer than
+// the 12 ways of an L1 set (see pv_row_tile).
+constexpr int kValueGroupsPerPass = 8;
 
 // acc[row][d] += sum_t p[row][t] * v[t][d] over the chunk, rows [r0, r0 + RT).
 // Products accumulate lane-wise (one lane per token of a group) over all of
 // the chunk's groups and are summed across lanes once at the end, so value
 // rows are used as stored, without transposing.
 template <typename scalar_t, int RT, bool kHalves>
-void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const float* logits) {
+void pv_row_tile(const ValueGroups<scalar_t>& groups, int r0, Rows& rows, const float* logits,
+                 LinePrefetcher& ahead, int lines_per_step) {
   const int64_t stride = groups.row_stride;
   const float* p[RT];
   for (int r = 0; r < RT; ++r) p[r] = logits + size_t(r0 + r) * kLogitsStride;
-  for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
-    // Accumulators indexed only by constants, so they stay in registers;
-    // sum_each works on a copy.
-    Vec16 wide[RT * kValueDims];
-    for (auto& w : wide) w = Vec16::zero();
-    for (int g = 0; g < groups.count; ++g) {
-      // Lanes past the chunk's end are zeroed by selection: the cache may hold
-      // anything there, and 0 * NaN would not vanish.
-      const int valid = g == groups.count - 1 ? groups.last_tokens : kLanes;
-      Vec16 pg[RT];
-      for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
-      const scalar_t* lo = groups.lo[g] + d0 * stride;
-      const scalar_t* hi = groups.hi[g] + d0 * stride;
-      for (int j = 0; j < kValueDims; ++j) {
-        Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
-                          : Vec16::load(lo + j * stride);
-        v = v.keep_first(valid, 0.0f);
-        for (int r = 0; r < RT; ++r) {
-          wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
+  // Groups in passes of kValueGroupsPerPass: every group's value block sits at
+  // the same offset modulo 4 KiB, so walking all of a chunk's blocks in step
+  // would map them to the same few L1 sets and evict each other.
+  for (int g0 = 0; g0 < groups.count; g0 += kValueGroupsPerPass) {
+    const int g1 = std::min(groups.count, g0 + kValueGroupsPerPass);
+    for (int d0 = 0; d0 < rows.head_size; d0 += kValueDims) {
+      ahead.issue(lines_per_step);
+      // Accumulators indexed only by constants, so they stay in registers;
+      // sum_each works on a copy.
+      Vec16 wide[RT * kValueDims];
+      for (auto& w : wide) w = Vec16::zero();
+      auto accumulate = [&](int g, auto masked) {
+        Vec16 pg[RT];
+        for (int r = 0; r < RT; ++r) pg[r] = Vec16::load(p[r] + g * kLanes);
+        const scalar_t* lo = groups.lo[g] + d0 * stride;
+        const scalar_t* hi = groups.hi[g] + d0 * stride;
+        for (int j = 0; j < kValueDims; ++j) {
+          Vec16 v = kHalves ? Vec16::load_halves(lo + j * stride, hi + j * stride)
+                            : Vec16::load(lo + j * stride);
+          // Lanes past the chunk's end are zeroed by selection: the cache may
+          // hold anything there, and 0 * NaN would not vanish.
+          if constexpr (decltype(masked)::value) v = v.keep_first(groups.last_tokens, 0.0f);
+          for (int r = 0; r < RT; ++r) {
+            wide[r * kValueDims + j] = Vec16::fmadd(pg[r], v, wide[r * kValueDims + j]);
+          }
+        }
+      };
+      for (int g = g0; g < g1; ++g) {
+        if (g + 1 < groups.count) {
+          accumulate(g, std::false_type{});
+        } else {
+          accumulate(g, std::true_type{});
         }
       }
-    }
-    Vec16 folded[RT * kValueDims];
-    std::copy(wide, wide + RT * kValueDims, folded);
-    alignas(64) float sums[kLanes];
-    sum_each(folded, RT * kValueDims).store(sums);
-    for (int r = 0; r < RT; ++r) {
-      float* acc = &rows.acc[size_t(r0 + r) * rows.head_size + d0];
-      for (int j = 0; j < kValueDims; ++j) acc[j] += sums[r * kValueDims + j];
+      Vec16 folded[RT * kValueDims];
+      std::copy(wide, wide + RT * kValueDims, folded);
+      alignas(64) float sums[kLanes];
+      sum_each(folded, RT * kValueDims).store(sums);
+      for (int r = 0; r < RT; ++r) {
+        float* acc = &rows.acc[size_t(r0 + r) * rows.head_size + d0];
+        for (int j = 0; j < kValueDims; ++j) acc[j] += sums[r * kValueDims + j];
+      }
     }
   }
 }
 
+// `ahead` is prefetched during the first row tile's first pass over the groups.
 template <typename scalar_t, bool kHalves>
-void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits) {
+void pv_all_rows(const ValueGroups<scalar_t>& groups, Rows& rows, const float* logits,
+                 LinePrefetcher& ahead) {
+  const int steps = rows.head_size / kValueDims;
+  const int lines_per_step = int((ahead.num_blocks * ahead.block_bytes / 64 + steps - 1) / steps);
   int r = 0;
   for (; r + kValueRows <= rows.count; r += kValueRows) {
-    pv_row_tile<scalar_t, kValueRows, kHalves>(groups, r, rows, logits);
+    pv_row_tile<scalar_t, kValueRows, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
   }
   switch (rows.count - r) {
     case 1:
-      pv_row_tile<scalar_t, 1, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 1, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     case 2:
-      pv_row_tile<scalar_t, 2, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 2, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     case 3:
-      pv_row_tile<scalar_t, 3, kHalves>(groups, r, rows, logits);
+      pv_row_tile<scalar_t, 3, kHalves>(groups, r, rows, logits, ahead, lines_per_step);
       break;
     default:
       break;
@@ -454,14 +498,25 @@ void prefetch_block(const scalar_t* block, int64_t elements, bool to_l1) {
   }
 }
 
+// The keys [t_begin, t_end) of (seq, kv_head) a task reads; seq < 0 for none.
+struct KeyRange {
+  int64_t seq = -1;
+  int kv_head = 0;
+  int t_begin = 0;
+  int t_end = 0;
+};
+
 // t_begin is a multiple of kPartitionSize; every row's last_key is < t_end.
 // Memory: cache blocks are scattered, which defeats the hardware prefetcher at
 // every block, so the key pass prefetches the key block two ahead (to L1) and
 // the value block of the same position (to L2, for the value pass), and the
-// value pass prefetches the first key blocks of the next chunk (to L2).
+// value pass trickles the next chunk's key blocks into L2 -- after the last
+// chunk, those of the task this thread runs next (`after`). That balances
+// memory traffic between the passes (measured: decode at 67 MB of bf16 cache,
+// one thread, ~10 -> ~11.5 GB/s).
 template <typename scalar_t>
 void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_begin, int t_end,
-            Workspace& ws) {
+            const KeyRange& after, Workspace& ws) {
   constexpr int X = PagedCache<scalar_t>::kX;
   constexpr int kKeyAhead = 2;
   const int bs = cache.block_size;
@@ -503,15 +558,22 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
       }
     }
     softmax_chunk(rows, logits, chunk_end - chunk);
-    const int next_end = std::min<int>(t_end, chunk_end + kPartitionSize);
-    for (int i = 0; i < kKeyAhead && chunk_end + i * bs < next_end; ++i) {
-      prefetch_block(key_block(chunk_end + i * bs), block_elems, false);
+    // The key blocks of the next chunk, of this task or the next one.
+    const KeyRange next = chunk_end < t_end ? KeyRange{seq, kv_head, chunk_end, t_end} : after;
+    LinePrefetcher next_keys;
+    next_keys.block_bytes = block_elems * int64_t(sizeof(scalar_t));
+    if (next.seq >= 0) {
+      const int next_end = std::min<int>(next.t_end, next.t_begin + kPartitionSize);
+      for (int start = next.t_begin; start < next_end; start += bs) {
+        next_keys.blocks[next_keys.num_blocks++] = reinterpret_cast<const char*>(
+            cache.key_cache + cache.block_offset(next.seq, next.kv_head, start / bs));
+      }
     }
     groups.build(cache, seq, kv_head, chunk, chunk_end - chunk);
     if (bs >= kLanes) {
-      pv_all_rows<scalar_t, false>(groups, rows, logits);
+      pv_all_rows<scalar_t, false>(groups, rows, logits, next_keys);
     } else {
-      pv_all_rows<scalar_t, true>(groups, rows, logits);
+      pv_all_rows<scalar_t, true>(groups, rows, logits, next_keys);
     }
   }
 }
@@ -528,9 +590,11 @@ void store_row(const Rows& rows, int r, scalar_t* out) {
 // ---------------------------------------------------------------------------
 // Scheduling.
 
-// Runs task(i, workspace) for i in [0, num_tasks) on at::parallel_for's
-// threads; each thread claims the next unclaimed task, so tasks of different
-// cost (listed longest first) spread evenly.
+// Runs task(i, following, workspace) for i in [0, num_tasks) on
+// at::parallel_for's threads; each thread claims the next unclaimed task, so
+// tasks of different cost (listed longest first) spread evenly. `following`
+// is the task the same thread runs next (claimed one ahead so that its first
+// keys can be prefetched), or -1.
 template <typename F>
 void run_tasks(int64_t num_tasks, const F& task) {
   if (num_tasks == 0) return;
@@ -538,7 +602,11 @@ void run_tasks(int64_t num_tasks, const F& task) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace ws;
-    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) task(i, ws);
+    for (int64_t i = next.fetch_add(1); i < num_tasks;) {
+      const int64_t following = next.fetch_add(1);
+      task(i, following < num_tasks ? following : -1, ws);
+      i = following;
+    }
   });
 }
 
@@ -689,13 +757,19 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
     const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
+    auto keys_of = [&](int64_t i) {
       const int64_t seq = order[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[seq];
+      return KeyRange{seq, int(i % num_kv_heads), 0, lens[seq]};
+    };
+    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+      const KeyRange keys = keys_of(i);
+      const int64_t seq = keys.seq;
+      const int kv_head = keys.kv_head;
+      const int seq_len = keys.t_end;
       decode_rows(ws.rows, q, query.stride(0), seq, kv_head, group, head_size, float(scale), alibi,
                   seq_len, seq_len);
-      attend(cache, seq, kv_head, 0, seq_len, ws);
+      attend(cache, seq, kv_head, 0, seq_len, following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
       for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
     });
@@ -754,22 +828,30 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
     float* sums = exp_sums.data_ptr<float>();
     float* maxes = max_logits.data_ptr<float>();
     scalar_t* partial = tmp_out.data_ptr<scalar_t>();
-    run_tasks(int64_t(parts.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: partition parts[i / num_kv_heads] of kv head i % num_kv_heads.
+    auto keys_of = [&](int64_t i) {
       const Part part = parts[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[part.seq];
       const int t_begin = part.partition * int(kPartitionSize);
-      const int t_end = std::min<int>(seq_len, t_begin + kPartitionSize);
-      decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size, float(scale),
-                  alibi, seq_len, t_end);
-      attend(cache, part.seq, kv_head, t_begin, t_end, ws);
-      for (int g = 0; g < group; ++g) {
-        const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
-        maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
-        sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
-        store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
-      }
-    });
+      return KeyRange{part.seq, int(i % num_kv_heads), t_begin,
+                      std::min<int>(lens[part.seq], t_begin + kPartitionSize)};
+    };
+    run_tasks(
+        int64_t(parts.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+          const Part part = parts[i / num_kv_heads];
+          const KeyRange keys = keys_of(i);
+          const int kv_head = keys.kv_head;
+          const int seq_len = lens[part.seq];
+          decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size,
+                      float(scale), alibi, seq_len, keys.t_end);
+          attend(cache, part.seq, kv_head, keys.t_begin, keys.t_end,
+                 following >= 0 ? keys_of(following) : KeyRange{}, ws);
+          for (int g = 0; g < group; ++g) {
+            const int64_t head = part.seq * num_heads + int64_t(kv_head) * group + g;
+            maxes[head * maxes_parts + part.partition] = ws.rows.max_logit[g];
+            sums[head * sums_parts + part.partition] = ws.rows.exp_sum[g];
+            store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
+          }
+        });
 
     // Merge: out = sum_p w_p * tmp_out[p] / sum_p w_p, w_p = exp_sum_p * exp(max_p - max).
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -851,32 +933,41 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t q_stride = query.stride(0);
-    run_tasks(int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, Workspace& ws) {
+    // Task i: query tile tiles[i / num_kv_heads] of kv head i % num_kv_heads; it
+    // reads keys up to its last query token's position.
+    auto keys_of = [&](int64_t i) {
       const Tile& t = tiles[i / num_kv_heads];
-      const int kv_head = int(i % num_kv_heads);
-      const int seq_len = lens[t.seq];
       const int q_len = starts[t.seq + 1] - starts[t.seq];
-      Rows& rows = ws.rows;
-      rows.reset(t.count * group, head_size, X, float(scale), alibi != nullptr);
-      // Row (token j of the tile, head g) = j * group + g.
-      for (int j = 0; j < t.count; ++j) {
-        const int64_t token = starts[t.seq] + t.first + j;
-        const int pos = seq_len - q_len + t.first + j;
-        for (int g = 0; g < group; ++g) {
-          const int r = j * group + g;
-          rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
-          rows.query_pos[r] = pos;
-          rows.last_key[r] = pos;
-          if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
-        }
-      }
-      attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1, ws);
-      for (int j = 0; j < t.count; ++j) {
-        const int64_t token = starts[t.seq] + t.first + j;
-        scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
-        for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
-      }
-    });
+      return KeyRange{t.seq, int(i % num_kv_heads), 0, lens[t.seq] - q_len + t.first + t.count};
+    };
+    run_tasks(
+        int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+          const Tile& t = tiles[i / num_kv_heads];
+          const int kv_head = int(i % num_kv_heads);
+          const int seq_len = lens[t.seq];
+          const int q_len = starts[t.seq + 1] - starts[t.seq];
+          Rows& rows = ws.rows;
+          rows.reset(t.count * group, head_size, X, float(scale), alibi != nullptr);
+          // Row (token j of the tile, head g) = j * group + g.
+          for (int j = 0; j < t.count; ++j) {
+            const int64_t token = starts[t.seq] + t.first + j;
+            const int pos = seq_len - q_len + t.first + j;
+            for (int g = 0; g < group; ++g) {
+              const int r = j * group + g;
+              rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
+              rows.query_pos[r] = pos;
+              rows.last_key[r] = pos;
+              if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
+            }
+          }
+          attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1,
+                 following >= 0 ? keys_of(following) : KeyRange{}, ws);
+          for (int j = 0; j < t.count; ++j) {
+            const int64_t token = starts[t.seq] + t.first + j;
+            scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
+            for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
+          }
+        });
   });
 }
 
