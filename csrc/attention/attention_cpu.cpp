@@ -590,16 +590,24 @@ void store_row(const Rows& rows, int r, scalar_t* out) {
 // ---------------------------------------------------------------------------
 // Scheduling.
 
+// Query rows x key tokens below which a call runs on the calling thread alone
+// (about 8K products of head_size 64..128: tens of microseconds, the order of
+// waking a sleeping OpenMP worker on a busy machine).
+constexpr int64_t kMinParallelWork = 8192;
+
 // Runs task(i, following, workspace) for i in [0, num_tasks) on
 // at::parallel_for's threads; each thread claims the next unclaimed task, so
 // tasks of different cost (listed longest first) spread evenly. `following`
 // is the task the same thread runs next (claimed one ahead so that its first
 // keys can be prefetched), or -1.
 template <typename F>
-void run_tasks(int64_t num_tasks, const F& task) {
+void run_tasks(int64_t num_tasks, const F& task, int64_t work = kMinParallelWork) {
   if (num_tasks == 0) return;
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  // A tiny call (a short decode) finishes faster on this thread than it takes to wake
+  // another: at::parallel_for over one worker runs inline.
+  const int64_t workers =
+      work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace ws;
     for (int64_t i = next.fetch_add(1); i < num_tasks;) {
@@ -747,6 +755,9 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
 
+  int64_t work = 0;  // query rows x key tokens of the whole call
+  for (int64_t s = 0; s < num_seqs; ++s) work += int64_t(lens[s]) * shape.num_heads;
+
   // Tasks (seq, kv_head), longest sequences first.
   std::vector<int64_t> order(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
@@ -772,7 +783,7 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
       attend(cache, seq, kv_head, 0, seq_len, following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
       for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
-    });
+    }, work);
   });
 }
 
