@@ -118,7 +118,7 @@ class AsyncEngine:
         Reads only what never changes after start-up (vocabulary, context length, cache
         size), so it is safe to call from the event loop while the engine thread steps.
         """
-        self.engine._validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -24,14 +24,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
+        from pyllm.model.dtype import resolve_dtype
+        from pyllm.ops import SUPPORTED_BLOCK_SIZES
 
         if self.model is None:
             self.model = default_model_path()
         self.model_path = str(self.model)
         self.torch_device = _resolve_device(self.device)
-        self.torch_dtype = _resolve_dtype(self.dtype, self.torch_device)
-        if self.block_size not in (8, 16, 32):
-            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
+            )
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -68,9 +72,3 @@ def _resolve_device(device: str) -> torch.device:
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
     return resolved
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    from pyllm.model.dtype import resolve_dtype
-
-    return resolve_dtype(dtype, device)

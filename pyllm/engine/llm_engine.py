@@ -16,8 +16,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.model_runner import ModelRunner
@@ -25,6 +23,7 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.stop_checker import check_stop, streamable_text
+from pyllm.model.llama import kv_cache_bytes_per_block
 from pyllm.model.loader import load_model
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
@@ -99,13 +98,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ setup
 
     def _allocate_kv_cache(self):
-        from pyllm import ops
-
-        mc, cfg = self.model_config, self.config
-        element = torch.empty((), dtype=cfg.torch_dtype).element_size()
-        per_block = (
-            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * cfg.block_size
-        ) * element
+        cfg = self.config
+        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
         budget = cfg.kv_cache_budget_bytes(self.device)
         num_blocks = int(budget // per_block)
         if num_blocks < 1:
@@ -113,18 +107,7 @@ class LLMEngine:
                 f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
             )
         self.kv_cache_bytes = num_blocks * per_block
-        caches = [
-            ops.allocate_kv_cache(
-                num_blocks,
-                mc.num_key_value_heads,
-                mc.head_dim,
-                cfg.block_size,
-                cfg.torch_dtype,
-                self.device,
-            )  # fmt: skip
-            for _ in range(mc.num_hidden_layers)
-        ]
-        return caches, num_blocks
+        return self.model.allocate_kv_caches(num_blocks, cfg.block_size), num_blocks
 
     # --------------------------------------------------------------- requests
 
@@ -143,7 +126,7 @@ class LLMEngine:
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
@@ -173,7 +156,7 @@ class LLMEngine:
             self._request_of[id(seq)] = request
         self.scheduler.add(seqs[0])
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:

@@ -66,7 +66,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         # Running sequences first, oldest first.
         i = 0
@@ -83,7 +82,6 @@ class Scheduler:
                 break  # seq preempted itself: nothing newer is left to run
             self.block_manager.append_slots(seq, num_new)
             self._add_to_batch(batch, seq, num_new)
-            scheduled.add(id(seq))
             budget -= num_new
             i += 1
 

@@ -57,10 +57,19 @@ def streamable_text(seq: Sequence) -> str:
     stops = seq.sampling_params.stop
     if seq.finish_reason is not None or not stops:
         return text
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
+    hold = max(_partial_match(text, stop) for stop in stops)
     return text[: len(text) - hold]
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of stop.
+
+    Only positions holding stop's first character are tried, so a step costs about
+    one scan of the last len(stop) characters instead of one comparison per length.
+    """
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i != -1:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
