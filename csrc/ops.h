@@ -9,6 +9,15 @@
 // "x" group of a key is 16 bytes):
 //   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
 //   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+//
+// Contiguous KV layout (the virtual KV arena, csrc/cache/kv_arena.h), one pair of
+// tensor views per layer, indexed by sequence slot instead of through a block table:
+//   key_cache   [max_num_seqs, num_kv_heads, num_tiles, head_size / x, kTokenTile, x]
+//   value_cache [max_num_seqs, num_kv_heads, num_tiles, head_size, kTokenTile]
+// The inner three dimensions are dense and hold one tile of kTokenTile tokens exactly as
+// a paged block holds block_size tokens; the outer three (slot, kv head, tile) may have
+// any strides, which is how the arena chooses where each slot's memory lies. Token t of
+// a slot sits in tile t / kTokenTile at offset t % kTokenTile.
 #pragma once
 
 #include <optional>
@@ -64,7 +73,25 @@ namespace pyllm {
   void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,            \
                           const at::Tensor& weight, double epsilon);          \
                                                                                \
-  void silu_and_mul(at::Tensor& out, const at::Tensor& input);
+  void silu_and_mul(at::Tensor& out, const at::Tensor& input);                \
+                                                                               \
+  /* Contiguous KV layout: seq_slots name each token's or sequence's slot. */  \
+  void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value,    \
+                           at::Tensor& key_cache, at::Tensor& value_cache,    \
+                           const at::Tensor& token_slots,                     \
+                           const at::Tensor& positions);                      \
+                                                                               \
+  void contiguous_attention_decode(                                           \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
+      const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
+      int64_t max_seq_len);                                                   \
+                                                                               \
+  void contiguous_attention_prefill(                                          \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
+      const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
+      const at::Tensor& query_start_loc, int64_t max_query_len);
 
 // The same set of functions, once for each device the library is built for.
 namespace cpu {
@@ -83,5 +110,8 @@ PYLLM_DECLARE_OPS
 // is reduced separately, then the partitions are merged. Python reads it back
 // through torch.ops.pyllm.partition_size() to size exp_sums/max_logits/tmp_out.
 constexpr int64_t kPartitionSize = 512;
+
+// Tokens per tile of the contiguous KV layout (see the top of this file).
+constexpr int64_t kTokenTile = 16;
 
 }  // namespace pyllm
