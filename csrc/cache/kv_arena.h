@@ -14,7 +14,8 @@
 namespace pyllm {
 
 // One reserved virtual range. map/unmap take granularity-aligned byte ranges
-// relative to base(). Mapped memory reads as zeros the first time.
+// relative to base(). Newly mapped memory holds unspecified values (the kernels
+// never read a slot past its seq_len).
 class VirtualMemory {
  public:
   virtual ~VirtualMemory() = default;
