@@ -27,6 +27,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -223,7 +224,11 @@ class LlamaCppEngine:
 
 class VllmEngine:
     """vLLM in its own venv: a worker process (this file with --vllm-worker) that reads one
-    JSON request a line from stdin and answers with the token ids and its own wall time."""
+    JSON request a line from stdin and answers with the token ids and its own wall time.
+
+    Between its own calls the worker's whole process group is stopped (SIGSTOP): vLLM's
+    engine-core process polls for work, and on a 2-core machine an idle poller would slow
+    whichever engine runs next."""
 
     name = "vllm"
 
@@ -239,9 +244,14 @@ class VllmEngine:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=True,  # its own process group, to pause it as a whole
         )
         self._wait_line()  # "ready"
+        self._signal(signal.SIGSTOP)
         self.last_seconds = None
+
+    def _signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
 
     def _wait_line(self) -> dict:
         while True:
@@ -252,13 +262,19 @@ class VllmEngine:
                 return json.loads(line[2:])
 
     def generate(self, prompts, max_tokens):
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        answer = self._wait_line()
+        self._signal(signal.SIGCONT)
+        try:
+            request = json.dumps({"prompts": prompts, "max_tokens": max_tokens})
+            self.proc.stdin.write(request + "\n")
+            self.proc.stdin.flush()
+            answer = self._wait_line()
+        finally:
+            self._signal(signal.SIGSTOP)
         self.last_seconds = answer["seconds"]
         return answer["tokens"]
 
     def close(self):
+        self._signal(signal.SIGCONT)
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 

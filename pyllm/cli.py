@@ -21,7 +21,18 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
-    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="(prefix caching is on by default with --kv-cache paged, off with contiguous)",
+    )
+    group.add_argument(
+        "--kv-cache",
+        choices=("paged", "contiguous"),
+        default="paged",
+        help="paged: KV blocks + block tables; contiguous: one virtual range per sequence "
+        "slot, memory mapped as it grows",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -34,7 +45,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+        kv_cache=args.kv_cache,
     )
 
 

@@ -55,6 +55,19 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def usage(self) -> float:
+        """Share of the blocks in use (0 to 1)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raises ValueError if one sequence of num_tokens could never be held."""
+        blocks = -(-num_tokens // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.num_blocks}; raise kv_cache_memory"
+            )
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so the cache can hold `num_new_tokens` more of seq's tokens."""
         total = seq.num_computed_tokens + num_new_tokens

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+KV_CACHE_MODES = ("paged", "contiguous")
 
 
 @dataclass
@@ -20,7 +21,11 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory: float | None = None  # GiB; default 2 on CPU
     gpu_memory_utilization: float = 0.9  # share of free GPU memory for the KV cache
-    enable_prefix_caching: bool = True
+    # None: on with the paged cache, off with the contiguous one (which cannot share).
+    enable_prefix_caching: bool | None = None
+    # "paged": blocks + block tables (vLLM's PagedAttention); "contiguous": each sequence
+    # slot contiguous in a virtual KV arena, memory mapped as it grows (dAttention).
+    kv_cache: str = "paged"
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
@@ -32,6 +37,15 @@ class EngineConfig:
         self.model_path = str(self.model)
         self.torch_device = _resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.kv_cache == "paged"
+        elif self.enable_prefix_caching and self.kv_cache == "contiguous":
+            raise ValueError(
+                "enable_prefix_caching needs kv_cache='paged': a contiguous slot belongs to one "
+                "sequence, so cached prefixes cannot be shared without copying them"
+            )
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(
                 f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"

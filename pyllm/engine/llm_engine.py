@@ -22,6 +22,7 @@ from pyllm.engine.model_runner import ModelRunner
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
+from pyllm.engine.slot_manager import SlotManager
 from pyllm.engine.stop_checker import check_stop, streamable_text
 from pyllm.model.llama import kv_cache_bytes_per_block
 from pyllm.model.loader import load_model
@@ -64,30 +65,42 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device
         self.max_model_len = self.model.max_model_len
-        self.kv_caches, num_blocks = self._allocate_kv_cache()
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        self.kv_caches, self.kv_manager = self._allocate_kv_cache()
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
+            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            config.block_size,
+            self.device,
+            contiguous=config.kv_cache == "contiguous",
+        )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
         self.stats = EngineStats()
+        if isinstance(self.kv_manager, BlockManager):
+            kv = (
+                f"kv_cache=paged block_size={config.block_size} "
+                f"kv_blocks={self.kv_manager.num_blocks} "
+                f"({self.kv_manager.num_blocks * config.block_size} tokens, "
+                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
+            )
+        else:
+            kv = (
+                f"kv_cache=contiguous slots={self.kv_manager.num_slots} (virtual "
+                f"{self.kv_manager.arena.reserved_bytes() / 2**30:.2f} GiB, committed at most "
+                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
+            )
         logger.info(
-            "pyllm engine: model=%s dtype=%s device=%s block_size=%d kv_blocks=%d "
-            "(%d tokens, %.2f GiB) max_model_len=%d max_num_batched_tokens=%d "
-            "max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
+            "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
+            "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             self.device,
-            config.block_size,
-            num_blocks,
-            num_blocks * config.block_size,
-            self.kv_cache_bytes / 2**30,
+            kv,
             self.max_model_len,
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -98,16 +111,34 @@ class LLMEngine:
     # ------------------------------------------------------------------ setup
 
     def _allocate_kv_cache(self):
+        """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
         cfg = self.config
-        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
         budget = cfg.kv_cache_budget_bytes(self.device)
+        if cfg.kv_cache == "contiguous":
+            # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
+            # of it are ever committed at once (SlotManager keeps to that).
+            self.kv_cache_bytes = budget
+            arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
+            kv_caches = [
+                (arena.key_cache(i), arena.value_cache(i)) for i in range(arena.num_layers)
+            ]
+            return kv_caches, SlotManager(arena, budget)
+        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
         num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
             )
         self.kv_cache_bytes = num_blocks * per_block
-        return self.model.allocate_kv_caches(num_blocks, cfg.block_size), num_blocks
+        kv_caches = self.model.allocate_kv_caches(num_blocks, cfg.block_size)
+        return kv_caches, BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The paged cache's block manager (kv_cache="paged" only)."""
+        if not isinstance(self.kv_manager, BlockManager):
+            raise AttributeError("block_manager: this engine runs kv_cache='contiguous'")
+        return self.kv_manager
 
     # --------------------------------------------------------------- requests
 
@@ -171,12 +202,7 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
-        blocks = -(-budget // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory"
-            )
+        self.kv_manager.check_fits(budget)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -222,7 +248,7 @@ class LLMEngine:
                 self._append_token(request, seq, token, logprob)
         for seq, _ in batch.all():
             if not seq.is_finished:
-                self.block_manager.register_computed_blocks(seq)
+                self.kv_manager.register_computed_blocks(seq)
         return [self._output(r) for r in touched.values()]
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
@@ -279,8 +305,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def kv_cache_usage(self) -> float:
-        bm = self.block_manager
-        return 1.0 - bm.num_free_blocks / bm.num_blocks
+        """Paged: share of blocks in use; contiguous: share of the budget committed."""
+        return self.kv_manager.usage()
+
+    def kv_cache_committed_bytes(self) -> int:
+        """Physical KV memory held now: the whole cache when paged (committed at start),
+        what the arena has mapped when contiguous."""
+        if isinstance(self.kv_manager, BlockManager):
+            return self.kv_cache_bytes
+        return self.kv_manager.committed_bytes()
 
 
 def _load(config: EngineConfig):

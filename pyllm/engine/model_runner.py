@@ -2,7 +2,8 @@
 
 Tokens of all sequences go into one flat batch, no padding: prompt chunks first, then
 decode tokens, one per sequence. For each token the runner computes its position and
-its KV slot (block_table[position // block_size] * block_size + position % block_size).
+its KV slot (block_table[position // block_size] * block_size + position % block_size;
+with the contiguous cache, the sequence's arena slot, the position being the offset).
 Logits are computed only where a token will be sampled: the last token of each
 sequence whose pending tokens are all computed by this step.
 """
@@ -22,12 +23,19 @@ def _padded_block_tables(seqs: list[Sequence], device: torch.device) -> torch.Te
     return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
 
 
+def _seq_slots(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    return torch.tensor([s.kv_slot for s in seqs], dtype=torch.int32, device=device)
+
+
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+    def __init__(
+        self, model, kv_caches, block_size: int, device: torch.device, contiguous: bool = False
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.contiguous = contiguous  # kv_caches are views of a KVArena (SlotManager)
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs)."""
@@ -45,7 +53,10 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
             positions.extend(span)
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
+            if self.contiguous:
+                slot_mapping.extend([seq.kv_slot] * n)
+            else:
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
             query_start_loc.append(query_start_loc[-1] + n)
             if start + n == seq.num_tokens:  # everything pending is computed: sample
                 logits_indices.append(len(input_ids) - 1)
@@ -70,6 +81,10 @@ class ModelRunner:
             decode_block_tables=_padded_block_tables(decode_seqs, device),
             max_decode_seq_len=max(decode_lens, default=0),
         )
+        if self.contiguous:
+            metadata.contiguous = True
+            metadata.prefill_seq_slots = _seq_slots(prefill_seqs, device)
+            metadata.decode_seq_slots = _seq_slots(decode_seqs, device)
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),

@@ -24,7 +24,8 @@ class Sequence:
     """A prompt and the tokens generated after it.
 
     `num_computed_tokens` tokens have their keys/values in the cache (in the blocks of
-    `block_table`); the rest are pending. A decode step has one pending token (the last
+    `block_table`, or in arena slot `kv_slot` with the contiguous cache); the rest are
+    pending. A decode step has one pending token (the last
     one sampled); a prompt has all its tokens pending and may be fed over several steps
     (chunked prefill). After preemption everything is pending again and recomputed.
     """
@@ -38,6 +39,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # served from the prefix cache on first schedule
     block_table: list[int] = field(default_factory=list)
+    kv_slot: int | None = None  # contiguous KV cache only
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_text: str = ""

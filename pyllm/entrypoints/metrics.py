@@ -46,7 +46,7 @@ class _EngineCollector(Collector):
 
     def collect(self):
         llm = self.engine.engine
-        scheduler, blocks, stats = llm.scheduler, llm.block_manager, llm.stats
+        scheduler, kv, stats = llm.scheduler, llm.kv_manager, llm.stats
         yield self._gauge(
             "pyllm:num_requests_running",
             "Sequences in the running batch",
@@ -59,14 +59,24 @@ class _EngineCollector(Collector):
             len(scheduler.waiting) + self.engine.num_pending,
         )
         yield self._gauge(
-            "pyllm:kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)", llm.kv_cache_usage()
+            "pyllm:kv_cache_usage_perc",
+            "Share of the KV cache in use (0 to 1): blocks held (paged) or budget committed "
+            "(contiguous)",
+            llm.kv_cache_usage(),
         )
         yield self._gauge(
-            "pyllm:num_free_kv_blocks",
-            "KV blocks free to allocate (cached prefixes nobody holds count as free)",
-            blocks.num_free_blocks,
+            "pyllm:kv_cache_committed_bytes",
+            "Physical KV cache memory held: all of it when paged, what the arena has mapped "
+            "when contiguous",
+            llm.kv_cache_committed_bytes(),
         )
-        yield self._gauge("pyllm:num_kv_blocks", "KV blocks in the cache", blocks.num_blocks)
+        if llm.config.kv_cache == "paged":
+            yield self._gauge(
+                "pyllm:num_free_kv_blocks",
+                "KV blocks free to allocate (cached prefixes nobody holds count as free)",
+                kv.num_free_blocks,
+            )
+            yield self._gauge("pyllm:num_kv_blocks", "KV blocks in the cache", kv.num_blocks)
         yield self._counter("pyllm:generation_tokens", "Tokens generated", stats.generation_tokens)
         yield self._counter(
             "pyllm:prompt_tokens_computed",
@@ -78,12 +88,12 @@ class _EngineCollector(Collector):
         yield self._counter(
             "pyllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            blocks.prefix_cache_queries,
+            kv.prefix_cache_queries,
         )
         yield self._counter(
             "pyllm:prefix_cache_hits",
             "Prompt tokens served from the prefix cache",
-            blocks.prefix_cache_hits,
+            kv.prefix_cache_hits,
         )
         yield self._counter("pyllm:engine_steps", "Engine steps run", stats.steps)
 

@@ -42,6 +42,11 @@ class AttentionMetadata:
       max_query_len.
     Decode part (D sequences, one token each, the remaining T - num_prefill_tokens):
       decode_seq_lens [D] int32, decode_block_tables [D, B'] int32, max_decode_seq_len.
+
+    Contiguous KV cache (contiguous=True, see pyllm.ops.KVArena): a sequence is addressed
+    by its arena slot, so prefill_seq_slots [P] / decode_seq_slots [D] int32 replace the
+    block tables, and slot_mapping holds each token's sequence slot (-1 skips); the
+    token's position in the slot is its position.
     """
 
     slot_mapping: torch.Tensor
@@ -53,6 +58,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
     max_decode_seq_len: int = 0
+    contiguous: bool = False
+    prefill_seq_slots: torch.Tensor | None = None
+    decode_seq_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +118,30 @@ class AttentionMetadata:
                     f"decode_seq_lens must lie in [1, max_decode_seq_len="
                     f"{self.max_decode_seq_len}], got {int(seq_lens.min())}..{int(seq_lens.max())}"
                 )
+
+    def validate_contiguous(self, num_slots: int, slot_capacity: int, device) -> None:
+        """The contiguous cache's checks: slots in [0, num_slots) (-1 skips a token),
+        sequence lengths within a slot's capacity, query lengths as in validate()."""
+        T, P = self.num_tokens, self.num_prefill_tokens
+        _index("slot_mapping", self.slot_mapping, torch.int64, 1, device)
+        if not 0 <= P <= T:
+            raise ValueError(f"num_prefill_tokens must lie in [0, {T}], got {P}")
+        if T and (int(self.slot_mapping.min()) < -1 or int(self.slot_mapping.max()) >= num_slots):
+            raise ValueError(f"slot_mapping (token slots) must lie in [-1, {num_slots})")
+        for part, count in (("prefill", P and self.prefill_query_start_loc.shape[0] - 1),
+                            ("decode", T - P)):  # fmt: skip
+            if not count:
+                continue
+            slots = _index(f"{part}_seq_slots", getattr(self, f"{part}_seq_slots"),
+                           torch.int32, 1, device)  # fmt: skip
+            lens = _index(f"{part}_seq_lens", getattr(self, f"{part}_seq_lens"),
+                          torch.int32, 1, device)  # fmt: skip
+            if slots.shape[0] != count or lens.shape[0] != count:
+                raise ValueError(f"{part}_seq_slots and {part}_seq_lens need {count} entries")
+            if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
+                raise ValueError(f"{part}_seq_slots must lie in [0, {num_slots})")
+            if int(lens.min()) < 1 or int(lens.max()) > slot_capacity:
+                raise ValueError(f"{part}_seq_lens must lie in [1, {slot_capacity}]")
 
     def _seq_tables(
         self, part: str, num_seqs: int, num_blocks: int, block_size: int, device: torch.device
@@ -273,11 +305,13 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
-
         out = torch.empty(
             T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device
         )
+        if meta.contiguous:
+            self._contiguous_attention(out, q, k, v, positions, key_cache, value_cache, meta)
+            return self.o_proj(out.view(T, self.q_size))
+        _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
         block_size = value_cache.shape[3]
         P = meta.num_prefill_tokens
         if P:
@@ -301,6 +335,22 @@ class Attention(nn.Module):
                     meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
                 )  # fmt: skip
         return self.o_proj(out.view(T, self.q_size))
+
+    def _contiguous_attention(self, out, q, k, v, positions, key_cache, value_cache, meta):
+        """The same attention over the contiguous KV arena: slots instead of block tables."""
+        _C.write_kv_contiguous(k, v, key_cache, value_cache, meta.slot_mapping, positions)
+        P, T = meta.num_prefill_tokens, meta.num_tokens
+        if P:
+            _C.contiguous_attention_prefill(
+                out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
+                meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
+                meta.max_query_len,
+            )  # fmt: skip
+        if P < T:
+            _C.contiguous_attention_decode(
+                out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
+                meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
+            )  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -327,7 +377,9 @@ def v2_workspace(
     meta: AttentionMetadata, num_heads: int, head_size: int, dtype: torch.dtype, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The step's scratch for paged_attention_v2 (shared by all layers), or None for v1."""
-    if not meta.num_decode_tokens or not meta.use_v2(num_heads, torch.device(device)):
+    if meta.contiguous or not meta.num_decode_tokens:
+        return None  # the contiguous decode op splits long contexts by itself
+    if not meta.use_v2(num_heads, torch.device(device)):
         return None
     partitions = -(-meta.max_decode_seq_len // ops.PARTITION_SIZE)
     shape = (meta.num_decode_tokens, num_heads, partitions)

@@ -182,9 +182,14 @@ class LlamaForCausalLM(nn.Module):
                 f"kv_caches has {len(kv_caches)} layers, the model {config.num_hidden_layers}"
             )
         key_cache, value_cache = kv_caches[0]
-        num_blocks, num_kv_heads, head_size, block_size = ops._check_kv_cache(
-            key_cache, value_cache, self.dtype, self.device
-        )
+        if attn_metadata.contiguous:
+            # Arena views: [slots, kv_heads, tiles, ...]; the op wrappers check the rest.
+            num_kv_heads, head_size = key_cache.shape[1], value_cache.shape[3]
+            num_blocks, block_size = key_cache.shape[0], key_cache.shape[2] * key_cache.shape[4]
+        else:
+            num_blocks, num_kv_heads, head_size, block_size = ops._check_kv_cache(
+                key_cache, value_cache, self.dtype, self.device
+            )
         if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
             raise ValueError(
                 f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
@@ -210,7 +215,24 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids must lie in [0, {config.vocab_size}), got "
                 f"{int(input_ids.min())}..{int(input_ids.max())}"
             )
-        attn_metadata.validate(num_blocks, block_size, self.device)
+        if attn_metadata.contiguous:
+            attn_metadata.validate_contiguous(num_blocks, block_size, self.device)
+        else:
+            attn_metadata.validate(num_blocks, block_size, self.device)
+
+    def allocate_kv_arena(self, max_num_seqs: int) -> ops.KVArena:
+        """A virtual KV arena (contiguous cache) with one slot of max_model_len tokens per
+        sequence; nothing is committed until a slot is."""
+        config = self.config
+        return ops.KVArena(
+            config.num_hidden_layers,
+            max_num_seqs,
+            self.max_model_len,
+            config.num_key_value_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
         """One (key_cache, value_cache) pair per layer, in the model's dtype and device."""
