@@ -5,11 +5,18 @@ llm = LLM()  # the bundled SmolLM2-135M-Instruct
 print(llm.generate("The capital of France is")[0].outputs[0].text)
 """
 
-# OpenMP threads are left to spin briefly between parallel regions (libgomp's default):
-# a decode step runs ~120 small ops back to back, and OMP_WAIT_POLICY=PASSIVE (sleep at
-# once) costs a wake-up per op. In one script here, 32 x 32 tokens fell from 647 to
-# 453 tok/s and batch 1 from 59 to 39 tok/s with it. Set it if other work must share
-# the cores.
+import os
+
+# How long an idle OpenMP thread spins before it sleeps. A decode step runs ~120 small
+# ops back to back, microseconds apart: a thread that sleeps at once (PASSIVE) pays a
+# wake-up per op, ~40% of decode throughput here. One that spins long (libgomp's
+# default, ~300k spins) burns whole time slices waiting for a descheduled peer when the
+# cores are shared: batch-1 decode fell to ~2 tok/s on this 2-core machine under load.
+# 3000 spins cover the short gaps inside a step and give the core up soon after.
+# libgomp reads these when it loads (at `import torch`), so import pyllm first or set
+# them in the environment; a GOMP_SPINCOUNT would override an OMP_WAIT_POLICY you set.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
