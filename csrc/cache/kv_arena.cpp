@@ -129,19 +129,26 @@ int64_t KVArena::commit(int64_t slot, int64_t num_tokens) {
   return std::min(max_model_len_, mapped / tile_bytes_ * kTokenTile);
 }
 
-void KVArena::release(int64_t slot) {
+void KVArena::release(int64_t slot, int64_t keep_tokens) {
   check_slot("release", slot);
+  TORCH_CHECK(keep_tokens >= 0 && keep_tokens <= max_model_len_, "KVArena.release: keep_tokens ",
+              keep_tokens, " is outside [0, ", max_model_len_, "]");
+  const int64_t tiles = (keep_tokens + kTokenTile - 1) / kTokenTile;
+  const int64_t keep =
+      std::min(slot_bytes_, round_up(tiles * tile_bytes_, keys_->granularity()));
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t& mapped = mapped_bytes_[slot];
-  // On the CPU the whole slot range is dropped: a write past the committed tokens
-  // (a caller bug the kernels cannot see) faulted pages in there, and this gives
-  // them back too. CUDA memory past the committed prefix is never mapped.
-  const int64_t bytes = device_.is_cpu() ? slot_bytes_ : mapped;
-  if (bytes == 0) return;
-  keys_->unmap(slot * slot_bytes_, bytes);
-  values_->unmap(slot * slot_bytes_, bytes);
-  total_mapped_bytes_ -= mapped;
-  mapped = 0;
+  // On the CPU the whole tail of the slot range is dropped: a write past the
+  // committed tokens (a caller bug the kernels cannot see) faulted pages in there,
+  // and this gives them back too. CUDA memory past the mapped prefix is never mapped.
+  const int64_t end = device_.is_cpu() ? slot_bytes_ : mapped;
+  if (keep >= end) return;
+  keys_->unmap(slot * slot_bytes_ + keep, end - keep);
+  values_->unmap(slot * slot_bytes_ + keep, end - keep);
+  if (mapped > keep) {
+    total_mapped_bytes_ -= mapped - keep;
+    mapped = keep;
+  }
 }
 
 int64_t KVArena::committed_tokens(int64_t slot) const {

@@ -88,8 +88,9 @@ class KVArena : public torch::CustomClassHolder {
   // Maps whatever backs tokens [0, num_tokens) of the slot in every layer (whole
   // granules; never shrinks). Returns committed_tokens(slot).
   int64_t commit(int64_t slot, int64_t num_tokens);
-  // Gives back all of the slot's memory; its tokens read as zeros (CPU) afterwards.
-  void release(int64_t slot);
+  // Gives back the slot's memory past its first keep_tokens tokens (rounded up to
+  // whole granules; 0: all of it). Released tokens read as zeros on the CPU.
+  void release(int64_t slot, int64_t keep_tokens);
   // Tokens of the slot whose K and V are backed by memory, in every layer (may
   // exceed what was asked for: granule rounding), at most max_model_len.
   int64_t committed_tokens(int64_t slot) const;

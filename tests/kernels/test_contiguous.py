@@ -420,6 +420,11 @@ def test_commit_is_idempotent_rounded_and_never_shrinks():
     assert arena.commit(1, 100) == 100  # capped at max_model_len
     assert arena.committed_tokens(1) == 100 and arena.committed_tokens(0) == 0
     assert arena.committed_bytes == 2 * 7 * tile_bytes
+    arena.release(1, keep_tokens=17)  # trims to whole tiles covering 17 tokens
+    assert arena.committed_tokens(1) == 2 * TILE
+    assert arena.committed_bytes == 2 * 2 * tile_bytes
+    arena.release(1, keep_tokens=100)  # keeps more than is committed: nothing changes
+    assert arena.committed_tokens(1) == 2 * TILE
     arena.release(1)
     arena.release(1)  # idempotent too
     assert arena.committed_bytes == 0 and arena.committed_tokens(1) == 0
@@ -517,12 +522,15 @@ def test_arena_constructor_errors(change, error, match):
         (lambda a: a.commit(0, 65), ValueError, "num_tokens"),
         (lambda a: a.commit(0, -1), ValueError, "num_tokens"),
         (lambda a: a.release(7), ValueError, "slot"),
+        (lambda a: a.release(0, 65), ValueError, "keep_tokens"),
+        (lambda a: a.release(0, keep_tokens=-1), ValueError, "keep_tokens"),
         (lambda a: a.committed_tokens(4), ValueError, "slot"),
         (lambda a: a.key_cache(2), ValueError, "layer"),
         (lambda a: a.value_cache(-1), ValueError, "layer"),
         (lambda a: a.key_cache(0.0), TypeError, "layer"),
         # The custom class checks too, for callers that reach it directly.
         (lambda a: a._arena.commit(9, 1), RuntimeError, "slot"),
+        (lambda a: a._arena.release(0, 99), RuntimeError, "keep_tokens"),
         (lambda a: a._arena.key_cache(5), RuntimeError, "layer"),
     ],
 )
