@@ -3,8 +3,10 @@
 // Schemas follow vLLM's where vLLM has the op, so code written against
 // torch.ops._C.* ports over by changing the namespace.
 #include <Python.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "cache/kv_arena.h"
 #include "ops.h"
 
 TORCH_LIBRARY(pyllm, m) {
@@ -34,6 +36,34 @@ TORCH_LIBRARY(pyllm, m) {
       " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
       " Tensor seq_lens, Tensor query_start_loc, int block_size,"
       " int max_query_len, Tensor? alibi_slopes) -> ()");
+
+  // The contiguous KV layout (ops.h): K/V written at (slot, position), and
+  // attention addressed by per-sequence slots instead of block tables.
+  m.def(
+      "write_kv_contiguous(Tensor key, Tensor value, Tensor(a!) key_cache,"
+      " Tensor(b!) value_cache, Tensor token_slots, Tensor positions) -> ()");
+  m.def(
+      "contiguous_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache,"
+      " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
+      " Tensor seq_lens, int max_seq_len) -> ()");
+  m.def(
+      "contiguous_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
+      " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
+      " Tensor seq_lens, Tensor query_start_loc, int max_query_len) -> ()");
+  m.def("token_tile() -> int", []() -> int64_t { return pyllm::kTokenTile; });
+
+  // The virtual KV arena that holds the contiguous layout (cache/kv_arena.h).
+  m.class_<pyllm::KVArena>("KVArena")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType,
+                       at::Device>())
+      .def("key_cache", &pyllm::KVArena::key_cache)
+      .def("value_cache", &pyllm::KVArena::value_cache)
+      .def("commit", &pyllm::KVArena::commit)
+      .def("release", &pyllm::KVArena::release)
+      .def("committed_tokens", &pyllm::KVArena::committed_tokens)
+      .def("committed_bytes", &pyllm::KVArena::committed_bytes)
+      .def("reserved_bytes", &pyllm::KVArena::reserved_bytes)
+      .def("granularity", &pyllm::KVArena::granularity);
 
   // Positional encoding.
   m.def(
@@ -68,7 +98,10 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("rotary_embedding", &pyllm::ns::rotary_embedding);           \
   m.impl("rms_norm", &pyllm::ns::rms_norm);                           \
   m.impl("fused_add_rms_norm", &pyllm::ns::fused_add_rms_norm);       \
-  m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);
+  m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);                   \
+  m.impl("write_kv_contiguous", &pyllm::ns::write_kv_contiguous);     \
+  m.impl("contiguous_attention_decode", &pyllm::ns::contiguous_attention_decode); \
+  m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill);
 
 TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
 

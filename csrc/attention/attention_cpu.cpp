@@ -82,10 +82,19 @@ struct PagedCache {
   int num_kv_heads;
   int head_size;
   int block_size;
+  // Contiguous layout (ops.h) when seq_slots is set: the caches are views
+  // [max_num_seqs, num_kv_heads, num_tiles, <one block>] whose outer strides
+  // (elements, the same for both caches) are chosen by the KV arena, and
+  // "logical block" t of a sequence is tile t of its slot.
+  const int32_t* seq_slots = nullptr;  // [num_seqs]
+  int64_t slot_stride = 0, head_stride = 0, tile_stride = 0;
 
   // Offset of (physical block of the seq's logical block, kv_head) in either cache;
   // both caches hold head_size * block_size elements per (block, kv head).
   int64_t block_offset(int64_t seq, int kv_head, int64_t logical_block) const {
+    if (seq_slots != nullptr) {
+      return seq_slots[seq] * slot_stride + kv_head * head_stride + logical_block * tile_stride;
+    }
     const int64_t physical = block_tables[seq * max_blocks_per_seq + logical_block];
     return (physical * num_kv_heads + kv_head) * int64_t(head_size) * block_size;
   }
@@ -715,6 +724,124 @@ PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& v
           int(shape.block_size)};
 }
 
+// The contiguous layout's addressing: each sequence's slot and the views' outer
+// strides (elements). capacity = num_tiles * kTokenTile, the most tokens a slot holds.
+struct SlotAddressing {
+  const int32_t* seq_slots;
+  int64_t num_slots, capacity;
+  int64_t slot_stride, head_stride, tile_stride;
+};
+
+void check_addressing(const char* op, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      const AttentionShape& shape, int64_t max_seq_len) {
+  check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
+}
+
+// Reads seq_slots and seq_lens once so that no task reads outside the views.
+void check_addressing(const char* op, const SlotAddressing& slots, const at::Tensor& seq_lens,
+                      const AttentionShape&, int64_t max_seq_len) {
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t limit = std::min(max_seq_len, slots.capacity);
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    TORCH_CHECK(slots.seq_slots[s] >= 0 && slots.seq_slots[s] < slots.num_slots, op,
+                ": seq_slots[", s, "] = ", slots.seq_slots[s], " is outside [0, ",
+                slots.num_slots, ")");
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= limit, op, ": seq_lens[", s, "] = ", lens[s],
+                " is outside [0, ", limit, "]");
+  }
+}
+
+template <typename scalar_t>
+PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const SlotAddressing& slots, const AttentionShape& shape) {
+  PagedCache<scalar_t> cache{key_cache.data_ptr<scalar_t>(),
+                             value_cache.data_ptr<scalar_t>(),
+                             nullptr,
+                             0,
+                             int(shape.num_kv_heads),
+                             int(shape.head_size),
+                             int(kTokenTile)};
+  cache.seq_slots = slots.seq_slots;
+  cache.slot_stride = slots.slot_stride;
+  cache.head_stride = slots.head_stride;
+  cache.tile_stride = slots.tile_stride;
+  return cache;
+}
+
+// The contiguous views (ops.h): key_cache [max_num_seqs, num_kv_heads, num_tiles,
+// head_size / x, kTokenTile, x], value_cache [max_num_seqs, num_kv_heads, num_tiles,
+// head_size, kTokenTile], the inner dimensions dense, the outer strides free but the
+// same for both caches (the kernels address one tile of either with one offset).
+SlotAddressing check_contiguous_cache(const char* op, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, int64_t num_kv_heads,
+                                      int64_t head_size, at::ScalarType dtype,
+                                      const at::Tensor& seq_slots) {
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
+                  seq_slots.device().is_cpu(),
+              op, ": key_cache, value_cache and seq_slots must be CPU tensors");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, op,
+              ": key_cache and value_cache must have dtype ", dtype);
+  const int64_t x = 16 / int64_t(c10::elementSize(dtype));
+  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
+              op, ": value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ",
+              head_size, ", ", kTokenTile, "], got ", value_cache.sizes());
+  const int64_t num_slots = value_cache.size(0), num_tiles = value_cache.size(2);
+  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
+                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
+                  key_cache.size(3) == head_size / x && key_cache.size(4) == kTokenTile &&
+                  key_cache.size(5) == x,
+              op, ": key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
+              head_size / x, ", ", kTokenTile, ", ", x, "], got ", key_cache.sizes());
+  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
+                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
+                  value_cache.stride(3) == kTokenTile,
+              op, ": each tile of key_cache and value_cache must be dense, got strides ",
+              key_cache.strides(), " and ", value_cache.strides());
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(key_cache.stride(d) == value_cache.stride(d) && key_cache.stride(d) >= 0, op,
+                ": key_cache and value_cache must share their (slot, kv head, tile) strides, got ",
+                key_cache.strides(), " and ", value_cache.strides());
+  }
+  TORCH_CHECK(seq_slots.scalar_type() == at::kInt && seq_slots.dim() == 1 &&
+                  seq_slots.is_contiguous(),
+              op, ": seq_slots must be a contiguous 1-D int32 tensor, got ", seq_slots.sizes());
+  return {seq_slots.data_ptr<int32_t>(), num_slots,      num_tiles * kTokenTile,
+          key_cache.stride(0),           key_cache.stride(1), key_cache.stride(2)};
+}
+
+// Query, out and seq_lens of the contiguous ops (the caches: check_contiguous_cache).
+AttentionShape check_contiguous_attention(const char* op, const at::Tensor& out,
+                                          const at::Tensor& query, int64_t num_kv_heads,
+                                          const at::Tensor& seq_slots,
+                                          const at::Tensor& seq_lens, int64_t num_seqs) {
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ",
+              query.sizes());
+  const int64_t x = 16 / int64_t(query.element_size());
+  TORCH_CHECK(out.device().is_cpu() && query.device().is_cpu() && seq_lens.device().is_cpu(), op,
+              ": all tensors must be on the CPU");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  TORCH_CHECK(
+      (num_heads <= 1 || query.stride(1) == head_size) && (head_size <= 1 || query.stride(2) == 1),
+      op, ": each query token's [num_heads, head_size] must be packed, got strides ",
+      query.strides());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), op,
+              ": out must be contiguous with the query's shape ", query.sizes());
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out must have the query's dtype");
+  TORCH_CHECK(head_size == 64 || head_size == 80 || head_size == 96 || head_size == 112 ||
+                  head_size == 128 || head_size == 256,
+              op, ": unsupported head_size ", head_size);
+  TORCH_CHECK(head_size % x == 0, op, ": head_size must be a multiple of x = ", x);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
+              num_kv_heads, " must divide num_heads ", num_heads);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) == num_seqs &&
+                  seq_slots.dim() == 1 && seq_slots.size(0) == num_seqs,
+              op, ": seq_slots and seq_lens must be contiguous int32 [num_seqs = ", num_seqs,
+              "], got ", seq_slots.sizes(), " and ", seq_lens.sizes());
+  return {num_tokens, num_heads, head_size, num_kv_heads, kTokenTile, 0};
+}
+
 // Sets up the decode rows of (seq, kv_head): its group of query heads, all at
 // position seq_len - 1, limited to keys before t_end.
 template <typename scalar_t>
@@ -739,17 +866,18 @@ int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kP
 // ---------------------------------------------------------------------------
 // Ops.
 
-void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes) {
-  const char* op = "paged_attention_v1";
-  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+// Decode attention over either cache addressing (block tables, or seq slots of the
+// contiguous layout): paged_attention_v1 and contiguous_attention_decode. The
+// caller has checked the tensors' shapes (shape).
+template <typename Addressing>
+static void attention_decode(const char* op, const AttentionShape& shape, at::Tensor& out,
+                             const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                             const Addressing& addressing, const at::Tensor& seq_lens,
+                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(seq_lens.size(0) == shape.num_tokens, op, ": seq_lens has ", seq_lens.size(0),
               " entries but query has ", shape.num_tokens, " sequences");
-  check_block_tables(op, block_tables, seq_lens, shape, max_seq_len);
+  check_addressing(op, addressing, seq_lens, shape, max_seq_len);
   const int64_t num_seqs = shape.num_tokens;
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -765,7 +893,7 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                    [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
-    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
+    const auto cache = make_cache<scalar_t>(key_cache, value_cache, addressing, shape);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
@@ -785,6 +913,18 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
       for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
     }, work);
   });
+}
+
+void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_v1";
+  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
+                   block_tables, seq_lens, max_seq_len, alibi_slopes);
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -890,21 +1030,22 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   });
 }
 
-void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_start_loc, int64_t block_size,
-                             int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
-  const char* op = "paged_attention_prefill";
-  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+// Causal prefill over either cache addressing: paged_attention_prefill and
+// contiguous_attention_prefill. The caller has checked the tensors' shapes (shape).
+template <typename Addressing>
+static void attention_prefill(const char* op, const AttentionShape& shape, at::Tensor& out,
+                              const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                              const Addressing& addressing, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc,
+                              const std::optional<at::Tensor>& alibi_slopes) {
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.device().is_cpu() && query_start_loc.scalar_type() == at::kInt &&
                   query_start_loc.dim() == 1 && query_start_loc.is_contiguous() &&
                   query_start_loc.size(0) == num_seqs + 1,
               op, ": query_start_loc must be a contiguous int32 [num_seqs + 1 = ", num_seqs + 1,
               "] CPU tensor, got ", query_start_loc.sizes());
-  check_block_tables(op, block_tables, seq_lens, shape, std::numeric_limits<int32_t>::max());
+  check_addressing(op, addressing, seq_lens, shape, std::numeric_limits<int32_t>::max());
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == shape.num_tokens, op,
@@ -940,7 +1081,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
     constexpr int X = PagedCache<scalar_t>::kX;
-    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
+    const auto cache = make_cache<scalar_t>(key_cache, value_cache, addressing, shape);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t q_stride = query.stride(0);
@@ -980,6 +1121,48 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
           }
         });
   });
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t block_size,
+                             int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_attention_prefill";
+  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
+                                               block_tables, seq_lens, block_size, alibi_slopes);
+  attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
+                    block_tables, seq_lens, query_start_loc, alibi_slopes);
+}
+
+// ---------------------------------------------------------------------------
+// Contiguous KV layout (ops.h): the same kernels, addressed through seq_slots.
+
+void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
+                                 const at::Tensor& seq_lens, int64_t max_seq_len) {
+  const char* op = "contiguous_attention_decode";
+  const AttentionShape shape = check_contiguous_attention(op, out, query, num_kv_heads, seq_slots,
+                                                          seq_lens, query.dim() ? query.size(0) : 0);
+  const SlotAddressing slots = check_contiguous_cache(
+      op, key_cache, value_cache, num_kv_heads, shape.head_size, query.scalar_type(), seq_slots);
+  attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
+                   seq_lens, max_seq_len, std::nullopt);
+}
+
+void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
+                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                  int64_t max_query_len) {
+  const char* op = "contiguous_attention_prefill";
+  const AttentionShape shape = check_contiguous_attention(op, out, query, num_kv_heads, seq_slots,
+                                                          seq_lens, seq_lens.dim() == 1 ? seq_lens.size(0) : -1);
+  const SlotAddressing slots = check_contiguous_cache(
+      op, key_cache, value_cache, num_kv_heads, shape.head_size, query.scalar_type(), seq_slots);
+  attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
+                    seq_lens, query_start_loc, std::nullopt);
 }
 
 }  // namespace pyllm::cpu

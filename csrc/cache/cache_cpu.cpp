@@ -136,6 +136,44 @@ int64_t block_bytes(const at::Tensor& cache, const char* name, int64_t layer = -
   return static_cast<int64_t>(cache.nbytes()) / std::max<int64_t>(1, cache.size(0));
 }
 
+// Contiguous layout (ops.h): token t of a slot is in tile t / kTokenTile at offset
+// t % kTokenTile; a tile of either cache is laid out as a paged block of kTokenTile.
+template <typename bits_t>
+void write_tokens_contiguous(const at::Tensor& key, const at::Tensor& value,
+                             at::Tensor& key_cache, at::Tensor& value_cache,
+                             const int64_t* token_slots, const int64_t* positions) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = value_cache.size(1);
+  const int64_t head_size = value_cache.size(3);
+  constexpr int64_t x = 16 / sizeof(bits_t);
+  constexpr int64_t tile = kTokenTile;
+  const auto* key_data = static_cast<const bits_t*>(key.data_ptr());
+  const auto* value_data = static_cast<const bits_t*>(value.data_ptr());
+  auto* key_cache_data = static_cast<bits_t*>(key_cache.data_ptr());
+  auto* value_cache_data = static_cast<bits_t*>(value_cache.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / (2 * num_kv_heads * head_size));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = token_slots[t];
+      if (slot < 0) continue;  // padding token: nothing is written
+      const int64_t pos = positions[t];
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const bits_t* k = key_data + t * key.stride(0) + h * head_size;
+        const bits_t* v = value_data + t * value.stride(0) + h * head_size;
+        bits_t* k_dst = key_cache_data + slot * key_cache.stride(0) + h * key_cache.stride(1) +
+                        (pos / tile) * key_cache.stride(2) + (pos % tile) * x;
+        for (int64_t g = 0; g < head_size / x; ++g) {
+          std::memcpy(k_dst + g * tile * x, k + g * x, 16);
+        }
+        bits_t* v_dst = value_cache_data + slot * value_cache.stride(0) +
+                        h * value_cache.stride(1) + (pos / tile) * value_cache.stride(2) +
+                        pos % tile;
+        for (int64_t d = 0; d < head_size; ++d) v_dst[d * tile] = v[d];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -243,6 +281,71 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
       std::memmove(dst_data + pairs[2 * p + 1] * bytes, src_data + pairs[2 * p] * bytes, bytes);
     }
   });
+}
+
+void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& token_slots,
+                         const at::Tensor& positions) {
+  const char* op = "write_kv_contiguous";
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK(is_supported_dtype(dtype), op, ": key must be float32, float16 or bfloat16, got ",
+              dtype);
+  TORCH_CHECK(value.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              op, ": key, value, key_cache and value_cache must share one dtype");
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
+              ": key_cache and value_cache must be CPU tensors");
+  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(4) == kTokenTile, op,
+              ": value_cache must be [max_num_seqs, num_kv_heads, num_tiles, head_size, ",
+              kTokenTile, "], got ", value_cache.sizes());
+  const int64_t num_slots = value_cache.size(0), num_kv_heads = value_cache.size(1),
+                num_tiles = value_cache.size(2), head_size = value_cache.size(3);
+  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
+  TORCH_CHECK(head_size % x == 0, op, ": head_size ", head_size, " must be a multiple of x = ", x);
+  TORCH_CHECK(key_cache.sizes() == at::IntArrayRef({num_slots, num_kv_heads, num_tiles,
+                                                    head_size / x, kTokenTile, x}),
+              op, ": key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
+              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
+              key_cache.sizes());
+  // Inside a tile both caches are dense; the (slot, kv head, tile) strides are free.
+  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
+                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
+                  value_cache.stride(3) == kTokenTile,
+              op, ": each tile of key_cache and value_cache must be dense, got strides ",
+              key_cache.strides(), " and ", value_cache.strides());
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(key_cache.stride(d) >= 0 && value_cache.stride(d) >= 0, op,
+                ": negative cache strides are not supported");
+  }
+  check_token_rows(key, "key", num_kv_heads, head_size);
+  check_token_rows(value, "value", num_kv_heads, head_size);
+  const int64_t num_tokens = key.size(0);
+  TORCH_CHECK(value.size(0) == num_tokens, op, ": value has ", value.size(0),
+              " tokens, key has ", num_tokens);
+  auto check_index = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 &&
+                    t.size(0) == num_tokens && t.is_contiguous(),
+                op, ": ", name, " must be a contiguous CPU int64 tensor [", num_tokens, "], got ",
+                t.scalar_type(), " ", t.sizes());
+  };
+  check_index(token_slots, "token_slots");
+  check_index(positions, "positions");
+  const int64_t* slots = token_slots.const_data_ptr<int64_t>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  // Every write lands inside the views: slot in range (or -1: skipped), position
+  // below the slots' capacity. One pass over the tokens, before any byte moves.
+  const int64_t capacity = num_tiles * kTokenTile;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, ": token_slots[", t, "] = ",
+                slots[t], " is outside [-1, ", num_slots, ")");
+    TORCH_CHECK(slots[t] < 0 || (pos[t] >= 0 && pos[t] < capacity), op, ": positions[", t,
+                "] = ", pos[t], " is outside [0, ", capacity, ")");
+  }
+  if (key.element_size() == 2) {
+    write_tokens_contiguous<uint16_t>(key, value, key_cache, value_cache, slots, pos);
+  } else {
+    write_tokens_contiguous<uint32_t>(key, value, key_cache, value_cache, slots, pos);
+  }
 }
 
 }  // namespace pyllm::cpu

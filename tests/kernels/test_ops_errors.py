@@ -145,6 +145,54 @@ def valid_silu_and_mul():
     return dict(out=torch.empty(3, 32), input=torch.randn(3, 64))
 
 
+def contiguous_arena():
+    """A small KVArena with slots 1 and 3 committed (test_contiguous.py tests the arena
+    and the bad arguments of these ops)."""
+    arena = ops.KVArena(1, 4, 64, NUM_KV_HEADS, HEAD_SIZE)
+    arena.commit(1, 16)
+    arena.commit(3, 5)
+    return arena
+
+
+def valid_write_kv_contiguous():
+    arena = contiguous_arena()
+    return dict(
+        key=torch.randn(2, NUM_KV_HEADS, HEAD_SIZE),
+        value=torch.randn(2, NUM_KV_HEADS, HEAD_SIZE),
+        key_cache=arena.key_cache(0),
+        value_cache=arena.value_cache(0),
+        token_slots=torch.tensor([1, -1]),
+        positions=torch.tensor([15, 63]),
+    )
+
+
+def valid_contiguous_attention_decode():
+    arena = contiguous_arena()
+    return dict(
+        out=torch.empty(2, NUM_HEADS, HEAD_SIZE),
+        query=torch.randn(2, NUM_HEADS, HEAD_SIZE),
+        key_cache=arena.key_cache(0),
+        value_cache=arena.value_cache(0),
+        num_kv_heads=NUM_KV_HEADS,
+        scale=HEAD_SIZE**-0.5,
+        seq_slots=torch.tensor([1, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([16, 5], dtype=torch.int32),
+        max_seq_len=16,
+    )
+
+
+def valid_contiguous_attention_prefill():
+    args = valid_contiguous_attention_decode()
+    del args["max_seq_len"]
+    return dict(
+        args,
+        out=torch.empty(5, NUM_HEADS, HEAD_SIZE),
+        query=torch.randn(5, NUM_HEADS, HEAD_SIZE),
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        max_query_len=3,
+    )
+
+
 VALID = {
     "allocate_kv_cache": valid_allocate_kv_cache,
     "reshape_and_cache": valid_reshape_and_cache,
@@ -158,13 +206,21 @@ VALID = {
     "rms_norm": valid_rms_norm,
     "fused_add_rms_norm": valid_fused_add_rms_norm,
     "silu_and_mul": valid_silu_and_mul,
+    "write_kv_contiguous": valid_write_kv_contiguous,
+    "contiguous_attention_decode": valid_contiguous_attention_decode,
+    "contiguous_attention_prefill": valid_contiguous_attention_prefill,
 }
 # Functions that end in a kernel call (the others only allocate).
 KERNEL_CALLING = set(VALID) - {"allocate_kv_cache", "paged_attention_v2_workspace"}
 
 
 def test_every_public_function_is_covered():
-    public = {name for name in ops.__all__ if callable(getattr(ops, name))} - {"kv_cache_x"}
+    # Classes (KVArena) are covered in test_contiguous.py.
+    public = {
+        name
+        for name in ops.__all__
+        if callable(getattr(ops, name)) and not isinstance(getattr(ops, name), type)
+    } - {"kv_cache_x"}
     assert public == set(VALID)
 
 
