@@ -961,6 +961,15 @@ class KVArena:
         """Tokens of the slot backed by memory in every layer (<= max_model_len)."""
         return int(self._arena.committed_tokens(self._slot(slot)))
 
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        """Bytes (keys and values) that committing num_tokens tokens of one empty slot
+        maps: whole tiles of every layer, rounded up to the granularity."""
+        tiles = -(-num_tokens // TOKEN_TILE)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        tile_bytes = TOKEN_TILE * self.num_layers * self.num_kv_heads * self.head_size * element
+        granularity = self.granularity
+        return 2 * (-(-tiles * tile_bytes // granularity) * granularity)
+
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(key_cache, value_cache) of every layer."""

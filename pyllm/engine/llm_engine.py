@@ -91,7 +91,7 @@ class LLMEngine:
         else:
             kv = (
                 f"kv_cache=contiguous slots={self.kv_manager.num_slots} (virtual "
-                f"{self.kv_manager.arena.reserved_bytes() / 2**30:.2f} GiB, committed at most "
+                f"{self.kv_manager.arena.reserved_bytes / 2**30:.2f} GiB, committed at most "
                 f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
             )
         logger.info(
@@ -119,10 +119,7 @@ class LLMEngine:
             # of it are ever committed at once (SlotManager keeps to that).
             self.kv_cache_bytes = budget
             arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
-            kv_caches = [
-                (arena.key_cache(i), arena.value_cache(i)) for i in range(arena.num_layers)
-            ]
-            return kv_caches, SlotManager(arena, budget)
+            return arena.kv_caches, SlotManager(arena, budget)
         per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
         num_blocks = int(budget // per_block)
         if num_blocks < 1:

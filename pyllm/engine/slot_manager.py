@@ -38,7 +38,7 @@ class SlotManager:
         return self.arena.max_num_seqs
 
     def committed_bytes(self) -> int:
-        return self.arena.committed_bytes()
+        return self.arena.committed_bytes
 
     def usage(self) -> float:
         """Share of the memory budget committed (0 to 1)."""
@@ -46,7 +46,7 @@ class SlotManager:
 
     def check_fits(self, num_tokens: int) -> None:
         """Raises ValueError if one sequence of num_tokens could never be held."""
-        need = self.arena.bytes_to_commit(num_tokens)
+        need = self.arena.bytes_for_tokens(num_tokens)
         if need > self.budget_bytes:
             raise ValueError(
                 f"prompt + max_tokens ({num_tokens} tokens) needs {need / 2**20:.1f} MiB of "
@@ -66,7 +66,7 @@ class SlotManager:
         if seq.kv_slot is not None and self.arena.committed_tokens(seq.kv_slot) >= needed:
             return True
         have = 0 if seq.kv_slot is None else self.arena.committed_tokens(seq.kv_slot)
-        extra = self.arena.bytes_to_commit(needed) - self.arena.bytes_to_commit(have)
+        extra = self.arena.bytes_for_tokens(needed) - self.arena.bytes_for_tokens(have)
         return self.committed_bytes() + extra <= self.budget_bytes
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -82,13 +82,15 @@ class SlotManager:
         if have >= needed:
             return
         target = self._target(seq, num_new_tokens)
-        extra = self.arena.bytes_to_commit(target) - self.arena.bytes_to_commit(have)
+        extra = self.arena.bytes_for_tokens(target) - self.arena.bytes_for_tokens(have)
         if self.committed_bytes() + extra > self.budget_bytes:
             target = needed
         self.arena.commit(slot, target)
 
     def free(self, seq: Sequence) -> None:
-        """Gives seq's slot and its memory back (finish, abort or preemption)."""
+        """Gives seq's slot and its memory back (finish, abort or preemption); a
+        preempted sequence recomputes everything when it is scheduled again."""
+        seq.num_computed_tokens = 0
         if seq.kv_slot is None:
             return
         self.arena.release(seq.kv_slot)

@@ -126,3 +126,94 @@ def test_n_samples_share_the_prompt(tiny_model_dir):
     full_blocks = (len(prompt) - 1) // 16
     assert llm.engine.block_manager.prefix_cache_hits >= 2 * full_blocks * 16
     _assert_all_blocks_free(llm)
+
+
+# ------------------------------------------------------------------ contiguous KV cache
+
+
+def _assert_all_slots_free(llm: LLM) -> None:
+    slots = llm.engine.kv_manager
+    assert slots.arena.committed_bytes == 0
+    assert sorted(slots.free_slots) == list(range(slots.num_slots))
+    assert not llm.engine.scheduler.has_unfinished
+
+
+@pytest.mark.parametrize("budget", [16, 512])
+def test_contiguous_cache_generates_what_paged_does(tiny_model_dir, alone_outputs, budget):
+    llm = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        kv_cache="contiguous",
+        max_num_batched_tokens=budget,
+        kv_cache_memory=0.05,
+    )
+    assert _generate(llm, _prompts(16)) == alone_outputs
+    _assert_all_slots_free(llm)
+
+
+def test_contiguous_cache_preempts_within_its_memory_budget(tiny_model_dir, alone_outputs):
+    # The same 40 blocks' worth of memory as test_preemption_loses_nothing: 640 tokens
+    # for 16 prompts of up to 182 tokens, so the engine must preempt to finish them.
+    budget = 40 * 16 * 2 * 2 * 2 * 64 * 4
+    llm = LLM(
+        tiny_model_dir, dtype="float32", kv_cache="contiguous", kv_cache_memory=budget / 2**30
+    )
+    peak = 0
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts(16)):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[int(out.request_id)] = out.outputs[0].token_ids
+        peak = max(peak, engine.kv_cache_committed_bytes())
+    assert [outputs[i] for i in range(16)] == alone_outputs
+    assert engine.stats.preemptions > 0
+    assert 0 < peak <= budget
+    _assert_all_slots_free(llm)
+
+
+def test_contiguous_cache_commits_memory_as_sequences_grow(tiny_model_dir):
+    from pyllm.engine.slot_manager import COMMIT_AHEAD
+
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache="contiguous")
+    engine, arena = llm.engine, llm.engine.kv_manager.arena
+    assert engine.kv_cache_committed_bytes() == 0
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request("a", None, params, prompt_token_ids=list(range(2, 102)))
+    engine.step()  # the 100-token prompt
+    first = engine.kv_cache_committed_bytes()
+    assert arena.bytes_for_tokens(100) <= first <= arena.bytes_for_tokens(100 + COMMIT_AHEAD)
+    engine.add_request("b", None, params, prompt_token_ids=list(range(2, 302)))
+    engine.step()
+    second = engine.kv_cache_committed_bytes()
+    assert second >= first + arena.bytes_for_tokens(300)
+    for _ in range(150):  # a grows past its lookahead
+        engine.step()
+    assert engine.kv_cache_committed_bytes() > second
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_all_slots_free(llm)
+
+
+def test_contiguous_cache_n_samples_and_abort(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache="contiguous")
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[_prompts(1, seed=5)[0]], sampling_params=params,
+                       use_tqdm=False)[0]  # fmt: skip
+    assert [len(o.token_ids) for o in out.outputs] == [8, 8, 8]
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts(4, seed=3)):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
+    engine.step()
+    assert engine.kv_cache_committed_bytes() > 0
+    for i in range(4):
+        engine.abort_request(str(i))
+    _assert_all_slots_free(llm)
+
+
+def test_contiguous_cache_refuses_prefix_caching(tiny_model_dir):
+    with pytest.raises(ValueError, match="enable_prefix_caching needs kv_cache='paged'"):
+        LLM(tiny_model_dir, dtype="float32", kv_cache="contiguous", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        LLM(tiny_model_dir, dtype="float32", kv_cache="virtual")
