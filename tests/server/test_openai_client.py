@@ -320,6 +320,7 @@ def test_metrics_count_a_request(client, server):
         "pyllm:num_requests_running",
         "pyllm:num_requests_waiting",
         "pyllm:kv_cache_usage_perc",
+        "pyllm:kv_cache_committed_bytes",
         "pyllm:num_free_kv_blocks",
         "pyllm:num_kv_blocks",
         "pyllm:prompt_tokens_total",
@@ -353,3 +354,5 @@ def test_metrics_count_a_request(client, server):
     assert delta("pyllm:prefix_cache_hits_total") >= 32  # the second prompt's full blocks
     assert after["pyllm:num_free_kv_blocks"] == after["pyllm:num_kv_blocks"]
     assert after["pyllm:kv_cache_usage_perc"] == 0
+    # Paged: the whole cache is committed at start and stays so.
+    assert after["pyllm:kv_cache_committed_bytes"] == before["pyllm:kv_cache_committed_bytes"] > 0
