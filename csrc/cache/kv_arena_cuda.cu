@@ -81,11 +81,12 @@ const char* error_name(CUresult result) {
 }
 
 // TORCH_CHECK for a driver call: the message names the call and the CUresult.
-#define PYLLM_CU_CHECK(expr, what)                                                     \
-  do {                                                                                 \
-    const CUresult pyllm_cu_result = (expr);                                           \
-    TORCH_CHECK(pyllm_cu_result == CUDA_SUCCESS, "virtual KV arena: ", what, " failed: ", \
-                error_name(pyllm_cu_result), " (", static_cast<int>(pyllm_cu_result), ")");   \
+#define PYLLM_CU_CHECK(expr, what)                                                    \
+  do {                                                                                \
+    const CUresult pyllm_cu_result = (expr);                                          \
+    TORCH_CHECK(pyllm_cu_result == CUDA_SUCCESS, "virtual KV arena: ", what,           \
+                " failed: ", error_name(pyllm_cu_result), " (",                       \
+                static_cast<int>(pyllm_cu_result), ")");                              \
   } while (0)
 
 // Physical memory pinned on one device, the only kind cuMemCreate makes for device
@@ -176,7 +177,8 @@ class CudaVirtualMemory final : public VirtualMemory {
       }
       if (result != CUDA_SUCCESS) {
         (void)driver().release(handle);
-        PYLLM_CU_CHECK(result, "cuMemMap/cuMemSetAccess at offset " + std::to_string(g * granularity_));
+        PYLLM_CU_CHECK(result,
+                       "cuMemMap/cuMemSetAccess at offset " + std::to_string(g * granularity_));
       }
       handles_[g] = handle;
     }
