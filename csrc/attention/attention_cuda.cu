@@ -304,7 +304,6 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
   kv.block_tables = block_tables.data_ptr<int>();
   kv.block_tables_stride = block_tables.stride(0);
   kv.block_stride = value_cache.stride(0);
-  kv.head_stride = static_cast<int64_t>(shape.head_size) * shape.block_size;
   run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale,
              alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
              [&](auto&& launch) { dispatch_block_size(shape.block_size, launch); });
@@ -421,7 +420,6 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
   kv.block_tables = block_tables.data_ptr<int>();
   kv.block_tables_stride = block_tables.stride(0);
   kv.block_stride = value_cache.stride(0);
-  kv.head_stride = static_cast<int64_t>(shape.head_size) * shape.block_size;
   run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape, num_seqs,
               scale, alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr);
 }

@@ -103,20 +103,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int end_block = (part_end + BLOCK_SIZE - 1) / BLOCK_SIZE;
 
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
-  typename KV::Seq tiles;
-  if (!p.kv.open(seq, kv_head, seq_len, &tiles)) {
-    // Contiguous layout only: a slot or length outside the views. NaN instead of
-    // an out-of-bounds read (v2: a NaN partition with weight 1 makes the merge NaN).
-    const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
-    T* out = partitioned ? p.tmp_out + (row * p.max_partitions + partition) * HEAD_SIZE
-                         : p.out + row * HEAD_SIZE;
-    for (int d = threadIdx.x; d < HEAD_SIZE; d += kDecodeThreads) out[d] = from_float<T>(NAN);
-    if (partitioned && threadIdx.x == 0) {
-      p.max_logits[row * p.max_partitions + partition] = 0.f;
-      p.exp_sums[row * p.max_partitions + partition] = 1.f;
-    }
-    return;
-  }
   const int token_lane = lane % kTokenLanes;
   const int group_lane = lane / kTokenLanes;
   const float alibi_slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.f;
@@ -139,6 +125,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
 
+  typename KV::Seq tiles;
+  if (!p.kv.open(seq, kv_head, seq_len, static_cast<int64_t>(HEAD_SIZE) * BLOCK_SIZE,
+                 &tiles)) {
+    // Contiguous layout only: a slot or length outside the views. NaN instead of
+    // an out-of-bounds read (v2: a NaN partition with weight 1 makes the merge NaN).
+    const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
+    T* out = partitioned ? p.tmp_out + (row * p.max_partitions + partition) * HEAD_SIZE
+                         : p.out + row * HEAD_SIZE;
+    for (int d = threadIdx.x; d < HEAD_SIZE; d += kDecodeThreads) out[d] = from_float<T>(NAN);
+    if (partitioned && threadIdx.x == 0) {
+      p.max_logits[row * p.max_partitions + partition] = 0.f;
+      p.exp_sums[row * p.max_partitions + partition] = 1.f;
+    }
+    return;
+  }
+
+  const T* k_head = p.key_cache + tiles.key_base;
+  const T* v_head = p.value_cache + tiles.value_base;
+
   // This lane's value chunk inside a block: row d = pass * kRowsPerPass + v_row,
   // tokens [v_chunk * X, v_chunk * X + X).
   const int v_chunk = lane % S::kChunksPerRow;
@@ -159,8 +164,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // dependent load (the block table).
     const int next = block + kDecodeWarps;
     const Ref next_ref = next < end_block ? tiles.ref(next) : Ref{};
-    const T* k_block = p.key_cache + tiles.key(ref);
-    const T* v_block = p.value_cache + tiles.value(ref);
+    const T* k_block = k_head + p.kv.key_step(ref);
+    const T* v_block = v_head + p.kv.value_step(ref);
     const int block_start = block * BLOCK_SIZE;
 
     uint4 v_raw[S::kPreloadValues ? S::kPasses : 1];

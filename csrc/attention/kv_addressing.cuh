@@ -6,13 +6,22 @@
 //   paged:      tile i of sequence s  = block block_tables[s][i], heads packed inside
 //   contiguous: tile i of sequence s  = key_cache[seq_slots[s]][kv_head][i], any strides
 //
-// Each addressing type has a nested Seq: the tiles of one (sequence, kv head), with
-//   ref(i)     what locating tile i needs; for paged a block-table load, which the
-//              decode kernel issues one iteration early because later loads depend on it
-//   key(r), value(r)   the element offset of that tile in key_cache / value_cache
-// and open(seq, kv_head, seq_len, &tiles), false when the sequence's slot or length
-// would address memory outside the cache views (contiguous only; the kernels then
-// write NaN so the caller's error is visible instead of a read out of bounds).
+// Each addressing type has
+//   open(seq, kv_head, seq_len, tile_elems, &tiles)   fills a Seq for one (sequence,
+//       kv head); false when the sequence's slot or length would address memory
+//       outside the cache views (contiguous only; the kernels then write NaN so the
+//       caller's error shows instead of a read out of bounds). tile_elems =
+//       head_size * tile tokens, a compile-time constant in the decode kernel.
+//   key_step(r), value_step(r)   the offset of tile reference r from the Seq's
+//       key_base / value_base (kept on the addressing type, so strides stay kernel
+//       parameters rather than per-thread copies)
+// and its Seq has
+//   key_base, value_base   element offsets of the head's tiles in key_cache /
+//       value_cache (the kernels' k_head / v_head)
+//   ref(i)   what locating tile i needs; for paged a block-table load, which the
+//       decode kernel issues one iteration early because later loads depend on it.
+// This shape keeps the paged kernels computing the expressions they computed
+// before the contiguous layout existed.
 //
 // UNVERIFIED ON A GPU: the contiguous addressing was compiled, never run, on a
 // machine without one.
@@ -28,23 +37,26 @@ struct PagedKV {
   const int* block_tables;     // [num_seqs, block_tables_stride]
   int64_t block_tables_stride;
   int64_t block_stride;        // elements per cache block (all kv heads)
-  int64_t head_stride;         // elements per kv head of a block: head_size * block_size
 
   struct Seq {
+    int64_t key_base;
+    int64_t value_base;
     const int* table;
-    int64_t block_stride;
-    int64_t head_offset;
     __device__ __forceinline__ int64_t ref(int tile) const { return table[tile]; }
-    __device__ __forceinline__ int64_t key(int64_t physical) const {
-      return head_offset + physical * block_stride;
-    }
-    __device__ __forceinline__ int64_t value(int64_t physical) const { return key(physical); }
   };
+  __device__ __forceinline__ int64_t key_step(int64_t physical) const {
+    return physical * block_stride;
+  }
+  __device__ __forceinline__ int64_t value_step(int64_t physical) const {
+    return physical * block_stride;
+  }
 
-  __device__ __forceinline__ bool open(int seq, int kv_head, int /*seq_len*/, Seq* tiles) const {
+  // The kv heads of a block are packed: head h starts at h * tile_elems.
+  __device__ __forceinline__ bool open(int seq, int kv_head, int /*seq_len*/, int64_t tile_elems,
+                                       Seq* tiles) const {
+    tiles->key_base = kv_head * tile_elems;
+    tiles->value_base = tiles->key_base;
     tiles->table = block_tables + seq * block_tables_stride;
-    tiles->block_stride = block_stride;
-    tiles->head_offset = static_cast<int64_t>(kv_head) * head_stride;
     return true;
   }
 };
@@ -63,24 +75,19 @@ struct ContiguousKV {
   struct Seq {
     int64_t key_base;
     int64_t value_base;
-    int64_t key_tile_stride;
-    int64_t value_tile_stride;
     __device__ __forceinline__ int ref(int tile) const { return tile; }
-    __device__ __forceinline__ int64_t key(int tile) const {
-      return key_base + tile * key_tile_stride;
-    }
-    __device__ __forceinline__ int64_t value(int tile) const {
-      return value_base + tile * value_tile_stride;
-    }
   };
+  __device__ __forceinline__ int64_t key_step(int tile) const { return tile * key_tile_stride; }
+  __device__ __forceinline__ int64_t value_step(int tile) const {
+    return tile * value_tile_stride;
+  }
 
-  __device__ __forceinline__ bool open(int seq, int kv_head, int seq_len, Seq* tiles) const {
+  __device__ __forceinline__ bool open(int seq, int kv_head, int seq_len,
+                                       int64_t /*tile_elems*/, Seq* tiles) const {
     const int64_t slot = seq_slots[seq];
     if (slot < 0 || slot >= num_slots || seq_len < 0 || seq_len > capacity) return false;
     tiles->key_base = slot * key_slot_stride + kv_head * key_head_stride;
     tiles->value_base = slot * value_slot_stride + kv_head * value_head_stride;
-    tiles->key_tile_stride = key_tile_stride;
-    tiles->value_tile_stride = value_tile_stride;
     return true;
   }
 };

@@ -129,17 +129,6 @@ __global__ void __launch_bounds__(kPrefillThreads)
   // The tile's last query attends to keys [0, kv_end).
   const int kv_end = context + row0 + rows;
 
-  typename KV::Seq tiles;
-  if (!p.kv.open(seq, kv_head, seq_len, &tiles)) {
-    // Contiguous layout only: a slot or length outside the views. The tile's
-    // outputs become NaN instead of reading out of bounds.
-    for (int i = threadIdx.x; i < rows * HEAD_SIZE; i += kPrefillThreads) {
-      const int64_t out_token = q_begin + row0 + i / HEAD_SIZE;
-      p.out[(out_token * p.num_heads + head) * HEAD_SIZE + i % HEAD_SIZE] = from_float<T>(NAN);
-    }
-    return;  // uniform across the block
-  }
-
   const int tid = threadIdx.x;
   const int row = tid / kRowLanes;
   const int col = tid % kRowLanes;
@@ -159,6 +148,21 @@ __global__ void __launch_bounds__(kPrefillThreads)
     }
     q_tile[i] = v;
   }
+
+  typename KV::Seq tiles;
+  if (!p.kv.open(seq, kv_head, seq_len, static_cast<int64_t>(HEAD_SIZE) * p.block_size,
+                 &tiles)) {
+    // Contiguous layout only: a slot or length outside the views. The tile's
+    // outputs become NaN instead of reading out of bounds.
+    for (int i = threadIdx.x; i < rows * HEAD_SIZE; i += kPrefillThreads) {
+      const int64_t out_token = q_begin + row0 + i / HEAD_SIZE;
+      p.out[(out_token * p.num_heads + head) * HEAD_SIZE + i % HEAD_SIZE] = from_float<T>(NAN);
+    }
+    return;  // uniform across the block
+  }
+
+  const T* k_head = p.key_cache + tiles.key_base;
+  const T* v_head = p.value_cache + tiles.value_base;
 
   float m = -INFINITY;
   float l = 0.f;
@@ -180,10 +184,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int pos = kt0 + t;
       float k[X];
       if (pos < kv_end) {
+        const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(p.key_cache + tiles.key(tiles.ref(pos / p.block_size)) +
-                            (g * p.block_size + offset) * X,
-                        k);
+        load16_as_float(k_head + p.kv.key_step(ref) + (g * p.block_size + offset) * X, k);
       } else {
 #pragma unroll
         for (int e = 0; e < X; ++e) k[e] = 0.f;
@@ -202,10 +205,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int pos = kt0 + tc * X;
       float v[X];
       if (pos < kv_end) {
+        const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(p.value_cache + tiles.value(tiles.ref(pos / p.block_size)) +
-                            d * p.block_size + offset,
-                        v);
+        load16_as_float(v_head + p.kv.value_step(ref) + d * p.block_size + offset, v);
 #pragma unroll
         for (int e = 0; e < X; ++e) v[e] = pos + e < kv_end ? v[e] : 0.f;
       } else {
