@@ -1,9 +1,19 @@
-// CUDA paged attention: host-side checks, dtype/head-size/block-size dispatch
-// and launches. The kernels are in decode_kernels.cuh (paged_attention_v1/v2)
-// and prefill_kernel.cuh (paged_attention_prefill).
+// CUDA attention over the paged and the contiguous KV cache: host-side checks,
+// dtype/head-size/block-size dispatch and launches. The kernels are in
+// decode_kernels.cuh (paged_attention_v1/v2, contiguous_attention_decode) and
+// prefill_kernel.cuh (paged_attention_prefill, contiguous_attention_prefill); the
+// two layouts differ only in their addressing (kv_addressing.cuh).
 //
 // Only the dispatched variants are instantiated: 3 dtypes x 6 head sizes x 3
-// block sizes for decode, 3 x 6 for prefill (its block size is a runtime value).
+// block sizes for paged decode, 3 x 6 for contiguous decode (tile kTokenTile),
+// 3 x 6 per layout for prefill (its block size is a runtime value).
+//
+// The contiguous ops are UNVERIFIED ON A GPU: compiled and linked on a machine
+// without one, never run.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "../dispatch_utils.h"
@@ -50,11 +60,8 @@ struct AttentionShape {
   int block_size;
 };
 
-AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
-                               const at::Tensor& key_cache, const at::Tensor& value_cache,
-                               int64_t num_kv_heads, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, int64_t block_size,
-                               const std::optional<at::Tensor>& alibi_slopes) {
+// query and out, shared by both layouts.
+void check_query_out(const at::Tensor& out, const at::Tensor& query, int64_t num_kv_heads) {
   check_cuda(query, "query");
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
               query.sizes());
@@ -65,6 +72,18 @@ AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
                   out.scalar_type() == query.scalar_type() && out.device() == query.device(),
               "out must be a contiguous tensor shaped and typed like query");
+  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "num_kv_heads ",
+              num_kv_heads, " must divide num_heads ", query.size(1));
+}
+
+AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               int64_t num_kv_heads, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, int64_t block_size,
+                               const std::optional<at::Tensor>& alibi_slopes) {
+  check_query_out(out, query, num_kv_heads);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_size = query.size(2);
   TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous(),
               "key_cache/value_cache must be contiguous [num_blocks, num_kv_heads, head_size/x, "
@@ -84,8 +103,6 @@ AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
                   key_cache.size(4) == x,
               "key_cache ", key_cache.sizes(), " does not match value_cache ",
               value_cache.sizes(), " with x=", x);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_kv_heads ", num_kv_heads,
-              " must divide num_heads ", num_heads);
   check_aligned16(key_cache, "key_cache");
   check_aligned16(value_cache, "value_cache");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
@@ -108,11 +125,144 @@ AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
                         static_cast<int>(block_size)};
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
-void launch_decode(const DecodeParams<T>& params, dim3 grid, cudaStream_t stream) {
-  paged_attention_decode_kernel<T, HEAD_SIZE, BLOCK_SIZE>
+// The contiguous views (ops.h): key_cache [max_num_seqs, num_kv_heads, num_tiles,
+// head_size / x, kTokenTile, x], value_cache [max_num_seqs, num_kv_heads,
+// num_tiles, head_size, kTokenTile]; dense inside a tile, free non-negative outer
+// strides (each a multiple of 16 bytes: the kernels load 16-byte vectors), one
+// [num_seqs] int32 seq_slots and seq_lens.
+ContiguousKV check_contiguous(const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, int64_t num_kv_heads,
+                              const at::Tensor& seq_slots, const at::Tensor& seq_lens,
+                              int64_t num_seqs) {
+  const int64_t head_size = query.size(2);
+  const int64_t x = 16 / static_cast<int64_t>(query.element_size());
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "key_cache/value_cache must have the query's dtype ", query.scalar_type());
+  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
+              "key_cache/value_cache must be on the query's device ", query.device());
+  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
+              "value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ", head_size,
+              ", ", kTokenTile, "], got ", value_cache.sizes());
+  const int64_t num_slots = value_cache.size(0);
+  const int64_t num_tiles = value_cache.size(2);
+  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
+                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
+                  key_cache.size(3) * x == head_size && key_cache.size(4) == kTokenTile &&
+                  key_cache.size(5) == x,
+              "key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
+              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
+              key_cache.sizes());
+  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
+                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
+                  value_cache.stride(3) == kTokenTile,
+              "each tile of key_cache/value_cache must be dense, got strides ",
+              key_cache.strides(), " and ", value_cache.strides());
+  for (int d = 0; d < 3; ++d) {
+    for (const at::Tensor* t : {&key_cache, &value_cache}) {
+      TORCH_CHECK(t->stride(d) >= 0 && (t->stride(d) * t->element_size()) % 16 == 0,
+                  "the (slot, kv head, tile) strides of key_cache/value_cache must be "
+                  "non-negative multiples of 16 bytes, got ",
+                  key_cache.strides(), " and ", value_cache.strides());
+    }
+  }
+  check_aligned16(key_cache, "key_cache");
+  check_aligned16(value_cache, "value_cache");
+  const auto check_index = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == num_seqs && t.scalar_type() == at::kInt &&
+                    t.is_contiguous() && t.device() == query.device(),
+                name, " must be [", num_seqs, "] int32, contiguous, on ", query.device(),
+                "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  };
+  check_index(seq_slots, "seq_slots");
+  check_index(seq_lens, "seq_lens");
+  ContiguousKV kv{};
+  kv.seq_slots = seq_slots.data_ptr<int>();
+  kv.num_slots = num_slots;
+  kv.capacity = num_tiles * kTokenTile;
+  kv.key_slot_stride = key_cache.stride(0);
+  kv.key_head_stride = key_cache.stride(1);
+  kv.key_tile_stride = key_cache.stride(2);
+  kv.value_slot_stride = value_cache.stride(0);
+  kv.value_head_stride = value_cache.stride(1);
+  kv.value_tile_stride = value_cache.stride(2);
+  return kv;
+}
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV>
+void launch_decode(const DecodeParams<T, KV>& params, dim3 grid, cudaStream_t stream) {
+  attention_decode_kernel<T, HEAD_SIZE, BLOCK_SIZE, KV>
       <<<grid, kDecodeThreads, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Where decode writes: `out` directly (one partition), or the partition workspace
+// followed by the reduce (exp_sums defined).
+struct DecodeOutputs {
+  at::Tensor* out;
+  at::Tensor* exp_sums = nullptr;
+  at::Tensor* max_logits = nullptr;
+  at::Tensor* tmp_out = nullptr;
+  int num_partitions = 1;  // partitions the grid covers
+  int max_partitions = 1;  // the workspace's partition dimension
+};
+
+// The decode launch for either layout; shapes and workspace are already checked.
+// BLOCK_SIZE: the paged block size, or kTokenTile for the contiguous layout.
+template <typename KV, typename BlockSizeDispatch>
+void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tensor& key_cache,
+                const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
+                const AttentionShape& shape, double scale, const float* alibi_slopes,
+                BlockSizeDispatch&& dispatch_block) {
+  if (shape.num_tokens == 0 || shape.num_heads == 0) return;
+  // Grid y and z are limited to 65535.
+  TORCH_CHECK(shape.num_tokens <= 65535 && o.num_partitions <= 65535,
+              "decode attention handles at most 65535 sequences and 65535 partitions per call, "
+              "got ", shape.num_tokens, " and ", o.num_partitions);
+  const bool partitioned = o.exp_sums != nullptr;
+
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid(shape.num_heads, shape.num_tokens, o.num_partitions);
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "attention_decode", [&] {
+    using T = device_t<scalar_t>;
+    DecodeParams<T, KV> params{};
+    params.out = device_ptr<scalar_t>(*o.out);
+    if (partitioned) {
+      params.exp_sums = o.exp_sums->data_ptr<float>();
+      params.max_logits = o.max_logits->data_ptr<float>();
+      params.tmp_out = device_ptr<scalar_t>(*o.tmp_out);
+    }
+    params.query = device_ptr<scalar_t>(query);
+    params.key_cache = device_ptr<scalar_t>(key_cache);
+    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.kv = kv;
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.alibi_slopes = alibi_slopes;
+    params.q_stride = query.stride(0);
+    params.num_heads = shape.num_heads;
+    params.num_kv_heads = shape.num_kv_heads;
+    params.scale = static_cast<float>(scale);
+    params.partition_size = partitioned ? static_cast<int>(kPartitionSize) : 0;
+    params.max_partitions = o.max_partitions;
+
+    dispatch_head_size(shape.head_size, [&](auto head) {
+      dispatch_block([&](auto block) {
+        launch_decode<T, decltype(head)::value, decltype(block)::value, KV>(params, grid,
+                                                                            stream);
+      });
+    });
+    if (partitioned) {
+      attention_reduce_kernel<T>
+          <<<dim3(shape.num_heads, shape.num_tokens), kDecodeThreads, 0, stream>>>(
+              params.out, params.exp_sums, params.max_logits, params.tmp_out, params.seq_lens,
+              shape.head_size, static_cast<int>(kPartitionSize), o.num_partitions,
+              o.max_partitions);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
 }
 
 // v1 when exp_sums is undefined, v2 otherwise (then followed by the reduce).
@@ -126,13 +276,12 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
                                                block_tables, seq_lens, block_size, alibi_slopes);
   TORCH_CHECK(block_tables.size(0) == shape.num_tokens, "block_tables has ",
               block_tables.size(0), " rows but query has ", shape.num_tokens, " sequences");
-  const bool partitioned = exp_sums != nullptr;
-  int num_partitions = 1;
-  int max_partitions = 1;
-  if (partitioned) {
+  DecodeOutputs outputs{&out, exp_sums, max_logits, tmp_out};
+  if (exp_sums != nullptr) {
     TORCH_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
-    num_partitions = static_cast<int>((max_seq_len + kPartitionSize - 1) / kPartitionSize);
-    max_partitions = static_cast<int>(tmp_out->size(2));
+    const int num_partitions =
+        static_cast<int>((max_seq_len + kPartitionSize - 1) / kPartitionSize);
+    const int max_partitions = static_cast<int>(tmp_out->size(2));
     for (const at::Tensor* t : {exp_sums, max_logits}) {
       TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
                       t->size(0) == shape.num_tokens && t->size(1) == shape.num_heads &&
@@ -148,60 +297,35 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
                 "in the query's dtype, got ", tmp_out->sizes());
     TORCH_CHECK(max_partitions >= num_partitions, "the v2 workspace holds ", max_partitions,
                 " partitions but max_seq_len ", max_seq_len, " needs ", num_partitions);
+    outputs.num_partitions = num_partitions;
+    outputs.max_partitions = max_partitions;
   }
-  if (shape.num_tokens == 0 || shape.num_heads == 0) return;
-  // Grid y and z are limited to 65535.
-  TORCH_CHECK(shape.num_tokens <= 65535 && num_partitions <= 65535,
-              "paged attention handles at most 65535 sequences and 65535 partitions per call, "
-              "got ", shape.num_tokens, " and ", num_partitions);
-
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(shape.num_heads, shape.num_tokens, num_partitions);
-
-  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention", [&] {
-    using T = device_t<scalar_t>;
-    DecodeParams<T> params{};
-    params.out = device_ptr<scalar_t>(out);
-    if (partitioned) {
-      params.exp_sums = exp_sums->data_ptr<float>();
-      params.max_logits = max_logits->data_ptr<float>();
-      params.tmp_out = device_ptr<scalar_t>(*tmp_out);
-    }
-    params.query = device_ptr<scalar_t>(query);
-    params.key_cache = device_ptr<scalar_t>(key_cache);
-    params.value_cache = device_ptr<scalar_t>(value_cache);
-    params.block_tables = block_tables.data_ptr<int>();
-    params.seq_lens = seq_lens.data_ptr<int>();
-    params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-    params.q_stride = query.stride(0);
-    params.block_tables_stride = block_tables.stride(0);
-    params.cache_block_stride = value_cache.stride(0);
-    params.num_heads = shape.num_heads;
-    params.num_kv_heads = shape.num_kv_heads;
-    params.scale = static_cast<float>(scale);
-    params.partition_size = partitioned ? static_cast<int>(kPartitionSize) : 0;
-    params.max_partitions = max_partitions;
-
-    dispatch_head_size(shape.head_size, [&](auto head) {
-      dispatch_block_size(shape.block_size, [&](auto block) {
-        launch_decode<T, decltype(head)::value, decltype(block)::value>(params, grid, stream);
-      });
-    });
-    if (partitioned) {
-      paged_attention_reduce_kernel<T>
-          <<<dim3(shape.num_heads, shape.num_tokens), kDecodeThreads, 0, stream>>>(
-              params.out, params.exp_sums, params.max_logits, params.tmp_out, params.seq_lens,
-              shape.head_size, static_cast<int>(kPartitionSize), num_partitions, max_partitions);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
+  PagedKV kv{};
+  kv.block_tables = block_tables.data_ptr<int>();
+  kv.block_tables_stride = block_tables.stride(0);
+  kv.block_stride = value_cache.stride(0);
+  run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale,
+             alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
+             [&](auto&& launch) { dispatch_block_size(shape.block_size, launch); });
 }
 
-template <typename T, int HEAD_SIZE>
-void launch_prefill(const PrefillParams<T>& params, dim3 grid, cudaStream_t stream) {
+// Whether contiguous decode should split each sequence into partitions: only when
+// the (sequence, head) pairs alone leave the GPU's SMs idle and some sequence is
+// long enough to split. kBlocksPerSm is a first guess at "enough blocks to fill
+// an SM" for 128-thread blocks, not yet tuned on a GPU.
+bool decode_needs_partitions(int64_t pairs, int64_t max_seq_len, const at::Device& device) {
+  constexpr int64_t kBlocksPerSm = 4;
+  if (max_seq_len <= kPartitionSize) return false;
+  int sm_count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount,
+                                        device.index()));
+  return pairs < kBlocksPerSm * sm_count;
+}
+
+template <typename T, int HEAD_SIZE, typename KV>
+void launch_prefill(const PrefillParams<T, KV>& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t kBytes = PrefillSmem<HEAD_SIZE>::kBytes;
-  auto* kernel = &paged_attention_prefill_kernel<T, HEAD_SIZE>;
+  auto* kernel = &attention_prefill_kernel<T, HEAD_SIZE, KV>;
   if constexpr (kBytes > 48 * 1024) {
     // Beyond the default dynamic shared memory limit: opt in (head size 256).
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -209,6 +333,51 @@ void launch_prefill(const PrefillParams<T>& params, dim3 grid, cudaStream_t stre
   }
   kernel<<<grid, kPrefillThreads, kBytes, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& query,
+                           int64_t num_seqs) {
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.device() == query.device() &&
+                  query_start_loc.size(0) == num_seqs + 1,
+              "query_start_loc must be [num_seqs + 1] int32, contiguous, on ", query.device(),
+              "; got ", query_start_loc.sizes(), " for ", num_seqs, " sequences");
+}
+
+// The prefill launch for either layout; shapes are already checked.
+template <typename KV>
+void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
+                 const at::Tensor& query_start_loc, const AttentionShape& shape, int num_seqs,
+                 double scale, const float* alibi_slopes) {
+  if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // An upper bound on the number of query tiles: sum_s ceil(q_len_s / tile)
+  // <= num_tokens / tile + num_seqs. Blocks past the last tile exit at once.
+  const dim3 grid(ceil_div(shape.num_tokens, kQueryTile) + num_seqs, shape.num_heads);
+
+  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "attention_prefill", [&] {
+    using T = device_t<scalar_t>;
+    PrefillParams<T, KV> params{};
+    params.out = device_ptr<scalar_t>(out);
+    params.query = device_ptr<scalar_t>(query);
+    params.key_cache = device_ptr<scalar_t>(key_cache);
+    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.kv = kv;
+    params.seq_lens = seq_lens.data_ptr<int>();
+    params.query_start_loc = query_start_loc.data_ptr<int>();
+    params.alibi_slopes = alibi_slopes;
+    params.q_stride = query.stride(0);
+    params.num_seqs = num_seqs;
+    params.num_heads = shape.num_heads;
+    params.num_kv_heads = shape.num_kv_heads;
+    params.block_size = shape.block_size;
+    params.scale = static_cast<float>(scale);
+    dispatch_head_size(shape.head_size, [&](auto head) {
+      launch_prefill<T, decltype(head)::value, KV>(params, grid, stream);
+    });
+  });
 }
 
 }  // namespace
@@ -242,45 +411,76 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
                              const std::optional<at::Tensor>& alibi_slopes) {
   const AttentionShape shape = check_attention(out, query, key_cache, value_cache, num_kv_heads,
                                                block_tables, seq_lens, block_size, alibi_slopes);
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
-                  query_start_loc.is_contiguous() && query_start_loc.device() == query.device() &&
-                  query_start_loc.size(0) == block_tables.size(0) + 1,
-              "query_start_loc must be [num_seqs + 1] int32, contiguous, on ", query.device(),
-              "; got ", query_start_loc.sizes(), " for ", block_tables.size(0), " sequences");
   const int num_seqs = static_cast<int>(block_tables.size(0));
-  if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
+  check_query_start_loc(query_start_loc, query, num_seqs);
   (void)max_query_len;  // tiles are found from query_start_loc; see find_query_tile
+  if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
+  dispatch_block_size(shape.block_size, [](auto) {});  // rejects unsupported sizes
+  PagedKV kv{};
+  kv.block_tables = block_tables.data_ptr<int>();
+  kv.block_tables_stride = block_tables.stride(0);
+  kv.block_stride = value_cache.stride(0);
+  run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape, num_seqs,
+              scale, alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr);
+}
 
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // An upper bound on the number of query tiles: sum_s ceil(q_len_s / tile)
-  // <= num_tokens / tile + num_seqs. Blocks past the last tile exit at once.
-  const dim3 grid(ceil_div(shape.num_tokens, kQueryTile) + num_seqs, shape.num_heads);
+// Decode over the contiguous layout. Unlike paged_attention_v2 it takes no
+// workspace: when it splits sequences into partitions (decode_needs_partitions),
+// it allocates exp_sums / max_logits / tmp_out itself from torch's caching
+// allocator, so the choice stays inside the op.
+void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
+                                 const at::Tensor& seq_lens, int64_t max_seq_len) {
+  check_query_out(out, query, num_kv_heads);
+  const int64_t num_seqs = query.size(0);
+  ContiguousKV kv = check_contiguous(query, key_cache, value_cache, num_kv_heads, seq_slots,
+                                     seq_lens, num_seqs);
+  TORCH_CHECK(max_seq_len >= 0, "max_seq_len must be non-negative, got ", max_seq_len);
+  // max_seq_len bounds seq_lens: a longer sequence would fall outside the
+  // partitions launched, so the kernel treats it like one past the slot's
+  // capacity (NaN output) rather than silently truncating it.
+  kv.capacity = std::min(kv.capacity, max_seq_len);
+  const AttentionShape shape{static_cast<int>(num_seqs), static_cast<int>(query.size(1)),
+                             static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
+                             static_cast<int>(kTokenTile)};
+  if (shape.num_tokens == 0 || shape.num_heads == 0) return;
 
-  PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
-    using T = device_t<scalar_t>;
-    PrefillParams<T> params{};
-    params.out = device_ptr<scalar_t>(out);
-    params.query = device_ptr<scalar_t>(query);
-    params.key_cache = device_ptr<scalar_t>(key_cache);
-    params.value_cache = device_ptr<scalar_t>(value_cache);
-    params.block_tables = block_tables.data_ptr<int>();
-    params.seq_lens = seq_lens.data_ptr<int>();
-    params.query_start_loc = query_start_loc.data_ptr<int>();
-    params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-    params.q_stride = query.stride(0);
-    params.block_tables_stride = block_tables.stride(0);
-    params.cache_block_stride = value_cache.stride(0);
-    params.num_seqs = num_seqs;
-    params.num_heads = shape.num_heads;
-    params.num_kv_heads = shape.num_kv_heads;
-    params.block_size = shape.block_size;
-    params.scale = static_cast<float>(scale);
-    dispatch_block_size(shape.block_size, [](auto) {});  // rejects unsupported sizes
-    dispatch_head_size(shape.head_size, [&](auto head) {
-      launch_prefill<T, decltype(head)::value>(params, grid, stream);
-    });
-  });
+  DecodeOutputs outputs{&out};
+  at::Tensor exp_sums;
+  at::Tensor max_logits;
+  at::Tensor tmp_out;
+  if (decode_needs_partitions(num_seqs * shape.num_heads, kv.capacity, query.device())) {
+    const int64_t parts = (kv.capacity + kPartitionSize - 1) / kPartitionSize;
+    const auto floats = query.options().dtype(at::kFloat);
+    exp_sums = at::empty({num_seqs, shape.num_heads, parts}, floats);
+    max_logits = at::empty({num_seqs, shape.num_heads, parts}, floats);
+    tmp_out = at::empty({num_seqs, shape.num_heads, parts, shape.head_size}, query.options());
+    outputs = DecodeOutputs{&out, &exp_sums, &max_logits, &tmp_out, static_cast<int>(parts),
+                            static_cast<int>(parts)};
+  }
+  run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale, nullptr,
+             [](auto&& launch) { launch(std::integral_constant<int, kTokenTile>{}); });
+}
+
+void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  int64_t num_kv_heads, double scale,
+                                  const at::Tensor& seq_slots, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t max_query_len) {
+  check_query_out(out, query, num_kv_heads);
+  const int64_t num_seqs = seq_lens.dim() == 1 ? seq_lens.size(0) : -1;
+  TORCH_CHECK(num_seqs >= 0 && num_seqs <= INT32_MAX, "seq_lens must be [num_seqs], got ",
+              seq_lens.sizes());
+  const ContiguousKV kv = check_contiguous(query, key_cache, value_cache, num_kv_heads,
+                                           seq_slots, seq_lens, num_seqs);
+  check_query_start_loc(query_start_loc, query, num_seqs);
+  (void)max_query_len;  // tiles are found from query_start_loc; see find_query_tile
+  const AttentionShape shape{static_cast<int>(query.size(0)), static_cast<int>(query.size(1)),
+                             static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
+                             static_cast<int>(kTokenTile)};
+  run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape,
+              static_cast<int>(num_seqs), scale, nullptr);
 }
 
 }  // namespace pyllm::cuda

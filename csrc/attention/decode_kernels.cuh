@@ -1,4 +1,6 @@
-// Decode attention over the paged KV cache: one query token per sequence.
+// Decode attention: one query token per sequence, over either KV cache layout
+// (kv_addressing.cuh: paged blocks, or the contiguous arena's tiles of kTokenTile
+// tokens; "block" below means either).
 //
 // One thread block of kDecodeThreads handles one (query head, sequence,
 // partition). Its warps take the partition's KV blocks in turn (warp w reads
@@ -7,7 +9,8 @@
 // are merged once at the end. Nothing is sized by the sequence length, so
 // paged_attention_v1 (one partition = the whole sequence) works at any
 // context, and paged_attention_v2 runs the same kernel with partitions of
-// kPartitionSize tokens followed by paged_attention_reduce_kernel.
+// kPartitionSize tokens followed by attention_reduce_kernel;
+// contiguous_attention_decode picks one of the two per call.
 //
 // Memory access (the kernel is bound by reading K and V once):
 // - Key block of one head: [head_size / x][block_size][x], x = 16 bytes of
@@ -19,6 +22,7 @@
 #pragma once
 
 #include "../cuda_utils.cuh"
+#include "kv_addressing.cuh"
 
 namespace pyllm::cuda {
 
@@ -29,21 +33,19 @@ constexpr int kTokenLanes = 8;
 // Lanes reading different x-groups of the same tokens.
 constexpr int kGroupLanes = kWarpSize / kTokenLanes;
 
-template <typename T>
+template <typename T, typename KV>
 struct DecodeParams {
   T* out;               // v1: [num_seqs, num_heads, head_size]
   float* exp_sums;      // v2: [num_seqs, num_heads, max_partitions]; null for v1
   float* max_logits;    // v2: same shape as exp_sums
   T* tmp_out;           // v2: [num_seqs, num_heads, max_partitions, head_size]
   const T* query;       // [num_seqs, num_heads, head_size], token stride q_stride
-  const T* key_cache;   // [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const T* value_cache; // [num_blocks, num_kv_heads, head_size, block_size]
-  const int* block_tables;  // [num_seqs, block_tables_stride]
+  const T* key_cache;   // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const T* value_cache; // paged [num_blocks, num_kv_heads, head_size, block_size]
+  KV kv;                // where each sequence's blocks are (kv_addressing.cuh)
   const int* seq_lens;      // [num_seqs]
   const float* alibi_slopes;  // [num_heads] or null
   int64_t q_stride;
-  int64_t block_tables_stride;
-  int64_t cache_block_stride;  // elements per cache block (all kv heads)
   int num_heads;
   int num_kv_heads;
   float scale;
@@ -72,9 +74,9 @@ struct DecodeShape {
   static constexpr bool kPreloadValues = kPasses <= 8;
 };
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV>
 __global__ void __launch_bounds__(kDecodeThreads)
-    paged_attention_decode_kernel(const DecodeParams<T> p) {
+    attention_decode_kernel(const DecodeParams<T, KV> p) {
   using S = DecodeShape<T, HEAD_SIZE, BLOCK_SIZE>;
   constexpr int X = S::kX;
 
@@ -123,10 +125,24 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
 
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_SIZE * BLOCK_SIZE;
-  const T* k_head = p.key_cache + head_offset;
-  const T* v_head = p.value_cache + head_offset;
-  const int* table = p.block_tables + seq * p.block_tables_stride;
+  typename KV::Seq tiles;
+  if (!p.kv.open(seq, kv_head, seq_len, static_cast<int64_t>(HEAD_SIZE) * BLOCK_SIZE,
+                 &tiles)) {
+    // Contiguous layout only: a slot or length outside the views. NaN instead of
+    // an out-of-bounds read (v2: a NaN partition with weight 1 makes the merge NaN).
+    const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
+    T* out = partitioned ? p.tmp_out + (row * p.max_partitions + partition) * HEAD_SIZE
+                         : p.out + row * HEAD_SIZE;
+    for (int d = threadIdx.x; d < HEAD_SIZE; d += kDecodeThreads) out[d] = from_float<T>(NAN);
+    if (partitioned && threadIdx.x == 0) {
+      p.max_logits[row * p.max_partitions + partition] = 0.f;
+      p.exp_sums[row * p.max_partitions + partition] = 1.f;
+    }
+    return;
+  }
+
+  const T* k_head = p.key_cache + tiles.key_base;
+  const T* v_head = p.value_cache + tiles.value_base;
 
   // This lane's value chunk inside a block: row d = pass * kRowsPerPass + v_row,
   // tokens [v_chunk * X, v_chunk * X + X).
@@ -140,14 +156,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
   for (int k = 0; k < S::kPasses; ++k) acc[k] = 0.f;
 
+  using Ref = decltype(tiles.ref(0));
   int block = first_block + warp;
-  int64_t physical = block < end_block ? table[block] : 0;
+  Ref ref = block < end_block ? tiles.ref(block) : Ref{};
   for (; block < end_block; block += kDecodeWarps) {
-    // The next block number is fetched early: it is a dependent load.
+    // The next block's location is fetched early: for paged caches it is a
+    // dependent load (the block table).
     const int next = block + kDecodeWarps;
-    const int64_t next_physical = next < end_block ? table[next] : 0;
-    const T* k_block = k_head + physical * p.cache_block_stride;
-    const T* v_block = v_head + physical * p.cache_block_stride;
+    const Ref next_ref = next < end_block ? tiles.ref(next) : Ref{};
+    const T* k_block = k_head + p.kv.key_step(ref);
+    const T* v_block = v_head + p.kv.value_step(ref);
     const int block_start = block * BLOCK_SIZE;
 
     uint4 v_raw[S::kPreloadValues ? S::kPasses : 1];
@@ -243,7 +261,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       acc[k] = acc[k] * correction + partial;
     }
     __syncwarp();  // block_probs is rewritten by the next block
-    physical = next_physical;
+    ref = next_ref;
   }
 
   // Merge: first the kChunksPerRow lanes sharing a row, then the warps.
@@ -298,13 +316,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-// paged_attention_v2's second step: merges a sequence's partitions, each
+// The partitioned decode's second step: merges a sequence's partitions, each
 // normalised by its own sum, weighting partition i by exp_sums[i] *
 // exp(max_logits[i] - max). One block per (head, sequence); every thread scans
 // the (few) partitions itself, so no shared memory is needed.
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
-    paged_attention_reduce_kernel(T* __restrict__ out, const float* __restrict__ exp_sums,
+    attention_reduce_kernel(T* __restrict__ out, const float* __restrict__ exp_sums,
                                   const float* __restrict__ max_logits,
                                   const T* __restrict__ tmp_out, const int* __restrict__ seq_lens,
                                   int head_size, int partition_size, int num_partitions,

@@ -1,12 +1,13 @@
-// Causal attention of several query tokens per sequence over the paged KV cache
-// (prompts, prompt chunks, prefix-cache hits).
+// Causal attention of several query tokens per sequence (prompts, prompt chunks,
+// prefix-cache hits) over either KV cache layout: paged blocks or the contiguous
+// arena's tiles of kTokenTile tokens (kv_addressing.cuh; "block" below means either).
 //
 // One thread block of kPrefillThreads handles a tile of up to kQueryTile query
 // tokens of one sequence and one query head. It walks the sequence's cached
 // tokens kKeyTile at a time, staging each key/value tile in shared memory as
-// float (gathered through the block table), so every tile is read from the
-// cache once per query tile rather than once per query token. Online softmax
-// per query row; everything is accumulated in float32.
+// float (gathered through the block table, or from the slot's tiles), so every
+// tile is read from the cache once per query tile rather than once per query
+// token. Online softmax per query row; everything is accumulated in float32.
 //
 // Thread layout: row = threadIdx.x / 8 (the query row), col = threadIdx.x % 8.
 // A thread scores keys col and col + 8 of the tile for its row, and owns the
@@ -15,6 +16,7 @@
 #pragma once
 
 #include "../cuda_utils.cuh"
+#include "kv_addressing.cuh"
 
 namespace pyllm::cuda {
 
@@ -24,23 +26,21 @@ constexpr int kKeyTile = 16;
 constexpr int kRowLanes = kPrefillThreads / kQueryTile;  // 8 threads per query row
 static_assert(kKeyTile == 2 * kRowLanes, "each thread scores two keys of a tile");
 
-template <typename T>
+template <typename T, typename KV>
 struct PrefillParams {
   T* out;                     // [num_tokens, num_heads, head_size], contiguous
   const T* query;             // [num_tokens, num_heads, head_size], token stride q_stride
-  const T* key_cache;         // [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const T* value_cache;       // [num_blocks, num_kv_heads, head_size, block_size]
-  const int* block_tables;    // [num_seqs, block_tables_stride]
+  const T* key_cache;         // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const T* value_cache;       // paged [num_blocks, num_kv_heads, head_size, block_size]
+  KV kv;                      // where each sequence's blocks are (kv_addressing.cuh)
   const int* seq_lens;        // [num_seqs]
   const int* query_start_loc; // [num_seqs + 1]
   const float* alibi_slopes;  // [num_heads] or null
   int64_t q_stride;
-  int64_t block_tables_stride;
-  int64_t cache_block_stride;  // elements per cache block (all kv heads)
   int num_seqs;
   int num_heads;
   int num_kv_heads;
-  int block_size;
+  int block_size;  // tokens per block (kTokenTile for the contiguous layout)
   float scale;
 };
 
@@ -97,9 +97,9 @@ __device__ __forceinline__ int2 find_query_tile(const int* query_start_loc, int 
   return found;
 }
 
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, typename KV>
 __global__ void __launch_bounds__(kPrefillThreads)
-    paged_attention_prefill_kernel(const PrefillParams<T> p) {
+    attention_prefill_kernel(const PrefillParams<T, KV> p) {
   using Smem = PrefillSmem<HEAD_SIZE>;
   constexpr int X = Vec16<T>::kSize;
   constexpr int kGroups = HEAD_SIZE / X;
@@ -149,10 +149,20 @@ __global__ void __launch_bounds__(kPrefillThreads)
     q_tile[i] = v;
   }
 
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_SIZE * p.block_size;
-  const T* k_head = p.key_cache + head_offset;
-  const T* v_head = p.value_cache + head_offset;
-  const int* table = p.block_tables + seq * p.block_tables_stride;
+  typename KV::Seq tiles;
+  if (!p.kv.open(seq, kv_head, seq_len, static_cast<int64_t>(HEAD_SIZE) * p.block_size,
+                 &tiles)) {
+    // Contiguous layout only: a slot or length outside the views. The tile's
+    // outputs become NaN instead of reading out of bounds.
+    for (int i = threadIdx.x; i < rows * HEAD_SIZE; i += kPrefillThreads) {
+      const int64_t out_token = q_begin + row0 + i / HEAD_SIZE;
+      p.out[(out_token * p.num_heads + head) * HEAD_SIZE + i % HEAD_SIZE] = from_float<T>(NAN);
+    }
+    return;  // uniform across the block
+  }
+
+  const T* k_head = p.key_cache + tiles.key_base;
+  const T* v_head = p.value_cache + tiles.value_base;
 
   float m = -INFINITY;
   float l = 0.f;
@@ -174,10 +184,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int pos = kt0 + t;
       float k[X];
       if (pos < kv_end) {
-        const int64_t physical = table[pos / p.block_size];
+        const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(
-            k_head + physical * p.cache_block_stride + (g * p.block_size + offset) * X, k);
+        load16_as_float(k_head + p.kv.key_step(ref) + (g * p.block_size + offset) * X, k);
       } else {
 #pragma unroll
         for (int e = 0; e < X; ++e) k[e] = 0.f;
@@ -196,9 +205,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int pos = kt0 + tc * X;
       float v[X];
       if (pos < kv_end) {
-        const int64_t physical = table[pos / p.block_size];
+        const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(v_head + physical * p.cache_block_stride + d * p.block_size + offset, v);
+        load16_as_float(v_head + p.kv.value_step(ref) + d * p.block_size + offset, v);
 #pragma unroll
         for (int e = 0; e < X; ++e) v[e] = pos + e < kv_end ? v[e] : 0.f;
       } else {

@@ -1,10 +1,15 @@
-// CUDA cache ops: write new keys/values into the paged cache, copy blocks within
-// each layer's cache (copy-on-write), and swap blocks between devices.
+// CUDA cache ops: write new keys/values into the paged cache or the contiguous
+// arena views, copy blocks within each layer's cache (copy-on-write), and swap
+// blocks between devices.
+//
+// write_kv_contiguous is UNVERIFIED ON A GPU: compiled and linked on a machine
+// without one, never run.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "../attention/kv_addressing.cuh"
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
@@ -13,32 +18,65 @@ namespace pyllm::cuda {
 namespace {
 
 // One block per token. Element (head h, dim d) of a token goes to
-//   key_cache  [block][h][d / x][offset][d % x]
-//   value_cache[block][h][d][offset]
-// with block = slot / block_size, offset = slot % block_size.
-template <typename T>
-__global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
-                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
-                                         const int64_t* __restrict__ slot_mapping,
-                                         int64_t key_stride, int64_t value_stride,
-                                         int num_kv_heads, int head_size, int block_size) {
+//   key_cache  [tile of h][d / x][offset][d % x]
+//   value_cache[tile of h][d][offset]
+// where the Target (kv_addressing.cuh) says where the token's tile and offset are:
+// block slot / block_size at slot % block_size for the paged cache, tile
+// position / kTokenTile of the slot's view for the contiguous one.
+template <typename T, typename Target>
+__global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                const Target target, int64_t key_stride, int64_t value_stride,
+                                int num_kv_heads, int head_size) {
   const int64_t token = blockIdx.x;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // padding token
-  const int64_t block = slot / block_size;
-  const int offset = static_cast<int>(slot % block_size);
+  TokenTarget t;
+  if (!target.locate(token, &t)) return;  // padding token (or dropped, see ContiguousWrite)
   constexpr int X = Vec16<T>::kSize;
   const int width = num_kv_heads * head_size;
-  const int64_t block_base = block * width * block_size;
   const T* key_row = key + token * key_stride;
   const T* value_row = value + token * value_stride;
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     const int h = i / head_size;
     const int d = i % head_size;
-    const int64_t head_base = block_base + static_cast<int64_t>(h) * head_size * block_size;
-    key_cache[head_base + ((d / X) * block_size + offset) * X + d % X] = key_row[i];
-    value_cache[head_base + static_cast<int64_t>(d) * block_size + offset] = value_row[i];
+    key_cache[t.key_base + h * t.key_head_stride + ((d / X) * t.tile_size + t.offset) * X +
+              d % X] = key_row[i];
+    value_cache[t.value_base + h * t.value_head_stride +
+                static_cast<int64_t>(d) * t.tile_size + t.offset] = value_row[i];
   }
+}
+
+// key/value [num_tokens, num_kv_heads, head_size]: token stride free, heads packed.
+void check_token_rows(const at::Tensor& key, const at::Tensor& value) {
+  check_cuda(key, "key");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "key/value must be [num_tokens, num_kv_heads, head_size] of one shape, got ",
+              key.sizes(), " and ", value.sizes());
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->stride(2) == 1 && (key.size(1) == 1 || t->stride(1) == key.size(2)),
+                "key/value must have each token's heads packed, got strides ", t->strides());
+    TORCH_CHECK(t->device() == key.device() && t->scalar_type() == key.scalar_type(),
+                "key/value must share a device and dtype");
+  }
+}
+
+template <typename Target>
+void launch_write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                     at::Tensor& value_cache, const Target& target) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = key.size(1);
+  const int64_t head_size = key.size(2);
+  if (num_tokens == 0 || num_kv_heads * head_size == 0) return;
+  const c10::cuda::CUDAGuard device_guard(key.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int width = static_cast<int>(num_kv_heads * head_size);
+  const int threads = width < 512 ? ((width + 31) / 32) * 32 : 512;
+  PYLLM_DISPATCH_FLOATING_TYPES(key.scalar_type(), "write_kv", [&] {
+    write_kv_kernel<device_t<scalar_t>, Target><<<num_tokens, threads, 0, stream>>>(
+        device_ptr<scalar_t>(key), device_ptr<scalar_t>(value), device_ptr<scalar_t>(key_cache),
+        device_ptr<scalar_t>(value_cache), target, key.stride(0), value.stride(0),
+        static_cast<int>(num_kv_heads), static_cast<int>(head_size));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // Grid (pair, layer): copies one whole block of one layer's key and value cache,
@@ -66,19 +104,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const std::string& kv_cache_dtype) {
   TORCH_CHECK(kv_cache_dtype == "auto", "kv_cache_dtype '", kv_cache_dtype,
               "' is not supported; only 'auto'");
-  check_cuda(key, "key");
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
-              "key/value must be [num_tokens, num_kv_heads, head_size] of one shape, got ",
-              key.sizes(), " and ", value.sizes());
+  check_token_rows(key, value);
   const int64_t num_tokens = key.size(0);
   const int64_t num_kv_heads = key.size(1);
   const int64_t head_size = key.size(2);
-  for (const at::Tensor* t : {&key, &value}) {
-    TORCH_CHECK(t->stride(2) == 1 && (num_kv_heads == 1 || t->stride(1) == head_size),
-                "key/value must have each token's heads packed, got strides ", t->strides());
-    TORCH_CHECK(t->device() == key.device() && t->scalar_type() == key.scalar_type(),
-                "key/value must share a device and dtype");
-  }
   const int64_t x = 16 / static_cast<int64_t>(key.element_size());
   TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && key_cache.device() == key.device() &&
@@ -96,20 +125,72 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.device() == key.device(),
               "slot_mapping must be [num_tokens] int64, contiguous, on ", key.device());
-  if (num_tokens == 0 || num_kv_heads * head_size == 0) return;
+  PagedWrite target{};
+  target.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  target.block_size = static_cast<int>(value_cache.size(3));
+  target.block_stride = num_kv_heads * head_size * value_cache.size(3);
+  target.head_stride = head_size * value_cache.size(3);
+  launch_write_kv(key, value, key_cache, value_cache, target);
+}
 
-  const c10::cuda::CUDAGuard device_guard(key.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int width = static_cast<int>(num_kv_heads * head_size);
-  const int threads = width < 512 ? ((width + 31) / 32) * 32 : 512;
-  PYLLM_DISPATCH_FLOATING_TYPES(key.scalar_type(), "reshape_and_cache", [&] {
-    reshape_and_cache_kernel<device_t<scalar_t>><<<num_tokens, threads, 0, stream>>>(
-        device_ptr<scalar_t>(key), device_ptr<scalar_t>(value), device_ptr<scalar_t>(key_cache),
-        device_ptr<scalar_t>(value_cache), slot_mapping.data_ptr<int64_t>(), key.stride(0),
-        value.stride(0), static_cast<int>(num_kv_heads), static_cast<int>(head_size),
-        static_cast<int>(value_cache.size(3)));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& token_slots,
+                         const at::Tensor& positions) {
+  check_token_rows(key, value);
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = key.size(1);
+  const int64_t head_size = key.size(2);
+  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
+  // The contiguous views (ops.h): dense inside a tile, free outer strides.
+  TORCH_CHECK(key_cache.device() == key.device() && value_cache.device() == key.device() &&
+                  key_cache.scalar_type() == key.scalar_type() &&
+                  value_cache.scalar_type() == key.scalar_type(),
+              "key_cache/value_cache must be on the key's device (", key.device(),
+              ") with its dtype (", key.scalar_type(), ")");
+  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
+              "value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ", head_size,
+              ", ", kTokenTile, "], got ", value_cache.sizes());
+  const int64_t num_slots = value_cache.size(0);
+  const int64_t num_tiles = value_cache.size(2);
+  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
+                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
+                  key_cache.size(3) * x == head_size && key_cache.size(4) == kTokenTile &&
+                  key_cache.size(5) == x,
+              "key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
+              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
+              key_cache.sizes());
+  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
+                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
+                  value_cache.stride(3) == kTokenTile,
+              "each tile of key_cache/value_cache must be dense, got strides ",
+              key_cache.strides(), " and ", value_cache.strides());
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(key_cache.stride(d) >= 0 && value_cache.stride(d) >= 0,
+                "negative key_cache/value_cache strides are not supported, got ",
+                key_cache.strides(), " and ", value_cache.strides());
+  }
+  for (const at::Tensor* t : {&token_slots, &positions}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == num_tokens && t->scalar_type() == at::kLong &&
+                    t->is_contiguous() && t->device() == key.device(),
+                "token_slots/positions must be [", num_tokens, "] int64, contiguous, on ",
+                key.device(), "; got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
+  // Slot and position values stay on the device (reading them here would cost a
+  // sync): the kernel drops writes outside the views instead (ContiguousWrite).
+  ContiguousWrite target{};
+  target.token_slots = token_slots.data_ptr<int64_t>();
+  target.positions = positions.data_ptr<int64_t>();
+  target.num_slots = num_slots;
+  target.capacity = num_tiles * kTokenTile;
+  target.key_slot_stride = key_cache.stride(0);
+  target.key_head_stride = key_cache.stride(1);
+  target.key_tile_stride = key_cache.stride(2);
+  target.value_slot_stride = value_cache.stride(0);
+  target.value_head_stride = value_cache.stride(1);
+  target.value_tile_stride = value_cache.stride(2);
+  target.tile_size = static_cast<int>(kTokenTile);
+  launch_write_kv(key, value, key_cache, value_cache, target);
 }
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches,
