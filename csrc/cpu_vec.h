@@ -86,6 +86,12 @@ struct Vec16 {
     return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
   }
 
+  // Lanes where a > b become `fill` (a select, as keep_first).
+  Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
+    const __mmask16 keep = _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ);
+    return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
+  }
+
   // exp(x) within 3 ulp where the result is a normal float (checked against
   // double exp over [-103, 88.7]); exp(-inf) = 0 exactly, NaN stays NaN, and
   // inputs above 88.7 give exp(88.7) rather than inf (softmax only feeds it
@@ -149,12 +155,33 @@ struct BF16x32 {
   static BF16x32 load(const c10::BFloat16* p) {
     return {(__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p))};
   }
+  // The pair p[0], p[1] in every lane.
+  static BF16x32 broadcast_pair(const c10::BFloat16* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return {(__m512bh)_mm512_set1_epi32(pair)};
+  }
+  // Lane i holds (even[i], odd[i]), each rounded to nearest even: the pairs
+  // dot_pairs multiplies with (b[2i], b[2i + 1]).
+  static BF16x32 interleave(Vec16 even, Vec16 odd) {
+    // cvtne2ps puts even's 16 values in elements 0-15 and odd's in 16-31.
+    alignas(64) static constexpr int16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);
+    return {(__m512bh)_mm512_permutexvar_epi16(_mm512_load_si512(kIndex), halves)};
+  }
 };
 
 // acc + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i (vdpbf16ps): products
 // of bfloat16 are exact in float32, sums are float32.
 inline Vec16 dot_pairs(Vec16 acc, BF16x32 a, BF16x32 b) {
   return {_mm512_dpbf16_ps(acc.v, a.v, b.v)};
+}
+
+// Stores a's 16 lanes as bfloat16, rounded to nearest even.
+inline void store_bf16(Vec16 a, c10::BFloat16* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(a.v));
 }
 #endif
 
@@ -228,6 +255,11 @@ struct Vec16 {
   Vec16 keep_first(int n, float fill) const {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? v[i] : fill;
+    return r;
+  }
+  Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] <= b.v[i] ? v[i] : fill;
     return r;
   }
   Vec16 exp() const {

@@ -1,5 +1,6 @@
 // Paged attention on the CPU: decode (v1, v2) and causal prefill over the paged
-// KV cache.
+// KV cache. (bfloat16 prefill on CPUs with AVX512-BF16 takes its own path,
+// query rows in vector lanes: see prefill_lanes. What follows describes the rest.)
 //
 // One task handles one (sequence, kv head) pair -- for v2 one partition of it,
 // for prefill one tile of query tokens -- and all the query heads that share
@@ -734,6 +735,335 @@ void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, 
 
 int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kPartitionSize); }
 
+// ---------------------------------------------------------------------------
+// Prefill, bfloat16 with AVX512-BF16: query rows in vector lanes.
+//
+// A prefill task has many query rows per kv head (query tokens x the heads
+// sharing it), so it works like two small GEMMs instead of the per-row dot
+// products above. A task holds up to kLaneRows consecutive rows of one (seq,
+// kv head), row r of the sequence being (query token r / group, head r % group),
+// one row per lane of RV vectors, and walks its keys in tiles of kKeyTile
+// tokens:
+//   1. logits s[t] = q . k[t] for the tile's 16 tokens: the query is packed once
+//      per task as bf16 pairs [D/2][RV][16 lanes] (lane = row), and each key
+//      pair (k[t][2j], k[t][2j + 1]) is one 32-bit word of the key block
+//      ([D/x, block_size, x], x = 8), broadcast and multiplied by vdpbf16ps:
+//      exact products, float32 sums.
+//   2. online softmax per lane: the tile's max and sum are plain vector ops
+//      over the 16 tokens (no horizontal reductions), with causal masking by
+//      selection (key position <= the lane's query position) on the tiles
+//      that cross a row's limit. Tiles past every row's limit are never read.
+//   3. values: p is rounded to bf16 pairs (tokens 2i, 2i + 1) and meets value
+//      pairs (v[2i][d], v[2i + 1][d]), again one 32-bit word of the value block
+//      ([D, block_size]) broadcast per head dimension, accumulating the
+//      output as [D][RV][16 lanes] float32.
+// No key or value is repacked: the broadcasts read the cache as stored. The
+// tile that holds the task's last key is copied into a zero-padded local tile
+// first, so that no slot past the sequence (which may hold NaN, or sit in a
+// block the sequence does not own) is ever read.
+#ifdef __AVX512BF16__
+
+constexpr int kLaneRows = 2 * kLanes;  // rows per task: RV <= 2 vectors
+constexpr int kKeyTile = 16;           // key tokens per tile
+// Tokens of a tile that always share a cache block (block_size is a multiple of 8).
+constexpr int kHalfTile = kKeyTile / 2;
+
+using BF16 = c10::BFloat16;
+using vec::BF16x32;
+
+// Per-thread scratch of the lane-row prefill.
+struct LaneWorkspace {
+  std::vector<uint32_t> q_pairs;  // [D/2][RV][16]: bf16 pairs of the rows' queries
+  std::vector<float> acc;         // [D][RV][16]: running sum of p * v
+  std::vector<BF16> key_tile;     // [D/8][16][8]: the last tile's keys, zero past the end
+  std::vector<BF16> value_tile;   // [D][16]: the last tile's values, zero past the end
+  std::vector<BF16> rounded;      // [D][RV][16]: the normalized output, as bf16
+
+  void reset(int head_size, int rv) {
+    q_pairs.assign(size_t(head_size / 2) * rv * kLanes, 0u);
+    acc.assign(size_t(head_size) * rv * kLanes, 0.0f);
+    key_tile.resize(size_t(head_size) * kKeyTile);
+    value_tile.resize(size_t(head_size) * kKeyTile);
+    rounded.resize(size_t(head_size) * rv * kLanes);
+  }
+};
+
+// Where a tile's keys and values are: tokens [0, 8) and [8, 16) of the tile
+// each lie in one cache block. From half h's first token, x-group c of its
+// token i is at key[h] + c * key_stride + i * 8, head dimension d of token i at
+// value[h] + d * value_stride + i.
+struct TileAddress {
+  const BF16* key[2];
+  const BF16* value[2];
+  int64_t key_stride;    // elements between x-groups: block_size * 8
+  int64_t value_stride;  // elements between head dimensions: block_size
+};
+
+// Logits (unscaled) of the RV row vectors for 8 tokens of one tile half.
+template <int RV>
+inline void qk_half(const BF16* key, int64_t key_stride, const uint32_t* q_pairs, int head_size,
+                    Vec16 (&s)[kHalfTile][RV]) {
+  for (auto& t : s) {
+    for (auto& v : t) v = Vec16::zero();
+  }
+  for (int c = 0; c < head_size / 8; ++c) {
+    const BF16* k = key + c * key_stride;
+    for (int w = 0; w < 4; ++w) {  // the 4 pairs of an x-group
+      BF16x32 q[RV];
+      for (int r = 0; r < RV; ++r) {
+        q[r] = BF16x32::load(
+            reinterpret_cast<const BF16*>(q_pairs + (size_t(c * 4 + w) * RV + r) * kLanes));
+      }
+      for (int i = 0; i < kHalfTile; ++i) {
+        const BF16x32 kp = BF16x32::broadcast_pair(k + i * 8 + w * 2);
+        for (int r = 0; r < RV; ++r) s[i][r] = vec::dot_pairs(s[i][r], q[r], kp);
+      }
+    }
+  }
+}
+
+// acc = acc * alpha + p . v over the tile's 16 tokens (p already masked).
+template <int RV>
+inline void pv_tile(const TileAddress& at, const Vec16 (&p)[kKeyTile][RV], const Vec16 (&alpha)[RV],
+                    float* acc, int head_size) {
+  constexpr int kDims = 4;  // head dimensions per step: 4 * RV independent sums
+  BF16x32 pairs[kKeyTile / 2][RV];
+  for (int i = 0; i < kKeyTile / 2; ++i) {
+    for (int r = 0; r < RV; ++r) pairs[i][r] = BF16x32::interleave(p[2 * i][r], p[2 * i + 1][r]);
+  }
+  const int64_t stride = at.value_stride;
+  for (int d0 = 0; d0 < head_size; d0 += kDims) {
+    Vec16 sum[kDims][RV];
+    for (int k = 0; k < kDims; ++k) {
+      for (int r = 0; r < RV; ++r) {
+        sum[k][r] = Vec16::load(acc + (size_t(d0 + k) * RV + r) * kLanes) * alpha[r];
+      }
+    }
+    for (int i = 0; i < kKeyTile / 2; ++i) {
+      const BF16* v = at.value[i / 4] + (i % 4) * 2 + d0 * stride;
+      for (int k = 0; k < kDims; ++k) {
+        const BF16x32 vp = BF16x32::broadcast_pair(v + k * stride);
+        for (int r = 0; r < RV; ++r) sum[k][r] = vec::dot_pairs(sum[k][r], pairs[i][r], vp);
+      }
+    }
+    for (int k = 0; k < kDims; ++k) {
+      for (int r = 0; r < RV; ++r) sum[k][r].store(acc + (size_t(d0 + k) * RV + r) * kLanes);
+    }
+  }
+}
+
+// The rows of one task, in lanes.
+template <int RV>
+struct LaneRowsState {
+  Vec16 query_pos[RV];  // position of each lane's query token (padding lanes: the last row's)
+  Vec16 slope[RV];      // alibi slopes (zero without alibi)
+  Vec16 max_logit[RV];
+  Vec16 exp_sum[RV];
+};
+
+// Attends the task's rows to keys [0, last_key] of (seq, kv_head); first_pos is
+// the smallest query position of the rows (tiles wholly at or before it need no mask).
+template <int RV>
+void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int first_pos,
+                  int last_key, float scale, bool with_alibi, LaneRowsState<RV>& st,
+                  LaneWorkspace& ws) {
+  const int bs = cache.block_size, D = cache.head_size;
+  for (int r = 0; r < RV; ++r) {
+    st.max_logit[r] = Vec16::set1(kNegInf);
+    st.exp_sum[r] = Vec16::zero();
+  }
+  const Vec16 vscale = Vec16::set1(scale);
+  for (int t0 = 0; t0 <= last_key; t0 += kKeyTile) {
+    TileAddress at;
+    if (t0 + kKeyTile - 1 <= last_key) {
+      for (int h = 0; h < 2; ++h) {
+        const int tok = t0 + h * kHalfTile;
+        const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
+        at.key[h] = cache.key_cache + block + (tok % bs) * 8;
+        at.value[h] = cache.value_cache + block + tok % bs;
+      }
+      at.key_stride = int64_t(bs) * 8;
+      at.value_stride = bs;
+    } else {
+      // The last tile: copy the tokens up to last_key, zeros after.
+      BF16* kt = ws.key_tile.data();
+      BF16* vt = ws.value_tile.data();
+      std::fill(ws.key_tile.begin(), ws.key_tile.end(), BF16(0.0f));
+      std::fill(ws.value_tile.begin(), ws.value_tile.end(), BF16(0.0f));
+      for (int i = 0; i <= last_key - t0; ++i) {
+        const int tok = t0 + i;
+        const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
+        const BF16* k = cache.key_cache + block + (tok % bs) * 8;
+        const BF16* v = cache.value_cache + block + tok % bs;
+        for (int c = 0; c < D / 8; ++c) {
+          std::memcpy(kt + (c * kKeyTile + i) * 8, k + int64_t(c) * bs * 8, 8 * sizeof(BF16));
+        }
+        for (int d = 0; d < D; ++d) vt[d * kKeyTile + i] = v[int64_t(d) * bs];
+      }
+      at.key[0] = kt;
+      at.key[1] = kt + kHalfTile * 8;
+      at.value[0] = vt;
+      at.value[1] = vt + kHalfTile;
+      at.key_stride = kKeyTile * 8;
+      at.value_stride = kKeyTile;
+    }
+
+    // 1. logits.
+    Vec16 s[kKeyTile][RV];
+    for (int h = 0; h < 2; ++h) {
+      Vec16 half[kHalfTile][RV];
+      qk_half<RV>(at.key[h], at.key_stride, ws.q_pairs.data(), D, half);
+      for (int i = 0; i < kHalfTile; ++i) {
+        for (int r = 0; r < RV; ++r) s[h * kHalfTile + i][r] = half[i][r];
+      }
+    }
+
+    // 2. online softmax; key token t0 + i is visible to a lane iff t0 + i <= its query_pos.
+    const bool masked = t0 + kKeyTile - 1 > first_pos;
+    Vec16 alpha[RV];
+    for (int r = 0; r < RV; ++r) {
+      Vec16 tile_max = st.max_logit[r];
+      for (int i = 0; i < kKeyTile; ++i) {
+        Vec16 x = s[i][r] * vscale;
+        const Vec16 key_pos = Vec16::set1(float(t0 + i));
+        if (with_alibi) x = Vec16::fmadd(st.slope[r], key_pos - st.query_pos[r], x);
+        if (masked) x = x.keep_where_le(key_pos, st.query_pos[r], kNegInf);
+        s[i][r] = x;
+        tile_max = Vec16::max(tile_max, x);
+      }
+      // Every lane sees key 0, so max_logit is finite from the first tile on and
+      // alpha = exp(-inf) = 0 there.
+      alpha[r] = (st.max_logit[r] - tile_max).exp();
+      st.max_logit[r] = tile_max;
+      Vec16 sum = Vec16::zero();
+      for (int i = 0; i < kKeyTile; ++i) {
+        s[i][r] = (s[i][r] - tile_max).exp();
+        sum = sum + s[i][r];
+      }
+      st.exp_sum[r] = Vec16::fmadd(st.exp_sum[r], alpha[r], sum);
+    }
+
+    // 3. values.
+    pv_tile<RV>(at, s, alpha, ws.acc.data(), D);
+  }
+}
+
+// Causal prefill of all sequences' query rows, tasks (seq, kv head, kLaneRows
+// rows) longest first, claimed dynamically by at::parallel_for's threads.
+void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_stride, BF16* out,
+                   int64_t num_heads, int64_t num_seqs, const int32_t* lens, const int32_t* starts,
+                   float scale, const float* alibi) {
+  const int num_kv_heads = cache.num_kv_heads, D = cache.head_size;
+  const int group = int(num_heads / num_kv_heads);
+  struct Task {
+    int64_t seq;
+    int first_row;  // of the sequence's q_len * group rows
+    int count;
+    int64_t cost;
+  };
+  std::vector<Task> tasks;
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int q_len = starts[s + 1] - starts[s];
+    const int rows = q_len * group;
+    for (int r = 0; r < rows; r += kLaneRows) {
+      const int count = std::min(kLaneRows, rows - r);
+      const int last_pos = lens[s] - q_len + (r + count - 1) / group;
+      tasks.push_back({s, r, count, int64_t(last_pos + 1) * count});
+      work += tasks.back().cost;
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  auto run = [&](auto rv_tag, const Task& t, int kv_head, LaneWorkspace& ws) {
+    constexpr int RV = decltype(rv_tag)::value;
+    const int q_len = starts[t.seq + 1] - starts[t.seq];
+    const int pos0 = lens[t.seq] - q_len;  // position of query token 0
+    ws.reset(D, RV);
+    LaneRowsState<RV> st;
+    alignas(64) float qpos[RV * kLanes], slope[RV * kLanes];
+    for (int lane = 0; lane < RV * kLanes; ++lane) {
+      const int row = t.first_row + std::min(lane, t.count - 1);  // padding: repeat the last row
+      const int token = row / group, g = row % group;
+      qpos[lane] = float(pos0 + token);
+      slope[lane] = alibi ? alibi[kv_head * group + g] : 0.0f;
+      if (lane >= t.count) continue;  // padding lanes keep a zero query
+      const BF16* q =
+          query + (starts[t.seq] + token) * q_stride + (int64_t(kv_head) * group + g) * D;
+      for (int j = 0; j < D / 2; ++j) {
+        std::memcpy(&ws.q_pairs[(size_t(j) * RV + lane / kLanes) * kLanes + lane % kLanes],
+                    q + 2 * j, sizeof(uint32_t));
+      }
+    }
+    for (int r = 0; r < RV; ++r) {
+      st.query_pos[r] = Vec16::load(qpos + r * kLanes);
+      st.slope[r] = Vec16::load(slope + r * kLanes);
+    }
+    const int first_pos = pos0 + t.first_row / group;
+    const int last_key = pos0 + (t.first_row + t.count - 1) / group;
+    attend_lanes<RV>(cache, t.seq, kv_head, first_pos, last_key, scale, alibi != nullptr, st, ws);
+    // Normalize and round in vectors, then scatter each lane's row.
+    BF16* rounded = ws.rounded.data();
+    for (int r = 0; r < RV; ++r) {
+      alignas(64) float sums[kLanes];
+      st.exp_sum[r].store(sums);
+      for (float& x : sums) x = x > 0.0f ? 1.0f / x : 0.0f;
+      const Vec16 inv = Vec16::load(sums);
+      for (int d = 0; d < D; ++d) {
+        const size_t at = (size_t(d) * RV + r) * kLanes;
+        vec::store_bf16(Vec16::load(ws.acc.data() + at) * inv, rounded + at);
+      }
+    }
+    for (int lane = 0; lane < t.count; ++lane) {
+      const int row = t.first_row + lane;
+      const int token = row / group, g = row % group;
+      BF16* dst = out + ((starts[t.seq] + token) * num_heads + int64_t(kv_head) * group + g) * D;
+      const BF16* src = rounded + (lane / kLanes) * kLanes + lane % kLanes;
+      for (int d = 0; d < D; ++d) dst[d] = src[size_t(d) * RV * kLanes];
+    }
+  };
+
+  // Pulls a task's query rows toward L2 while the task before it runs: they are
+  // scattered (one head's row per token), and the packing above would otherwise
+  // stall on each line.
+  auto prefetch_queries = [&](int64_t i) {
+    const Task& t = tasks[i / num_kv_heads];
+    const int kv_head = int(i % num_kv_heads);
+    for (int row = t.first_row; row < t.first_row + t.count; ++row) {
+      const int token = row / group, g = row % group;
+      const char* q = reinterpret_cast<const char*>(
+          query + (starts[t.seq] + token) * q_stride + (int64_t(kv_head) * group + g) * D);
+      for (int byte = 0; byte < D * int(sizeof(BF16)); byte += 64) vec::prefetch_l2(q + byte);
+    }
+  };
+
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = int64_t(tasks.size()) * num_kv_heads;
+  if (num_tasks == 0) return;
+  // work: query rows x key tokens, as in run_tasks.
+  const int64_t workers =
+      work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    LaneWorkspace ws;
+    for (int64_t i = next.fetch_add(1); i < num_tasks;) {
+      const int64_t following = next.fetch_add(1);
+      if (following < num_tasks) prefetch_queries(following);
+      const Task& t = tasks[i / num_kv_heads];
+      const int kv_head = int(i % num_kv_heads);
+      if (t.count > kLanes) {
+        run(std::integral_constant<int, 2>{}, t, kv_head, ws);
+      } else {
+        run(std::integral_constant<int, 1>{}, t, kv_head, ws);
+      }
+      i = following;
+    }
+  });
+}
+
+#endif  // __AVX512BF16__
+
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -918,6 +1248,16 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int tile = std::max(1, kPrefillRowsPerTask / group);  // query tokens per task
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+#ifdef __AVX512BF16__
+  // bfloat16: query rows in lanes (see prefill_lanes).
+  if (query.scalar_type() == at::kBFloat16) {
+    const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, block_tables, shape);
+    prefill_lanes(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
+                  out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
+                  float(scale), alibi);
+    return;
+  }
+#endif
 
   // Tasks (seq, kv_head, query tile), the most key positions first.
   struct Tile {
