@@ -70,13 +70,39 @@ struct Vec16 {
   }
 
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  // Rounded to nearest even; NaN stays a quiet NaN (as c10's conversions;
+  // vcvtneps2bf16, where the CPU has it, also flushes float32 denormals to zero).
+  void store(c10::BFloat16* p) const {
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+  }
+  void store(c10::Half* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 
   friend Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec16 operator/(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
   friend Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   // a * b + c
   static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // 1 / x to about 1 ulp: the 14-bit estimate and one Newton step, r + r (1 - x r)
+  // (much cheaper than a division). Inputs past 2^126 give 0.
+  Vec16 reciprocal() const {
+    const __m512 r = _mm512_rcp14_ps(v);
+    return {_mm512_fmadd_ps(r, _mm512_fnmadd_ps(v, r, _mm512_set1_ps(1.0f)), r)};
+  }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
@@ -178,11 +204,6 @@ struct BF16x32 {
 inline Vec16 dot_pairs(Vec16 acc, BF16x32 a, BF16x32 b) {
   return {_mm512_dpbf16_ps(acc.v, a.v, b.v)};
 }
-
-// Stores a's 16 lanes as bfloat16, rounded to nearest even.
-inline void store_bf16(Vec16 a, c10::BFloat16* p) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(a.v));
-}
 #endif
 
 // Hints that p's cache line will be read soon: into L1, or only into L2 when
@@ -220,6 +241,10 @@ struct Vec16 {
     return r;
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  template <typename T>  // at::BFloat16 or at::Half, rounded to nearest even
+  void store(T* p) const {
+    for (int i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
+  }
 
 #define PYLLM_VEC16_BINARY(OP)                                  \
   friend Vec16 operator OP(Vec16 a, Vec16 b) {                  \
@@ -230,6 +255,7 @@ struct Vec16 {
   PYLLM_VEC16_BINARY(+)
   PYLLM_VEC16_BINARY(-)
   PYLLM_VEC16_BINARY(*)
+  PYLLM_VEC16_BINARY(/)
 #undef PYLLM_VEC16_BINARY
 
   static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
@@ -240,6 +266,11 @@ struct Vec16 {
   static Vec16 max(Vec16 a, Vec16 b) {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  Vec16 reciprocal() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = 1.0f / v[i];
     return r;
   }
   float reduce_add() const {

@@ -1012,7 +1012,7 @@ void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_s
       const Vec16 inv = Vec16::load(sums);
       for (int d = 0; d < D; ++d) {
         const size_t at = (size_t(d) * RV + r) * kLanes;
-        vec::store_bf16(Vec16::load(ws.acc.data() + at) * inv, rounded + at);
+        (Vec16::load(ws.acc.data() + at) * inv).store(rounded + at);
       }
     }
     for (int lane = 0; lane < t.count; ++lane) {
