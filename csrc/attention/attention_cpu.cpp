@@ -771,20 +771,45 @@ constexpr int kHalfTile = kKeyTile / 2;
 using BF16 = c10::BFloat16;
 using vec::BF16x32;
 
+// Transposes a 16 x 16 matrix of 32-bit words held as 16 row vectors (four
+// rounds of unpacks and 128-bit shuffles): turns 16 rows' bf16 pairs into one
+// vector per pair with a row per lane, and back.
+inline void transpose_words(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
 // Per-thread scratch of the lane-row prefill.
 struct LaneWorkspace {
   std::vector<uint32_t> q_pairs;  // [D/2][RV][16]: bf16 pairs of the rows' queries
   std::vector<float> acc;         // [D][RV][16]: running sum of p * v
   std::vector<BF16> key_tile;     // [D/8][16][8]: the last tile's keys, zero past the end
   std::vector<BF16> value_tile;   // [D][16]: the last tile's values, zero past the end
-  std::vector<BF16> rounded;      // [D][RV][16]: the normalized output, as bf16
 
   void reset(int head_size, int rv) {
-    q_pairs.assign(size_t(head_size / 2) * rv * kLanes, 0u);
+    q_pairs.resize(size_t(head_size / 2) * rv * kLanes);  // every word is written
     acc.assign(size_t(head_size) * rv * kLanes, 0.0f);
     key_tile.resize(size_t(head_size) * kKeyTile);
     value_tile.resize(size_t(head_size) * kKeyTile);
-    rounded.resize(size_t(head_size) * rv * kLanes);
   }
 };
 
@@ -988,12 +1013,33 @@ void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_s
       const int token = row / group, g = row % group;
       qpos[lane] = float(pos0 + token);
       slope[lane] = alibi ? alibi[kv_head * group + g] : 0.0f;
-      if (lane >= t.count) continue;  // padding lanes keep a zero query
-      const BF16* q =
-          query + (starts[t.seq] + token) * q_stride + (int64_t(kv_head) * group + g) * D;
-      for (int j = 0; j < D / 2; ++j) {
-        std::memcpy(&ws.q_pairs[(size_t(j) * RV + lane / kLanes) * kLanes + lane % kLanes],
-                    q + 2 * j, sizeof(uint32_t));
+    }
+    // Query pairs: 16 rows' words at a time, transposed to a row per lane
+    // (padding lanes keep a zero query; head sizes not a multiple of 32 end in a
+    // partial block of words).
+    const int pairs = D / 2;
+    const int64_t token0 = starts[t.seq];
+    for (int r = 0; r < RV; ++r) {
+      const BF16* rows_q[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        const int lane = r * kLanes + l;
+        const int row = t.first_row + lane;
+        rows_q[l] = lane < t.count ? query + (token0 + row / group) * q_stride +
+                                         (int64_t(kv_head) * group + row % group) * D
+                                   : nullptr;
+      }
+      for (int j0 = 0; j0 < pairs; j0 += kLanes) {
+        const int n = std::min(kLanes, pairs - j0);
+        const __mmask16 valid = __mmask16((1u << n) - 1);
+        __m512i w[kLanes];
+        for (int l = 0; l < kLanes; ++l) {
+          w[l] = rows_q[l] ? _mm512_maskz_loadu_epi32(valid, rows_q[l] + 2 * j0)
+                           : _mm512_setzero_si512();
+        }
+        transpose_words(w);
+        for (int j = 0; j < n; ++j) {
+          _mm512_storeu_si512(ws.q_pairs.data() + (size_t(j0 + j) * RV + r) * kLanes, w[j]);
+        }
       }
     }
     for (int r = 0; r < RV; ++r) {
@@ -1003,38 +1049,55 @@ void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_s
     const int first_pos = pos0 + t.first_row / group;
     const int last_key = pos0 + (t.first_row + t.count - 1) / group;
     attend_lanes<RV>(cache, t.seq, kv_head, first_pos, last_key, scale, alibi != nullptr, st, ws);
-    // Normalize and round in vectors, then scatter each lane's row.
-    BF16* rounded = ws.rounded.data();
+    // Normalize, round to bf16 pairs (dims 2j, 2j + 1 of a lane's row in one
+    // word) and transpose 16 rows' words at a time back to rows.
     for (int r = 0; r < RV; ++r) {
       alignas(64) float sums[kLanes];
       st.exp_sum[r].store(sums);
       for (float& x : sums) x = x > 0.0f ? 1.0f / x : 0.0f;
       const Vec16 inv = Vec16::load(sums);
-      for (int d = 0; d < D; ++d) {
-        const size_t at = (size_t(d) * RV + r) * kLanes;
-        (Vec16::load(ws.acc.data() + at) * inv).store(rounded + at);
+      BF16* rows_out[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        const int lane = r * kLanes + l;
+        const int row = t.first_row + lane;
+        rows_out[l] = lane < t.count ? out + ((token0 + row / group) * num_heads +
+                                              int64_t(kv_head) * group + row % group) * D
+                                     : nullptr;
       }
-    }
-    for (int lane = 0; lane < t.count; ++lane) {
-      const int row = t.first_row + lane;
-      const int token = row / group, g = row % group;
-      BF16* dst = out + ((starts[t.seq] + token) * num_heads + int64_t(kv_head) * group + g) * D;
-      const BF16* src = rounded + (lane / kLanes) * kLanes + lane % kLanes;
-      for (int d = 0; d < D; ++d) dst[d] = src[size_t(d) * RV * kLanes];
+      const float* acc = ws.acc.data();
+      for (int j0 = 0; j0 < pairs; j0 += kLanes) {
+        const int n = std::min(kLanes, pairs - j0);
+        __m512i w[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          const int d = 2 * std::min(j0 + j, pairs - 1);  // past n: any valid words
+          const Vec16 even = Vec16::load(acc + (size_t(d) * RV + r) * kLanes) * inv;
+          const Vec16 odd = Vec16::load(acc + (size_t(d + 1) * RV + r) * kLanes) * inv;
+          w[j] = (__m512i)BF16x32::interleave(even, odd).v;
+        }
+        transpose_words(w);
+        const __mmask16 valid = __mmask16((1u << n) - 1);
+        for (int l = 0; l < kLanes; ++l) {
+          if (rows_out[l]) _mm512_mask_storeu_epi32(rows_out[l] + 2 * j0, valid, w[l]);
+        }
+      }
     }
   };
 
-  // Pulls a task's query rows toward L2 while the task before it runs: they are
-  // scattered (one head's row per token), and the packing above would otherwise
-  // stall on each line.
-  auto prefetch_queries = [&](int64_t i) {
+  // Pulls a task's query and output rows toward L2 while the task before it
+  // runs: they are scattered (one head's row per token), and the packing and
+  // the stores above would otherwise stall on each line.
+  auto prefetch_rows = [&](int64_t i) {
     const Task& t = tasks[i / num_kv_heads];
     const int kv_head = int(i % num_kv_heads);
     for (int row = t.first_row; row < t.first_row + t.count; ++row) {
-      const int token = row / group, g = row % group;
-      const char* q = reinterpret_cast<const char*>(
-          query + (starts[t.seq] + token) * q_stride + (int64_t(kv_head) * group + g) * D);
-      for (int byte = 0; byte < D * int(sizeof(BF16)); byte += 64) vec::prefetch_l2(q + byte);
+      const int64_t token = starts[t.seq] + row / group;
+      const int head = kv_head * group + row % group;
+      const char* q = reinterpret_cast<const char*>(query + token * q_stride + int64_t(head) * D);
+      const char* o = reinterpret_cast<const char*>(out + (token * num_heads + head) * D);
+      for (int byte = 0; byte < D * int(sizeof(BF16)); byte += 64) {
+        vec::prefetch_l2(q + byte);
+        vec::prefetch_l2(o + byte);
+      }
     }
   };
 
@@ -1048,7 +1111,7 @@ void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_s
     LaneWorkspace ws;
     for (int64_t i = next.fetch_add(1); i < num_tasks;) {
       const int64_t following = next.fetch_add(1);
-      if (following < num_tasks) prefetch_queries(following);
+      if (following < num_tasks) prefetch_rows(following);
       const Task& t = tasks[i / num_kv_heads];
       const int kv_head = int(i % num_kv_heads);
       if (t.count > kLanes) {
