@@ -141,6 +141,23 @@ struct Vec16 {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return {_mm512_scalef_ps(p, n)};
   }
+
+  // 2^x within about 3e-6 relative error, for x <= 0 (softmax weights that
+  // are rounded to bfloat16 next): n = round(x), 2^(x - n) from its degree-5
+  // Taylor polynomial, exact scaling by 2^n. -inf (and anything below -150)
+  // gives exactly 0; NaN stays NaN.
+  Vec16 exp2_nonpositive() const {
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-150.0f), v);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 120
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 24
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 6
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));    // ln2^2 / 2
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));    // ln2
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
 };
 
 namespace detail {
@@ -296,6 +313,11 @@ struct Vec16 {
   Vec16 exp() const {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(v[i]);
+    return r;
+  }
+  Vec16 exp2_nonpositive() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp2(v[i]);
     return r;
   }
 };

@@ -881,8 +881,8 @@ inline void pv_tile(const TileAddress& at, const Vec16 (&p)[kKeyTile][RV], const
 template <int RV>
 struct LaneRowsState {
   Vec16 query_pos[RV];  // position of each lane's query token (padding lanes: the last row's)
-  Vec16 slope[RV];      // alibi slopes (zero without alibi)
-  Vec16 max_logit[RV];
+  Vec16 slope[RV];      // alibi slopes times log2(e) (zero without alibi)
+  Vec16 max_logit[RV];  // in base 2: logit * log2(e)
   Vec16 exp_sum[RV];
 };
 
@@ -897,7 +897,8 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
     st.max_logit[r] = Vec16::set1(kNegInf);
     st.exp_sum[r] = Vec16::zero();
   }
-  const Vec16 vscale = Vec16::set1(scale);
+  constexpr float kLog2e = 1.44269504f;
+  const Vec16 vscale = Vec16::set1(scale * kLog2e);
   for (int t0 = 0; t0 <= last_key; t0 += kKeyTile) {
     TileAddress at;
     if (t0 + kKeyTile - 1 <= last_key) {
@@ -943,7 +944,9 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
       }
     }
 
-    // 2. online softmax; key token t0 + i is visible to a lane iff t0 + i <= its query_pos.
+    // 2. online softmax in base 2 (scale * log2(e) folded into the logits, so
+    // exp(logit - max) is one exp2); key token t0 + i is visible to a lane iff
+    // t0 + i <= its query_pos.
     const bool masked = t0 + kKeyTile - 1 > first_pos;
     Vec16 alpha[RV];
     for (int r = 0; r < RV; ++r) {
@@ -957,12 +960,12 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
         tile_max = Vec16::max(tile_max, x);
       }
       // Every lane sees key 0, so max_logit is finite from the first tile on and
-      // alpha = exp(-inf) = 0 there.
-      alpha[r] = (st.max_logit[r] - tile_max).exp();
+      // alpha = 2^-inf = 0 there.
+      alpha[r] = (st.max_logit[r] - tile_max).exp2_nonpositive();
       st.max_logit[r] = tile_max;
       Vec16 sum = Vec16::zero();
       for (int i = 0; i < kKeyTile; ++i) {
-        s[i][r] = (s[i][r] - tile_max).exp();
+        s[i][r] = (s[i][r] - tile_max).exp2_nonpositive();
         sum = sum + s[i][r];
       }
       st.exp_sum[r] = Vec16::fmadd(st.exp_sum[r], alpha[r], sum);
@@ -1012,7 +1015,7 @@ void prefill_lanes(const PagedCache<BF16>& cache, const BF16* query, int64_t q_s
       const int row = t.first_row + std::min(lane, t.count - 1);  // padding: repeat the last row
       const int token = row / group, g = row % group;
       qpos[lane] = float(pos0 + token);
-      slope[lane] = alibi ? alibi[kv_head * group + g] : 0.0f;
+      slope[lane] = alibi ? alibi[kv_head * group + g] * 1.44269504f : 0.0f;  // base 2
     }
     // Query pairs: 16 rows' words at a time, transposed to a row per lane
     // (padding lanes keep a zero query; head sizes not a multiple of 32 end in a
