@@ -911,20 +911,40 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
       at.key_stride = int64_t(bs) * 8;
       at.value_stride = bs;
     } else {
-      // The last tile: copy the tokens up to last_key, zeros after.
+      // The last tile: copy the tokens up to last_key, zeros after, with masked
+      // loads (masked-off elements are neither read nor faulted on). A half
+      // with no such token is all zeros and its block is not looked up: it may
+      // lie past the sequence's blocks.
       BF16* kt = ws.key_tile.data();
       BF16* vt = ws.value_tile.data();
-      std::fill(ws.key_tile.begin(), ws.key_tile.end(), BF16(0.0f));
-      std::fill(ws.value_tile.begin(), ws.value_tile.end(), BF16(0.0f));
-      for (int i = 0; i <= last_key - t0; ++i) {
-        const int tok = t0 + i;
-        const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
-        const BF16* k = cache.key_cache + block + (tok % bs) * 8;
-        const BF16* v = cache.value_cache + block + tok % bs;
-        for (int c = 0; c < D / 8; ++c) {
-          std::memcpy(kt + (c * kKeyTile + i) * 8, k + int64_t(c) * bs * 8, 8 * sizeof(BF16));
+      for (int h = 0; h < 2; ++h) {
+        const int n = std::clamp(last_key - t0 - h * kHalfTile + 1, 0, kHalfTile);
+        const BF16* k = nullptr;
+        const BF16* v = nullptr;
+        if (n > 0) {
+          const int tok = t0 + h * kHalfTile;
+          const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
+          k = cache.key_cache + block + (tok % bs) * 8;
+          v = cache.value_cache + block + tok % bs;
         }
-        for (int d = 0; d < D; ++d) vt[d * kKeyTile + i] = v[int64_t(d) * bs];
+        // Keys: an x-group of 4 consecutive tokens is 8 64-bit words.
+        for (int c = 0; c < D / 8; ++c) {
+          for (int quad = 0; quad < 2; ++quad) {
+            const int m = std::clamp(n - quad * 4, 0, 4);
+            const __mmask8 words = __mmask8((1u << (2 * m)) - 1);
+            const __m512i x = m > 0 ? _mm512_maskz_loadu_epi64(
+                                          words, k + int64_t(c) * bs * 8 + quad * 4 * 8)
+                                    : _mm512_setzero_si512();
+            _mm512_storeu_si512(kt + (c * kKeyTile + h * kHalfTile + quad * 4) * 8, x);
+          }
+        }
+        // Values: 8 consecutive tokens of a head dimension are 8 contiguous elements.
+        const __mmask8 tokens = __mmask8((1u << n) - 1);
+        for (int d = 0; d < D; ++d) {
+          const __m128i x =
+              n > 0 ? _mm_maskz_loadu_epi16(tokens, v + int64_t(d) * bs) : _mm_setzero_si128();
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(vt + d * kKeyTile + h * kHalfTile), x);
+        }
       }
       at.key[0] = kt;
       at.key[1] = kt + kHalfTile * 8;
