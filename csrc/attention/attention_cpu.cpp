@@ -749,10 +749,11 @@ int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kP
 //      pair (k[t][2j], k[t][2j + 1]) is one 32-bit word of the key block
 //      ([D/x, block_size, x], x = 8), broadcast and multiplied by vdpbf16ps:
 //      exact products, float32 sums.
-//   2. online softmax per lane: the tile's max and sum are plain vector ops
-//      over the 16 tokens (no horizontal reductions), with causal masking by
-//      selection (key position <= the lane's query position) on the tiles
-//      that cross a row's limit. Tiles past every row's limit are never read.
+//   2. online softmax per lane, in base 2 (logits times scale * log2 e): the
+//      tile's max and sum are plain vector ops over the 16 tokens (no
+//      horizontal reductions), with causal masking by selection (key position
+//      <= the lane's query position) on the tiles that cross a row's limit.
+//      Tiles past every row's limit are never read.
 //   3. values: p is rounded to bf16 pairs (tokens 2i, 2i + 1) and meets value
 //      pairs (v[2i][d], v[2i + 1][d]), again one 32-bit word of the value block
 //      ([D, block_size]) broadcast per head dimension, accumulating the
@@ -760,7 +761,9 @@ int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kP
 // No key or value is repacked: the broadcasts read the cache as stored. The
 // tile that holds the task's last key is copied into a zero-padded local tile
 // first, so that no slot past the sequence (which may hold NaN, or sit in a
-// block the sequence does not own) is ever read.
+// block the sequence does not own) is ever read. Only the query (in) and the
+// output (out) are transposed, 16 x 16 words at a time.
+// float32 and float16 (and bfloat16 without AVX512-BF16) keep the design above.
 #ifdef __AVX512BF16__
 
 constexpr int kLaneRows = 2 * kLanes;  // rows per task: RV <= 2 vectors
