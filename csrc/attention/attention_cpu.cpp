@@ -900,16 +900,21 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
     st.max_logit[r] = Vec16::set1(kNegInf);
     st.exp_sum[r] = Vec16::zero();
   }
+  // Token tok's x-group 0 in the key cache, head dimension 0 in the value cache.
+  auto key_token = [&](int tok) {
+    return cache.key_cache + cache.block_offset(seq, kv_head, tok / bs) + (tok % bs) * 8;
+  };
+  auto value_token = [&](int tok) {
+    return cache.value_cache + cache.block_offset(seq, kv_head, tok / bs) + tok % bs;
+  };
   constexpr float kLog2e = 1.44269504f;
   const Vec16 vscale = Vec16::set1(scale * kLog2e);
   for (int t0 = 0; t0 <= last_key; t0 += kKeyTile) {
     TileAddress at;
     if (t0 + kKeyTile - 1 <= last_key) {
       for (int h = 0; h < 2; ++h) {
-        const int tok = t0 + h * kHalfTile;
-        const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
-        at.key[h] = cache.key_cache + block + (tok % bs) * 8;
-        at.value[h] = cache.value_cache + block + tok % bs;
+        at.key[h] = key_token(t0 + h * kHalfTile);
+        at.value[h] = value_token(t0 + h * kHalfTile);
       }
       at.key_stride = int64_t(bs) * 8;
       at.value_stride = bs;
@@ -925,10 +930,8 @@ void attend_lanes(const PagedCache<BF16>& cache, int64_t seq, int kv_head, int f
         const BF16* k = nullptr;
         const BF16* v = nullptr;
         if (n > 0) {
-          const int tok = t0 + h * kHalfTile;
-          const int64_t block = cache.block_offset(seq, kv_head, tok / bs);
-          k = cache.key_cache + block + (tok % bs) * 8;
-          v = cache.value_cache + block + tok % bs;
+          k = key_token(t0 + h * kHalfTile);
+          v = value_token(t0 + h * kHalfTile);
         }
         // Keys: an x-group of 4 consecutive tokens is 8 64-bit words.
         for (int c = 0; c < D / 8; ++c) {
