@@ -179,30 +179,18 @@ def bench_small_ops(args) -> list[tuple[str, float, float]]:
         )
     )
 
-    block = args.block_size
+    results.append(bench_prefill(args, hq, hkv, d, tokens))
+    return results
+
+
+def bench_prefill(args, hq: int, hkv: int, d: int, tokens: int) -> tuple[str, float, float]:
+    """One prompt of `tokens` tokens attending causally over itself, against torch's SDPA."""
+    dtype, device, block = DTYPES[args.dtype], args.device, args.block_size
     num_blocks = -(-tokens // block) + 1
     kc, vc = ops.allocate_kv_cache(num_blocks, hkv, d, block, dtype, device)
     k = torch.randn(tokens, hkv, d, dtype=dtype, device=device)
     v = torch.randn_like(k)
     slots = torch.arange(tokens, device=device, dtype=torch.int64)
-    x_ = kc.shape[-1]
-
-    def torch_cache():
-        blocks, offsets = slots // block, slots % block
-        kc[blocks, :, :, offsets, :] = k.view(tokens, hkv, d // x_, x_)
-        vc[blocks, :, :, offsets] = v
-
-    results.append(
-        (
-            "reshape_and_cache",
-            time_call(
-                lambda: torch.ops.pyllm.reshape_and_cache(k, v, kc, vc, slots, "auto"), device
-            ),
-            time_call(torch_cache, device),
-        )
-    )
-
-    # Prefill: one prompt of `tokens` tokens attending causally over itself.
     qp = torch.randn(tokens, hq, d, dtype=dtype, device=device)
     outp = torch.empty_like(qp)
     torch.ops.pyllm.reshape_and_cache(k, v, kc, vc, slots, "auto")
@@ -215,19 +203,48 @@ def bench_small_ops(args) -> list[tuple[str, float, float]]:
         vv = v.transpose(0, 1).repeat_interleave(hq // hkv, 0)
         torch.nn.functional.scaled_dot_product_attention(qp.transpose(0, 1), kk, vv, is_causal=True)
 
-    results.append(
-        (
-            "paged_attention_prefill",
-            time_call(
-                lambda: torch.ops.pyllm.paged_attention_prefill(
-                    outp, qp, kc, vc, hkv, d**-0.5, tables, lens, qsl, block, tokens, None
-                ),
-                device,
+    return (
+        f"paged_attention_prefill {hq}/{hkv}x{d}",
+        time_call(
+            lambda: torch.ops.pyllm.paged_attention_prefill(
+                outp, qp, kc, vc, hkv, d**-0.5, tables, lens, qsl, block, tokens, None
             ),
-            time_call(torch_sdpa, device),
-        )
+            device,
+        ),
+        time_call(torch_sdpa, device),
     )
-    return results
+
+
+def bench_smollm2(args) -> list[tuple[str, float, float]]:
+    """The per-layer ops of a SmolLM2-135M prefill (hidden 576, 9/3 heads of 64, MLP 1536)."""
+    dtype, device, tokens = DTYPES[args.dtype], args.device, args.tokens
+    hidden, inter = 576, 1536
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    w = torch.rand(hidden, dtype=dtype, device=device)
+    gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
+    act = torch.empty(tokens, inter, dtype=dtype, device=device)
+
+    def torch_add_rms():
+        residual.add_(x)
+        rf = residual.float()
+        x.copy_((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w)
+
+    return [
+        bench_prefill(args, 9, 3, 64, tokens),
+        (
+            f"silu_and_mul {tokens}x{inter}",
+            time_call(lambda: torch.ops.pyllm.silu_and_mul(act, gate_up), device),
+            time_call(
+                lambda: torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], device
+            ),
+        ),
+        (
+            f"fused_add_rms_norm {tokens}x{hidden}",
+            time_call(lambda: torch.ops.pyllm.fused_add_rms_norm(x, residual, w, 1e-6), device),
+            time_call(torch_add_rms, device),
+        ),
+    ]
 
 
 def main() -> None:
@@ -289,6 +306,11 @@ def main() -> None:
         print(f"{'op':<24} {'pyllm us':>10} {'torch us':>10} {'speedup':>8}")
         for name, ours, theirs in bench_small_ops(args):
             print(f"{name:<24} {ours * 1e6:>10.1f} {theirs * 1e6:>10.1f} {theirs / ours:>7.1f}x")
+        print()
+        print(f"SmolLM2-135M shapes, {args.tokens} tokens:")
+        print(f"{'op':<32} {'pyllm us':>10} {'torch us':>10} {'speedup':>8}")
+        for name, ours, theirs in bench_smollm2(args):
+            print(f"{name:<32} {ours * 1e6:>10.1f} {theirs * 1e6:>10.1f} {theirs / ours:>7.1f}x")
 
 
 if __name__ == "__main__":

@@ -70,19 +70,51 @@ struct Vec16 {
   }
 
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  // Rounded to nearest even; NaN stays a quiet NaN (as c10's conversions;
+  // vcvtneps2bf16, where the CPU has it, also flushes float32 denormals to zero).
+  void store(c10::BFloat16* p) const {
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+  }
+  void store(c10::Half* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 
   friend Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec16 operator/(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
   friend Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   // a * b + c
   static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // 1 / x to about 1 ulp: the 14-bit estimate and one Newton step, r + r (1 - x r)
+  // (much cheaper than a division). Inputs past 2^126 give 0.
+  Vec16 reciprocal() const {
+    const __m512 r = _mm512_rcp14_ps(v);
+    return {_mm512_fmadd_ps(r, _mm512_fnmadd_ps(v, r, _mm512_set1_ps(1.0f)), r)};
+  }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
   // Lanes >= n become `fill`; a select, so garbage (NaN, inf) in them is dropped.
   Vec16 keep_first(int n, float fill) const {
     __mmask16 keep = n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n > 0 ? n : 0)) - 1);
+    return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
+  }
+
+  // Lanes where a > b become `fill` (a select, as keep_first).
+  Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
+    const __mmask16 keep = _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ);
     return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
   }
 
@@ -106,6 +138,23 @@ struct Vec16 {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
+
+  // 2^x within about 3e-6 relative error, for x <= 0 (softmax weights that
+  // are rounded to bfloat16 next): n = round(x), 2^(x - n) from its degree-5
+  // Taylor polynomial, exact scaling by 2^n. -inf (and anything below -150)
+  // gives exactly 0; NaN stays NaN.
+  Vec16 exp2_nonpositive() const {
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-150.0f), v);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 120
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 24
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 6
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));    // ln2^2 / 2
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));    // ln2
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return {_mm512_scalef_ps(p, n)};
   }
@@ -148,6 +197,22 @@ struct BF16x32 {
   __m512bh v;
   static BF16x32 load(const c10::BFloat16* p) {
     return {(__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p))};
+  }
+  // The pair p[0], p[1] in every lane.
+  static BF16x32 broadcast_pair(const c10::BFloat16* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return {(__m512bh)_mm512_set1_epi32(pair)};
+  }
+  // Lane i holds (even[i], odd[i]), each rounded to nearest even: the pairs
+  // dot_pairs multiplies with (b[2i], b[2i + 1]).
+  static BF16x32 interleave(Vec16 even, Vec16 odd) {
+    // cvtne2ps puts even's 16 values in elements 0-15 and odd's in 16-31.
+    alignas(64) static constexpr int16_t kIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);
+    return {(__m512bh)_mm512_permutexvar_epi16(_mm512_load_si512(kIndex), halves)};
   }
 };
 
@@ -193,6 +258,10 @@ struct Vec16 {
     return r;
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  template <typename T>  // at::BFloat16 or at::Half, rounded to nearest even
+  void store(T* p) const {
+    for (int i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
+  }
 
 #define PYLLM_VEC16_BINARY(OP)                                  \
   friend Vec16 operator OP(Vec16 a, Vec16 b) {                  \
@@ -203,6 +272,7 @@ struct Vec16 {
   PYLLM_VEC16_BINARY(+)
   PYLLM_VEC16_BINARY(-)
   PYLLM_VEC16_BINARY(*)
+  PYLLM_VEC16_BINARY(/)
 #undef PYLLM_VEC16_BINARY
 
   static Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
@@ -213,6 +283,11 @@ struct Vec16 {
   static Vec16 max(Vec16 a, Vec16 b) {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  Vec16 reciprocal() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = 1.0f / v[i];
     return r;
   }
   float reduce_add() const {
@@ -230,9 +305,19 @@ struct Vec16 {
     for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? v[i] : fill;
     return r;
   }
+  Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] <= b.v[i] ? v[i] : fill;
+    return r;
+  }
   Vec16 exp() const {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp(v[i]);
+    return r;
+  }
+  Vec16 exp2_nonpositive() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp2(v[i]);
     return r;
   }
 };
