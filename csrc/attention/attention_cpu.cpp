@@ -1484,7 +1484,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
 #ifdef __AVX512BF16__
   // bfloat16: query rows in lanes (see prefill_lanes).
   if (query.scalar_type() == at::kBFloat16) {
-    const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, block_tables, shape);
+    const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
                   out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
                   float(scale), alibi);
