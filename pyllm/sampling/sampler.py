@@ -116,11 +116,20 @@ class Sampler:
             rows = _rows(greedy, len(seqs), logits.device)
             _put_rows(token_ids, rows, first_argmax(_take_rows(processed, rows)))
         if sampled:
-            rows = _rows(sampled, len(seqs), logits.device)
-            sampled_seqs = [seqs[i] for i in sampled]
-            weights = sampling_weights(_take_rows(processed, rows), sampled_seqs)
-            uniforms = self._uniforms(sampled_seqs).to(logits.device)
-            _put_rows(token_ids, rows, _inverse_cdf(weights, uniforms))
+            # One uniform per sampled sequence, drawn before the rows split into paths, so
+            # each generator advances once per step whichever path its row takes.
+            uniforms = torch.zeros(len(seqs), dtype=torch.float64)
+            uniforms[sampled] = self._uniforms([seqs[i] for i in sampled])
+            uniforms = uniforms.to(logits.device)
+            found, full = _candidate_pass(processed, seqs, sampled)
+            if found is not None:
+                rows, columns, weights = found
+                picks = _inverse_cdf_exact(weights, uniforms[rows])
+                token_ids[rows] = columns.gather(1, picks).squeeze(1)
+            if full:
+                rows = _rows(full, len(seqs), logits.device)
+                weights = sampling_weights(_take_rows(processed, rows), [seqs[i] for i in full])
+                _put_rows(token_ids, rows, _inverse_cdf(weights, _take_rows(uniforms, rows)))
         return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, seqs))
 
     def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
@@ -133,9 +142,15 @@ class Sampler:
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
             probs[rows, processed[rows].argmax(-1)] = 1.0
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            weights = sampling_weights(processed[rows], [seqs[i] for i in sampled])
+        found, full = _candidate_pass(processed, seqs, sampled)
+        if found is not None:
+            rows, columns, weights = found
+            kept = torch.zeros(len(rows), logits.shape[1], dtype=torch.float64, device=rows.device)
+            kept.scatter_add_(1, columns.clamp(max=logits.shape[1] - 1), weights)
+            probs[rows] = (kept / kept.sum(-1, keepdim=True)).float()
+        if full:
+            rows = torch.tensor(full, device=logits.device)
+            weights = sampling_weights(processed[rows], [seqs[i] for i in full])
             probs[rows] = weights / weights.sum(-1, keepdim=True)
         return probs
 
@@ -415,6 +430,103 @@ def _thresholds_from_prefix(
     return threshold, settled
 
 
+# ----------------------------------------------------------------------------- small top-k
+
+
+def _candidate_pass(
+    processed: torch.Tensor, seqs: SequenceOf[Sequence], sampled: list[int]
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[int]]:
+    """The fast path of sampled rows with a small top_k: only their top_k tokens (and those
+    tied with the k-th) can be kept, so the cuts and the draw run on a few dozen
+    candidates per row, never on the whole vocabulary (no softmax over it, no full-row
+    top-k, threshold or prefix-sum pass: one vectorized block-maxima pass finds them).
+
+    Returns ((rows, columns, weights) or None, the other sampled rows): columns [rows, W]
+    ascending token ids of the candidates, weights [rows, W] float64 kept weights
+    proportional to the probabilities (zero where a cut removed the token, or for a
+    padding column, whose id may lie past the vocabulary). A row goes to the full path
+    instead when more than _slack(top_k) tokens or blocks beyond its top_k tie at the
+    boundary (bf16 logits tie often; a few such ties are handled here).
+
+    Weights are softmax(x / T) up to a row factor: exp((x - max) / T). top-k keeps the
+    tokens whose processed logit is at least the k-th largest (ties kept); top-p and min-p
+    then cut on the weights, as in sampling_weights. Whether a row is settled here depends
+    on its own top_k only, never on the other rows, and nothing it computes does either.
+    """
+    vocab = processed.shape[1]
+    params = {i: seqs[i].sampling_params for i in sampled}
+    limit = {i: params[i].top_k + _slack(params[i].top_k) for i in sampled if params[i].top_k > 0}
+    # Gather at most half the vocabulary; smaller vocabularies go the full way.
+    fast = [i for i in sampled if i in limit and limit[i] * _BLOCK * 2 <= vocab]
+    fast_set = set(fast)
+    full = [i for i in sampled if i not in fast_set]
+    if not fast:
+        return None, full
+    device = processed.device
+    rows = torch.tensor(fast, dtype=torch.int64, device=device)
+    x = _take_rows(processed, _rows(fast, processed.shape[0], device))
+    top_k = torch.tensor([params[i].top_k for i in fast], device=device)
+    own = torch.tensor([limit[i] for i in fast], device=device)
+    num_blocks = max(limit[i] for i in fast)
+
+    maxima = _block_maxima(x)
+    columns, values = _gather_blocks(x, maxima.topk(num_blocks, dim=-1).indices)
+    # The largest `width` gathered values: the row's own limit plus one (to see whether the
+    # ties end within it), rounded up to whole 16-lane vectors so every elementwise op
+    # below runs the same vector code on every column, whatever the batch's width.
+    width = min(-(-(num_blocks + 1) // 16) * 16, values.shape[1])
+    top_values, where = values.topk(width, dim=-1)
+    kth = top_values.gather(1, (top_k - 1)[:, None])
+    # Settled when every block holding a token >= kth was gathered (at most `own` blocks
+    # have such a max, and the `own` largest maxima were gathered), and every such token
+    # is among the top values (the one after the row's own limit is below kth).
+    after = top_values.gather(1, own.clamp(max=width - 1)[:, None])
+    settled = ((maxima >= kth).sum(-1) <= own) & ((after < kth).squeeze(1) | (own >= width))
+
+    # Candidates in token-id order (the draw's order); those below kth get weight 0.
+    candidates = columns.gather(1, where)
+    candidates, order = candidates.sort(dim=-1)
+    top_values = top_values.gather(1, order)
+    temperature = torch.tensor([params[i].temperature for i in fast], device=device)
+    row_max = values.amax(-1, keepdim=True)
+    weights = torch.exp((top_values - row_max) / temperature[:, None])
+    weights = torch.where(top_values >= kth, weights, torch.zeros_like(weights)).double()
+    threshold = _top_p_threshold(weights, [params[i].top_p for i in fast])
+    # min_p is relative to the most likely token, whose weight is exp(0) = 1.
+    min_p = torch.tensor([params[i].min_p for i in fast], dtype=torch.float64, device=device)
+    threshold = torch.maximum(threshold, min_p)
+    weights = torch.where(weights >= threshold[:, None], weights, torch.zeros_like(weights))
+    if bool(settled.all()):
+        return (rows, candidates, weights), full
+    unsettled = (~settled).nonzero().squeeze(1).tolist()
+    full = sorted(full + [fast[i] for i in unsettled])
+    keep = settled.nonzero().squeeze(1)
+    if keep.numel() == 0:
+        return None, full
+    return (rows[keep], candidates[keep], weights[keep]), full
+
+
+def _slack(top_k: int) -> int:
+    """How many tokens (and blocks) tied with the k-th largest the fast path takes beyond
+    top_k before handing the row to the full path."""
+    return max(8, top_k // 4)
+
+
+def _top_p_threshold(weights: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Per row, the smallest weight top-p keeps of `weights` (float64, the top-k survivors
+    positive, the rest zero; narrow), or 0 when top_p is 1."""
+    device = weights.device
+    if all(p >= 1.0 for p in top_p):
+        return torch.zeros(weights.shape[0], dtype=torch.float64, device=device)
+    values = weights.sort(dim=-1, descending=True).values
+    p = torch.tensor(top_p, dtype=torch.float64, device=device)
+    # Zeros past the survivors add nothing to the prefix sums: the mass is the survivors'.
+    found, _ = _thresholds_from_prefix(
+        values, torch.zeros_like(p, dtype=torch.int64), p, values.cumsum(-1)[:, -1]
+    )
+    return torch.where(p < 1.0, found, torch.zeros_like(found))
+
+
 # ----------------------------------------------------------------------------- the draw
 
 
@@ -441,6 +553,17 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(target, _below(local_cdf[:, -1:]))
     offset = torch.searchsorted(local_cdf, target, right=True)
     return (chunk * _CHUNK + offset).squeeze(1)
+
+
+def _inverse_cdf_exact(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_inverse_cdf for narrow float64 weights [rows, C], as [rows, 1] indices: one
+    sequential prefix sum per row. Zero weights add exactly nothing to it, so the pick does
+    not depend on how many zero columns surround the kept tokens (how many blocks the
+    batch gathered)."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, _below(total))
+    return torch.searchsorted(cdf, target, right=True)
 
 
 def _chunk_mass(weights: torch.Tensor) -> torch.Tensor:
