@@ -9,8 +9,9 @@
 The sampler's budget is a share of a decode step, so the same run also times real decode
 steps of the bundled model (SmolLM2-135M, bfloat16, through pyllm's own LLMEngine: model
 runner, scheduler and a greedy sampler) for --num-seqs sequences of --step-prompt-len
-random prompt tokens, and prints each scenario's sampler time as a percentage of it; the
-issue's target is under 10% for "all options".
+random prompt tokens (by default the sampler batch's own context), and prints each
+scenario's sampler time as a percentage of it; the issue's target is under 10% for
+"all options".
 
 Logits are random normals times --logit-std (4 gives a next-token entropy near 3 nats at
 temperature 0.8, like a language model mid-sentence; the table prints what the cuts kept).
@@ -177,7 +178,13 @@ def main() -> None:
     parser.add_argument("--no-step", action="store_true", help="skip timing a decode step")
     parser.add_argument("--model", default=None, help="model of the decode step (bundled)")
     parser.add_argument("--step-dtype", default="bfloat16")
-    parser.add_argument("--step-prompt-len", type=int, default=128)
+    parser.add_argument(
+        "--step-prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens per sequence of the decode step (default: the sampler batch's"
+        " context, --prompt-len + --output-len)",
+    )
     parser.add_argument("--step-warmup", type=int, default=3)
     parser.add_argument("--step-repeats", type=int, default=10)
     args = parser.parse_args()
@@ -196,6 +203,8 @@ def main() -> None:
         f"batch: {args.num_seqs} sequences x {args.vocab} vocab, context {args.prompt_len}"
         f" prompt + {args.output_len} output tokens, logits ~ N(0, {args.logit_std}^2)"
     )
+    if args.step_prompt_len is None:
+        args.step_prompt_len = args.prompt_len + args.output_len
     step = step_min = None
     if not args.no_step:
         step, step_min, model = decode_step_time(args)

@@ -470,7 +470,14 @@ def _candidate_pass(
     num_blocks = max(limit[i] for i in fast)
 
     maxima = _block_maxima(x)
-    columns, values = _gather_blocks(x, maxima.topk(num_blocks, dim=-1).indices)
+    blocks = maxima.topk(num_blocks, dim=-1).indices
+    if vocab % _BLOCK == 0:
+        # Whole blocks: one copy of contiguous block rows, no index arithmetic per column.
+        row_ids = torch.arange(len(fast), device=device)[:, None]
+        values = x.unflatten(1, (-1, _BLOCK))[row_ids, blocks].flatten(1)
+        columns = None
+    else:
+        columns, values = _gather_blocks(x, blocks)
     # The largest `width` gathered values: the row's own limit plus one (to see whether the
     # ties end within it), rounded up to whole 16-lane vectors so every elementwise op
     # below runs the same vector code on every column, whatever the batch's width.
@@ -484,11 +491,14 @@ def _candidate_pass(
     settled = ((maxima >= kth).sum(-1) <= own) & ((after < kth).squeeze(1) | (own >= width))
 
     # Candidates in token-id order (the draw's order); those below kth get weight 0.
-    candidates = columns.gather(1, where)
+    if columns is None:
+        candidates = blocks.gather(1, where // _BLOCK) * _BLOCK + where % _BLOCK
+    else:
+        candidates = columns.gather(1, where)
     candidates, order = candidates.sort(dim=-1)
     top_values = top_values.gather(1, order)
     temperature = torch.tensor([params[i].temperature for i in fast], device=device)
-    row_max = values.amax(-1, keepdim=True)
+    row_max = maxima.amax(-1, keepdim=True)
     weights = torch.exp((top_values - row_max) / temperature[:, None])
     weights = torch.where(top_values >= kth, weights, torch.zeros_like(weights)).double()
     threshold = _top_p_threshold(weights, [params[i].top_p for i in fast])
