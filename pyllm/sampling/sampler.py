@@ -22,6 +22,12 @@ Nothing loops over the vocabulary in Python: penalties touch only the (row, toke
 that occur in the context, the cuts and the draw are batched tensor ops, and transforms no
 sequence of the step asks for are skipped (an all-greedy step is one argmax).
 
+Rows with a small top_k take a narrower path (_candidate_pass): one block-maxima pass finds
+their top_k tokens (plus a few tied with the k-th), and the cuts and the draw run on those
+candidates only. There top-k keeps the tokens whose processed logit is at least the k-th
+largest: the same set as the probability threshold, except where float32 rounding of the
+softmax would tie distinct logits. Rows whose boundary ties are too many go the full way.
+
 Reproducibility: a request with a seed draws from its own CPU torch.Generator, advanced once
 per sampled step of that sequence only, and its row is computed row-wise, so its tokens are
 the same whatever else is in the batch and in whatever order requests arrive. Unseeded
