@@ -115,28 +115,38 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         self._check_logits(logits, seqs)
-        processed = apply_penalties(logits, seqs, self.eos_token_ids)
+        # Penalties go into the caller's logits in place and are undone before returning
+        # (logprobs then read the raw logits): it saves copying the whole tensor.
+        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        processed = _penalize(logits, seqs, self.eos_token_ids, undo)
+        try:
+            token_ids = self._sample(processed, seqs)
+        finally:
+            _restore(logits, undo)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, seqs))
+
+    def _sample(self, processed: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         greedy, sampled = _split_greedy(seqs)
-        token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        token_ids = torch.empty(len(seqs), dtype=torch.int64, device=processed.device)
         if greedy:
-            rows = _rows(greedy, len(seqs), logits.device)
+            rows = _rows(greedy, len(seqs), processed.device)
             _put_rows(token_ids, rows, first_argmax(_take_rows(processed, rows)))
         if sampled:
             # One uniform per sampled sequence, drawn before the rows split into paths, so
             # each generator advances once per step whichever path its row takes.
             uniforms = torch.zeros(len(seqs), dtype=torch.float64)
             uniforms[sampled] = self._uniforms([seqs[i] for i in sampled])
-            uniforms = uniforms.to(logits.device)
+            uniforms = uniforms.to(processed.device)
             found, full = _candidate_pass(processed, seqs, sampled)
             if found is not None:
                 rows, columns, weights = found
                 picks = _inverse_cdf_exact(weights, uniforms[rows])
                 token_ids[rows] = columns.gather(1, picks).squeeze(1)
             if full:
-                rows = _rows(full, len(seqs), logits.device)
+                rows = _rows(full, len(seqs), processed.device)
                 weights = sampling_weights(_take_rows(processed, rows), [seqs[i] for i in full])
                 _put_rows(token_ids, rows, _inverse_cdf(weights, _take_rows(uniforms, rows)))
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, seqs))
+        return token_ids
 
     def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """The probabilities [num_seqs, vocab] each sequence would draw from this step
@@ -247,6 +257,18 @@ def apply_penalties(
     """Step 1 of the module docstring. Returns `logits` itself when no sequence asks for any
     of it, else a processed copy. Works on flat addresses row * vocab + token of the tokens
     that occur, so its cost follows the context length, not the vocabulary."""
+    return _penalize(logits, seqs, eos_token_ids, None)
+
+
+def _penalize(
+    logits: torch.Tensor,
+    seqs: SequenceOf[Sequence],
+    eos_token_ids: frozenset[int],
+    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """apply_penalties; with an `undo` list and contiguous logits, in place instead of on a
+    copy (a full copy costs as much as a softmax pass): the values it overwrites are
+    appended to `undo` first, for _restore to put back."""
     vocab = logits.shape[1]
     bias_ids: list[int] = []
     bias_values: list[float] = []
@@ -275,17 +297,26 @@ def apply_penalties(
         return logits
 
     device = logits.device
-    logits = logits.clone(memory_format=torch.contiguous_format)
+    if undo is None or not logits.is_contiguous():
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        undo = None
     flat = logits.view(-1)
+
+    def save(ids: torch.Tensor) -> torch.Tensor:
+        if undo is not None:
+            undo.append((ids, flat[ids]))
+        return ids
+
     if bias_ids:
-        ids = torch.tensor(bias_ids, dtype=torch.int64, device=device)
+        ids = save(torch.tensor(bias_ids, dtype=torch.int64, device=device))
         flat.index_add_(0, ids, torch.tensor(bias_values, dtype=flat.dtype, device=device))
     if masked_rows:
-        flat.index_fill_(0, _flat_ids(masked_rows, masked_tokens, vocab, device), float("-inf"))
+        ids = save(_flat_ids(masked_rows, masked_tokens, vocab, device))
+        flat.index_fill_(0, ids, float("-inf"))
     if repeat_rows:
         # Each distinct token once per row: the penalty scales a logit once, however often
         # the token occurs.
-        ids = torch.unique(_flat_ids(repeat_rows, repeat_tokens, vocab, device))
+        ids = save(torch.unique(_flat_ids(repeat_rows, repeat_tokens, vocab, device)))
         penalty = _per_row(repeat_rows, repeat_penalties, len(seqs), 1.0, device)[ids // vocab]
         values = flat[ids]
         flat[ids] = torch.where(values > 0, values / penalty, values * penalty)
@@ -293,11 +324,20 @@ def apply_penalties(
         ids, counts = torch.unique(
             _flat_ids(output_rows, output_tokens, vocab, device), return_counts=True
         )
+        save(ids)
         rows = ids // vocab
         presence_t = _per_row(output_rows, presence, len(seqs), 0.0, device)[rows]
         frequency_t = _per_row(output_rows, frequency, len(seqs), 0.0, device)[rows]
         flat.index_add_(0, ids, -(frequency_t * counts + presence_t))
     return logits
+
+
+def _restore(logits: torch.Tensor, undo: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Undoes _penalize in place: the saved values back, the last change first (an id
+    repeated within one change was saved with the same value each time)."""
+    flat = logits.view(-1) if undo else None
+    for ids, values in reversed(undo):
+        flat[ids] = values
 
 
 def _flat_ids(

@@ -233,7 +233,11 @@ def test_strided_logits():
     sampler = Sampler(vocab, EOS)
     check_distribution(sampler, logits, seqs)
     fresh = [make_seq([1, 4, 9], params, output=[4]) for _ in range(4)]
-    want = Sampler(vocab, EOS)(logits.contiguous(), fresh)
+    # Contiguous logits are penalized in place and restored: same draws, same logits after.
+    contiguous = logits.contiguous()
+    original = contiguous.clone()
+    want = Sampler(vocab, EOS)(contiguous, fresh)
+    assert torch.equal(contiguous, original), "the caller's logits were left modified"
     assert sampler(logits, seqs).token_ids == want.token_ids
 
 
@@ -319,6 +323,9 @@ def test_small_top_k_path_matches_reference(monkeypatch):
     sampler = Sampler(vocab, EOS)
     check_distribution(sampler, logits, seqs)
     assert full_rows == [2], "rows 5 (ties) and 7 (no top_k) alone take the full path"
+    original = logits.clone()
+    sampler(logits, seqs)
+    assert torch.equal(logits, original), "the caller's logits were left modified"
     assert int((sampler.distribution(logits, seqs)[8] > 0).sum()) == 7
     # Draws come from the kept tokens only.
     dist = sampler.distribution(logits, seqs)
