@@ -113,6 +113,9 @@ class Sampler:
         """Drop the sequence's state (its generator); call when it finishes or is aborted."""
         self._generators.pop(seq, None)
 
+    # Inference mode: the model runner's logits are inference tensors, which may only be
+    # updated in place inside it.
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         self._check_logits(logits, seqs)
         # Penalties go into the caller's logits in place and are undone before returning
