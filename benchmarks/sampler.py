@@ -74,7 +74,8 @@ def decode_step_time(args) -> tuple[float, float, str]:
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
     steps = args.step_warmup + args.step_repeats
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    # No token limit: sequences prefilled early decode while the others prefill.
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(vocab) for _ in range(args.step_prompt_len)]
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
@@ -83,12 +84,17 @@ def decode_step_time(args) -> tuple[float, float, str]:
         engine.step()
     samples = []
     for i in range(steps):
+        before = engine.stats.generation_tokens
         _sync(args.device)
         start = time.perf_counter()
         engine.step()
         _sync(args.device)
         if i >= args.step_warmup:
             samples.append(time.perf_counter() - start)
+        # Every timed step decodes every sequence, one token each.
+        made = engine.stats.generation_tokens - before
+        if made != args.num_seqs:
+            raise RuntimeError(f"a decode step made {made} tokens, not {args.num_seqs}")
     model = (
         f"{os.path.basename(engine.config.model_path)} {args.step_dtype}, vocab {vocab},"
         f" {args.num_seqs} sequences after {args.step_prompt_len}-token prompts"
