@@ -29,7 +29,7 @@ from pyllm.model.loader import load_model
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
 from pyllm.sampling.params import SamplingParams
-from pyllm.sampling.sampler import Sampler
+from pyllm.sampling.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger("pyllm")
 
@@ -165,6 +165,8 @@ class LLMEngine:
             if params.seed is not None and i > 0:  # distinct samples, still reproducible
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
             seqs.append(Sequence(f"{request_id}-{i}", prompt_token_ids, seq_params))
+        if params.prompt_logprobs is not None:  # the first sequence computes the prompt
+            seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
         request = _Request(
             request_id,
             prompt,
@@ -227,7 +229,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits, sampled = self.runner.run(batch)
+        logits, sampled, prompt_logits = self.runner.run(batch)
+        self._prompt_logprobs(batch, prompt_logits)
         self.stats.steps += 1
         self.stats.preemptions += batch.num_preempted
         for seq, n in batch.all():
@@ -247,6 +250,25 @@ class LLMEngine:
             if not seq.is_finished:
                 self.kv_manager.register_computed_blocks(seq)
         return [self._output(r) for r in touched.values()]
+
+    def _prompt_logprobs(self, batch, prompt_logits) -> None:
+        """Fills seq.prompt_logprobs from this step's prompt logits. Positions served from
+        the prefix cache were never run: they are computed once, apart, in a scratch KV
+        cache (the shared cached blocks are left as they are)."""
+        for seq, _ in batch.prefills:
+            cached = seq.num_cached_prompt_tokens
+            if seq.prompt_logprobs is not None and cached and seq.prompt_logprobs[cached] is None:
+                prompt_logits += [
+                    (seq, first, logits)
+                    for first, logits in self.runner.prompt_logits_uncached(
+                        seq.prompt_token_ids, cached, self.config.max_num_batched_tokens
+                    )
+                ]
+        for seq, first, logits in prompt_logits:
+            next_ids = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+            k = seq.sampling_params.prompt_logprobs
+            for offset, entry in enumerate(prompt_logprobs(logits, next_ids, k)):
+                seq.prompt_logprobs[first + 1 + offset] = entry
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token)
@@ -293,6 +315,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=first.num_cached_prompt_tokens,
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
             metrics={
                 "arrival_time": request.arrival_time,
                 "first_token_time": request.first_token_time or 0.0,

@@ -5,7 +5,9 @@ decode tokens, one per sequence. For each token the runner computes its position
 its KV slot (block_table[position // block_size] * block_size + position % block_size;
 with the contiguous cache, the sequence's arena slot, the position being the offset).
 Logits are computed only where a token will be sampled: the last token of each
-sequence whose pending tokens are all computed by this step.
+sequence whose pending tokens are all computed by this step; and, for a sequence that
+asks for prompt logprobs (seq.prompt_logprobs is not None), at each prompt position of
+its chunk whose next token is in the prompt (every position but the last).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
 from pyllm.model.layers import AttentionMetadata
+from pyllm.sampling.params import SamplingParams
 
 
 def _padded_block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
@@ -38,7 +41,9 @@ class ModelRunner:
         self.contiguous = contiguous  # kv_caches are views of a KVArena (SlotManager)
 
     def prepare(self, batch: ScheduledBatch):
-        """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs)."""
+        """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
+        prompt_rows): prompt_rows lists (seq, first position, flat token indices) of the
+        prompt positions whose logits the sequence's prompt logprobs need."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -46,9 +51,16 @@ class ModelRunner:
         query_start_loc = [0]
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, range]] = []
 
         for seq, n in batch.all():
             start = seq.num_computed_tokens
+            # Prompt positions before the last predict the prompt's own next token.
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if seq.prompt_logprobs is not None and start < last:
+                prompt_rows.append(
+                    (seq, start, range(len(input_ids), len(input_ids) + last - start))
+                )
             table = seq.block_table
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
@@ -91,14 +103,46 @@ class ModelRunner:
             metadata,
             torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampled,
+            prompt_rows,
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs one step; returns float32 logits [len(sampled), vocab] and those sequences."""
-        input_ids, positions, metadata, logits_indices, sampled = self.prepare(batch)
+    def run(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, int, torch.Tensor]]]:
+        """Runs one step; returns float32 logits [len(sampled), vocab], those sequences, and
+        per sequence asking for prompt logprobs (seq, first position p0, float32 logits
+        [positions, vocab] of prompt positions p0, p0 + 1, ...) for this step's chunk."""
+        input_ids, positions, metadata, logits_indices, sampled, prompt_rows = self.prepare(batch)
         # The metadata is built here from the scheduler's own state: skip re-validating it.
         hidden = self.model(input_ids, positions, metadata, self.kv_caches, validate=False)
+        prompt_logits = [
+            (seq, start, self.model.compute_logits(hidden, torch.tensor(rows, device=self.device)))
+            for seq, start, rows in prompt_rows
+        ]
         if not sampled:
-            return hidden.new_empty((0, 0), dtype=torch.float32), sampled
-        return self.model.compute_logits(hidden, logits_indices), sampled
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt_logits
+        return self.model.compute_logits(hidden, logits_indices), sampled, prompt_logits
+
+    def prompt_logits_uncached(
+        self, prompt_token_ids: list[int], num_positions: int, chunk_size: int
+    ) -> list[tuple[int, torch.Tensor]]:
+        """(first position, logits) chunks of prompt positions [0, num_positions), computed
+        in a throwaway KV cache: for a prompt whose first blocks came from the prefix cache
+        (never recomputed, and shared, so they are not written again)."""
+        bs = self.block_size
+        tokens = list(prompt_token_ids[: num_positions + 1])
+        num_blocks = -(-len(tokens) // bs)
+        scratch = ModelRunner(
+            self.model, self.model.allocate_kv_caches(num_blocks, bs), bs, self.device
+        )
+        seq = Sequence("prompt-logprobs", tokens, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(num_blocks))
+        seq.prompt_logprobs = []
+        chunks = []
+        for start in range(0, num_positions, chunk_size):
+            seq.num_computed_tokens = start
+            n = min(chunk_size, num_positions - start)
+            _, _, found = scratch.run(ScheduledBatch(prefills=[(seq, n)]))
+            chunks += [(first, logits) for _, first, logits in found]
+        return chunks

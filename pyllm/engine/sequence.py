@@ -46,6 +46,10 @@ class Sequence:
     # Per generated token: (chosen logprob, {token: logprob} of the top k) when asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
+    # Per prompt position: (logprob of the prompt token there, {token: logprob} of the top
+    # k) given the tokens before it; None at position 0 and until computed. The engine sets
+    # a list (of len(prompt) Nones) on the one sequence of a request that computes them.
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

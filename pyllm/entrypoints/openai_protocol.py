@@ -14,6 +14,7 @@ fields of the same name.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -264,17 +265,38 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's extension: the top k logprobs of every prompt token, in choices[].prompt_logprobs.
+    prompt_logprobs: int | None = None
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the prompt tokens' logprobs come first in choices[].logprobs."""
+        return self.echo and self.logprobs is not None
+
+    def to_sampling_params(self) -> SamplingParams:
+        params = super().to_sampling_params()
+        # The engine computes the prompt's logprobs once, for the larger of the two asks.
+        asked = [k for k in (self.prompt_logprobs, self.echo_logprobs and self.logprobs) if k]
+        if self.prompt_logprobs is None and not self.echo_logprobs:
+            return params
+        try:
+            return dataclasses.replace(params, prompt_logprobs=max(asked, default=0))
+        except ValueError as error:
+            raise RequestError(str(error), "prompt_logprobs") from None
 
     def check(self) -> None:
         if self.suffix:
             raise RequestError("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of other than n is not supported by this server", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo with logprobs is not supported by this server", "echo")
+        if self.stream and (self.echo_logprobs or self.prompt_logprobs is not None):
+            raise RequestError(
+                "prompt logprobs (echo with logprobs, or prompt_logprobs) need stream: false",
+                "prompt_logprobs" if self.prompt_logprobs is not None else "echo",
+            )
         if isinstance(self.prompt, list) and not self.prompt:
             raise RequestError("prompt must not be an empty list", "prompt")
 
@@ -325,9 +347,19 @@ class ChatLogprobs(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for the first prompt token under echo (nothing precedes it).
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(_Response):
+    """vLLM's Logprob: rank is 1 for the most likely token; None for a prompt token
+    outside the top k (its rank is not computed)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class AssistantMessage(_Response):
@@ -385,6 +417,9 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's extension, when asked: per prompt token, {token id: logprob} of the prompt
+    # token and the top k; None for the first.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):

@@ -412,6 +412,60 @@ class OpenAIServing:
             text_offset += len(token)
         return result
 
+    def _echo_logprobs(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[tuple[float, dict[int, float]] | None],
+        k: int,
+    ) -> api.CompletionLogprobs:
+        """The prompt tokens in the legacy completions format (offsets from 0): no logprob
+        for the first token, the top k for the others."""
+        result = api.CompletionLogprobs()
+        text_offset = 0
+        for token_id, entry in zip(prompt_token_ids, prompt_logprobs, strict=True):
+            token = self._token_string(token_id)
+            result.tokens.append(token)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            chosen, top = entry
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+            result.token_logprobs.append(_finite(chosen))
+            result.top_logprobs.append({self._token_string(t): _finite(lp) for t, lp in ranked})
+        return result
+
+    def _prompt_logprobs(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[tuple[float, dict[int, float]] | None],
+        k: int,
+    ) -> list[dict[int, api.PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per token, the prompt token's logprob and the top k."""
+        result: list[dict[int, api.PromptLogprob] | None] = []
+        for token_id, entry in zip(prompt_token_ids, prompt_logprobs, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            chosen, top = entry
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+            rank_of = {t: rank for rank, (t, _) in enumerate(ranked, start=1)}
+            found = {
+                t: api.PromptLogprob(
+                    logprob=_finite(lp), rank=rank_of[t], decoded_token=self._token_string(t)
+                )
+                for t, lp in ranked
+            }
+            found[token_id] = api.PromptLogprob(
+                logprob=_finite(chosen),
+                rank=rank_of.get(token_id),
+                decoded_token=self._token_string(token_id),
+            )
+            result.append(found)
+        return result
+
     # ---------------------------------------------------------- chat
 
     async def chat(self, request: Request) -> Response:
@@ -512,9 +566,18 @@ class OpenAIServing:
         choices = []
         for index, job in enumerate(jobs):
             prefix = job.prompt_text if body.echo else ""
-            for c in progress.finals[index].outputs:
+            final = progress.finals[index]
+            prompt_lps = final.prompt_logprobs
+            for c in final.outputs:
                 logprobs = None
-                if body.logprobs is not None:
+                if body.echo_logprobs:
+                    logprobs = self._echo_logprobs(job.prompt_token_ids, prompt_lps, body.logprobs)
+                    generated = self._completion_logprobs(
+                        c.token_ids, c.logprobs or [], len(prefix)
+                    )
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(logprobs, name).extend(getattr(generated, name))
+                elif body.logprobs is not None:
                     logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], 0)
                 choices.append(
                     api.CompletionChoice(
@@ -522,6 +585,11 @@ class OpenAIServing:
                         text=prefix + c.text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
+                        prompt_logprobs=None
+                        if body.prompt_logprobs is None
+                        else self._prompt_logprobs(
+                            job.prompt_token_ids, prompt_lps, body.prompt_logprobs
+                        ),
                     )
                 )
         response = api.CompletionResponse(

@@ -22,6 +22,12 @@ Nothing loops over the vocabulary in Python: penalties touch only the (row, toke
 that occur in the context, the cuts and the draw are batched tensor ops, and transforms no
 sequence of the step asks for are skipped (an all-greedy step is one argmax).
 
+Rows with a small top_k take a narrower path (_candidate_pass): one block-maxima pass finds
+their top_k tokens (plus a few tied with the k-th), and the cuts and the draw run on those
+candidates only. There top-k keeps the tokens whose processed logit is at least the k-th
+largest: the same set as the probability threshold, except where float32 rounding of the
+softmax would tie distinct logits. Rows whose boundary ties are too many go the full way.
+
 Reproducibility: a request with a seed draws from its own CPU torch.Generator, advanced once
 per sampled step of that sequence only, and its row is computed row-wise, so its tokens are
 the same whatever else is in the batch and in whatever order requests arrive. Unseeded
@@ -107,21 +113,43 @@ class Sampler:
         """Drop the sequence's state (its generator); call when it finishes or is aborted."""
         self._generators.pop(seq, None)
 
+    # Inference mode: the model runner's logits are inference tensors, which may only be
+    # updated in place inside it.
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         self._check_logits(logits, seqs)
-        processed = apply_penalties(logits, seqs, self.eos_token_ids)
+        # Penalties go into the caller's logits in place and are undone before returning
+        # (logprobs then read the raw logits): it saves copying the whole tensor.
+        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        processed = _penalize(logits, seqs, self.eos_token_ids, undo)
+        try:
+            token_ids = self._sample(processed, seqs)
+        finally:
+            _restore(logits, undo)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, seqs))
+
+    def _sample(self, processed: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         greedy, sampled = _split_greedy(seqs)
-        token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        token_ids = torch.empty(len(seqs), dtype=torch.int64, device=processed.device)
         if greedy:
-            rows = _rows(greedy, len(seqs), logits.device)
+            rows = _rows(greedy, len(seqs), processed.device)
             _put_rows(token_ids, rows, first_argmax(_take_rows(processed, rows)))
         if sampled:
-            rows = _rows(sampled, len(seqs), logits.device)
-            sampled_seqs = [seqs[i] for i in sampled]
-            weights = sampling_weights(_take_rows(processed, rows), sampled_seqs)
-            uniforms = self._uniforms(sampled_seqs).to(logits.device)
-            _put_rows(token_ids, rows, _inverse_cdf(weights, uniforms))
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, seqs))
+            # One uniform per sampled sequence, drawn before the rows split into paths, so
+            # each generator advances once per step whichever path its row takes.
+            uniforms = torch.zeros(len(seqs), dtype=torch.float64)
+            uniforms[sampled] = self._uniforms([seqs[i] for i in sampled])
+            uniforms = uniforms.to(processed.device)
+            found, full = _candidate_pass(processed, seqs, sampled)
+            if found is not None:
+                rows, columns, weights = found
+                picks = _inverse_cdf_exact(weights, uniforms[rows])
+                token_ids[rows] = columns.gather(1, picks).squeeze(1)
+            if full:
+                rows = _rows(full, len(seqs), processed.device)
+                weights = sampling_weights(_take_rows(processed, rows), [seqs[i] for i in full])
+                _put_rows(token_ids, rows, _inverse_cdf(weights, _take_rows(uniforms, rows)))
+        return token_ids
 
     def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """The probabilities [num_seqs, vocab] each sequence would draw from this step
@@ -133,9 +161,15 @@ class Sampler:
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
             probs[rows, processed[rows].argmax(-1)] = 1.0
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            weights = sampling_weights(processed[rows], [seqs[i] for i in sampled])
+        found, full = _candidate_pass(processed, seqs, sampled)
+        if found is not None:
+            rows, columns, weights = found
+            kept = torch.zeros(len(rows), logits.shape[1], dtype=torch.float64, device=rows.device)
+            kept.scatter_add_(1, columns.clamp(max=logits.shape[1] - 1), weights)
+            probs[rows] = (kept / kept.sum(-1, keepdim=True)).float()
+        if full:
+            rows = torch.tensor(full, device=logits.device)
+            weights = sampling_weights(processed[rows], [seqs[i] for i in full])
             probs[rows] = weights / weights.sum(-1, keepdim=True)
         return probs
 
@@ -226,6 +260,18 @@ def apply_penalties(
     """Step 1 of the module docstring. Returns `logits` itself when no sequence asks for any
     of it, else a processed copy. Works on flat addresses row * vocab + token of the tokens
     that occur, so its cost follows the context length, not the vocabulary."""
+    return _penalize(logits, seqs, eos_token_ids, None)
+
+
+def _penalize(
+    logits: torch.Tensor,
+    seqs: SequenceOf[Sequence],
+    eos_token_ids: frozenset[int],
+    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """apply_penalties; with an `undo` list and contiguous logits, in place instead of on a
+    copy (a full copy costs as much as a softmax pass): the values it overwrites are
+    appended to `undo` first, for _restore to put back."""
     vocab = logits.shape[1]
     bias_ids: list[int] = []
     bias_values: list[float] = []
@@ -254,17 +300,26 @@ def apply_penalties(
         return logits
 
     device = logits.device
-    logits = logits.clone(memory_format=torch.contiguous_format)
+    if undo is None or not logits.is_contiguous():
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        undo = None
     flat = logits.view(-1)
+
+    def save(ids: torch.Tensor) -> torch.Tensor:
+        if undo is not None:
+            undo.append((ids, flat[ids]))
+        return ids
+
     if bias_ids:
-        ids = torch.tensor(bias_ids, dtype=torch.int64, device=device)
+        ids = save(torch.tensor(bias_ids, dtype=torch.int64, device=device))
         flat.index_add_(0, ids, torch.tensor(bias_values, dtype=flat.dtype, device=device))
     if masked_rows:
-        flat.index_fill_(0, _flat_ids(masked_rows, masked_tokens, vocab, device), float("-inf"))
+        ids = save(_flat_ids(masked_rows, masked_tokens, vocab, device))
+        flat.index_fill_(0, ids, float("-inf"))
     if repeat_rows:
         # Each distinct token once per row: the penalty scales a logit once, however often
         # the token occurs.
-        ids = torch.unique(_flat_ids(repeat_rows, repeat_tokens, vocab, device))
+        ids = save(torch.unique(_flat_ids(repeat_rows, repeat_tokens, vocab, device)))
         penalty = _per_row(repeat_rows, repeat_penalties, len(seqs), 1.0, device)[ids // vocab]
         values = flat[ids]
         flat[ids] = torch.where(values > 0, values / penalty, values * penalty)
@@ -272,11 +327,20 @@ def apply_penalties(
         ids, counts = torch.unique(
             _flat_ids(output_rows, output_tokens, vocab, device), return_counts=True
         )
+        save(ids)
         rows = ids // vocab
         presence_t = _per_row(output_rows, presence, len(seqs), 0.0, device)[rows]
         frequency_t = _per_row(output_rows, frequency, len(seqs), 0.0, device)[rows]
         flat.index_add_(0, ids, -(frequency_t * counts + presence_t))
     return logits
+
+
+def _restore(logits: torch.Tensor, undo: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Undoes _penalize in place: the saved values back, the last change first (an id
+    repeated within one change was saved with the same value each time)."""
+    flat = logits.view(-1) if undo else None
+    for ids, values in reversed(undo):
+        flat[ids] = values
 
 
 def _flat_ids(
@@ -415,6 +479,113 @@ def _thresholds_from_prefix(
     return threshold, settled
 
 
+# ----------------------------------------------------------------------------- small top-k
+
+
+def _candidate_pass(
+    processed: torch.Tensor, seqs: SequenceOf[Sequence], sampled: list[int]
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[int]]:
+    """The fast path of sampled rows with a small top_k: only their top_k tokens (and those
+    tied with the k-th) can be kept, so the cuts and the draw run on a few dozen
+    candidates per row, never on the whole vocabulary (no softmax over it, no full-row
+    top-k, threshold or prefix-sum pass: one vectorized block-maxima pass finds them).
+
+    Returns ((rows, columns, weights) or None, the other sampled rows): columns [rows, W]
+    ascending token ids of the candidates, weights [rows, W] float64 kept weights
+    proportional to the probabilities (zero where a cut removed the token, or for a
+    padding column, whose id may lie past the vocabulary). A row goes to the full path
+    instead when more than _slack(top_k) tokens or blocks beyond its top_k tie at the
+    boundary (bf16 logits tie often; a few such ties are handled here).
+
+    Weights are softmax(x / T) up to a row factor: exp((x - max) / T). top-k keeps the
+    tokens whose processed logit is at least the k-th largest (ties kept); top-p and min-p
+    then cut on the weights, as in sampling_weights. Whether a row is settled here depends
+    on its own top_k only, never on the other rows, and nothing it computes does either.
+    """
+    vocab = processed.shape[1]
+    params = {i: seqs[i].sampling_params for i in sampled}
+    limit = {i: params[i].top_k + _slack(params[i].top_k) for i in sampled if params[i].top_k > 0}
+    # Gather at most half the vocabulary; smaller vocabularies go the full way.
+    fast = [i for i in sampled if i in limit and limit[i] * _BLOCK * 2 <= vocab]
+    fast_set = set(fast)
+    full = [i for i in sampled if i not in fast_set]
+    if not fast:
+        return None, full
+    device = processed.device
+    rows = torch.tensor(fast, dtype=torch.int64, device=device)
+    x = _take_rows(processed, _rows(fast, processed.shape[0], device))
+    top_k = torch.tensor([params[i].top_k for i in fast], device=device)
+    own = torch.tensor([limit[i] for i in fast], device=device)
+    num_blocks = max(limit[i] for i in fast)
+
+    maxima = _block_maxima(x)
+    blocks = maxima.topk(num_blocks, dim=-1).indices
+    if vocab % _BLOCK == 0:
+        # Whole blocks: one copy of contiguous block rows, no index arithmetic per column.
+        row_ids = torch.arange(len(fast), device=device)[:, None]
+        values = x.unflatten(1, (-1, _BLOCK))[row_ids, blocks].flatten(1)
+        columns = None
+    else:
+        columns, values = _gather_blocks(x, blocks)
+    # The largest `width` gathered values: the row's own limit plus one (to see whether the
+    # ties end within it), rounded up to whole 16-lane vectors so every elementwise op
+    # below runs the same vector code on every column, whatever the batch's width.
+    width = min(-(-(num_blocks + 1) // 16) * 16, values.shape[1])
+    top_values, where = values.topk(width, dim=-1)
+    kth = top_values.gather(1, (top_k - 1)[:, None])
+    # Settled when every block holding a token >= kth was gathered (at most `own` blocks
+    # have such a max, and the `own` largest maxima were gathered), and every such token
+    # is among the top values (the one after the row's own limit is below kth).
+    after = top_values.gather(1, own.clamp(max=width - 1)[:, None])
+    settled = ((maxima >= kth).sum(-1) <= own) & ((after < kth).squeeze(1) | (own >= width))
+
+    # Candidates in token-id order (the draw's order); those below kth get weight 0.
+    if columns is None:
+        candidates = blocks.gather(1, where // _BLOCK) * _BLOCK + where % _BLOCK
+    else:
+        candidates = columns.gather(1, where)
+    candidates, order = candidates.sort(dim=-1)
+    top_values = top_values.gather(1, order)
+    temperature = torch.tensor([params[i].temperature for i in fast], device=device)
+    row_max = maxima.amax(-1, keepdim=True)
+    weights = torch.exp((top_values - row_max) / temperature[:, None])
+    weights = torch.where(top_values >= kth, weights, torch.zeros_like(weights)).double()
+    threshold = _top_p_threshold(weights, [params[i].top_p for i in fast])
+    # min_p is relative to the most likely token, whose weight is exp(0) = 1.
+    min_p = torch.tensor([params[i].min_p for i in fast], dtype=torch.float64, device=device)
+    threshold = torch.maximum(threshold, min_p)
+    weights = torch.where(weights >= threshold[:, None], weights, torch.zeros_like(weights))
+    if bool(settled.all()):
+        return (rows, candidates, weights), full
+    unsettled = (~settled).nonzero().squeeze(1).tolist()
+    full = sorted(full + [fast[i] for i in unsettled])
+    keep = settled.nonzero().squeeze(1)
+    if keep.numel() == 0:
+        return None, full
+    return (rows[keep], candidates[keep], weights[keep]), full
+
+
+def _slack(top_k: int) -> int:
+    """How many tokens (and blocks) tied with the k-th largest the fast path takes beyond
+    top_k before handing the row to the full path."""
+    return max(8, top_k // 4)
+
+
+def _top_p_threshold(weights: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Per row, the smallest weight top-p keeps of `weights` (float64, the top-k survivors
+    positive, the rest zero; narrow), or 0 when top_p is 1."""
+    device = weights.device
+    if all(p >= 1.0 for p in top_p):
+        return torch.zeros(weights.shape[0], dtype=torch.float64, device=device)
+    values = weights.sort(dim=-1, descending=True).values
+    p = torch.tensor(top_p, dtype=torch.float64, device=device)
+    # Zeros past the survivors add nothing to the prefix sums: the mass is the survivors'.
+    found, _ = _thresholds_from_prefix(
+        values, torch.zeros_like(p, dtype=torch.int64), p, values.cumsum(-1)[:, -1]
+    )
+    return torch.where(p < 1.0, found, torch.zeros_like(found))
+
+
 # ----------------------------------------------------------------------------- the draw
 
 
@@ -441,6 +612,17 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(target, _below(local_cdf[:, -1:]))
     offset = torch.searchsorted(local_cdf, target, right=True)
     return (chunk * _CHUNK + offset).squeeze(1)
+
+
+def _inverse_cdf_exact(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_inverse_cdf for narrow float64 weights [rows, C], as [rows, 1] indices: one
+    sequential prefix sum per row. Zero weights add exactly nothing to it, so the pick does
+    not depend on how many zero columns surround the kept tokens (how many blocks the
+    batch gathered)."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, _below(total))
+    return torch.searchsorted(cdf, target, right=True)
 
 
 def _chunk_mass(weights: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,16 @@ from tests.model.conftest import make_hf_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-sampling")
     hf_model = make_hf_model("llama", path, max_position_embeddings=1024)
     _write_byte_tokenizer(path, vocab_size=512)
+    return path, hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    path, hf_model = tiny_model
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.05)
     return llm, hf_model
 
@@ -101,3 +107,65 @@ def test_seeded_request_same_alone_and_in_a_batch(tiny):
         for _ in range(2)
     ]
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def _hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check_prompt_logprobs(got, prompt: list[int], reference: torch.Tensor, k: int) -> None:
+    assert len(got) == len(prompt) and got[0] is None
+    for p in range(1, len(prompt)):
+        chosen, top = got[p]
+        row = reference[p - 1]  # the logits at p - 1 predict token p
+        assert abs(chosen - float(row[prompt[p]])) < 1e-3, f"position {p}"
+        assert set(top) == set(row.topk(k).indices.tolist()), f"position {p}"
+        for token_id, logprob in top.items():
+            assert abs(logprob - float(row[token_id])) < 1e-3
+
+
+def test_prompt_logprobs_match_hf_chunked_and_cached(tiny_model):
+    """Prompt logprobs against HF: in one prefill, in chunks of 16 tokens (chunked
+    prefill), and again for a prompt whose first blocks come from the prefix cache."""
+    path, hf_model = tiny_model
+    prompt = [(7 * i + 3) % 500 + 2 for i in range(150)]
+    reference = _hf_prompt_logprobs(hf_model, prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=4)
+    results = []
+    for budget in (512, 16):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=0.05, max_num_batched_tokens=budget)
+        first, again = (
+            llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+            for _ in range(2)
+        )
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 128
+        for out in (first, again):
+            _check_prompt_logprobs(out.prompt_logprobs, prompt, reference, 4)
+        results.append(first.prompt_logprobs)
+    one_pass, chunked = results
+    for p in range(1, len(prompt)):
+        assert abs(one_pass[p][0] - chunked[p][0]) < 1e-4
+    # Not asked: not computed.
+    plain = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(), use_tqdm=False
+    )
+    assert plain[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_with_n_and_in_a_batch(tiny):
+    """n > 1 (siblings share the prompt's blocks) and a batch of other requests: the
+    prompt logprobs are the request's own, computed once."""
+    llm, hf_model = tiny
+    prompts = _prompts(4, seed=21)
+    prompt = [(11 * i + 5) % 500 + 2 for i in range(40)]
+    params = SamplingParams(temperature=1.0, n=3, max_tokens=3, prompt_logprobs=0, seed=2)
+    batch = [SamplingParams(max_tokens=3)] * 2 + [params] + [SamplingParams(max_tokens=3)] * 2
+    outputs = llm.generate(
+        prompt_token_ids=prompts[:2] + [prompt] + prompts[2:], sampling_params=batch, use_tqdm=False
+    )
+    got = outputs[2].prompt_logprobs
+    _check_prompt_logprobs(got, prompt, _hf_prompt_logprobs(hf_model, prompt), 0)
+    assert len(outputs[2].outputs) == 3
+    assert all(o.prompt_logprobs is None for i, o in enumerate(outputs) if i != 2)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling import sampler as sampler_module
 from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.sampler import (
     _CHUNK,
@@ -22,6 +23,7 @@ from pyllm.sampling.sampler import (
     apply_penalties,
     first_argmax,
     prompt_logprobs,
+    sampling_weights,
     small_topk,
 )
 
@@ -231,7 +233,12 @@ def test_strided_logits():
     sampler = Sampler(vocab, EOS)
     check_distribution(sampler, logits, seqs)
     fresh = [make_seq([1, 4, 9], params, output=[4]) for _ in range(4)]
-    want = Sampler(vocab, EOS)(logits.contiguous(), fresh)
+    # Contiguous logits are penalized in place and restored: same draws, same logits after.
+    with torch.inference_mode():  # as the model runner makes them
+        contiguous = logits.contiguous()
+    original = contiguous.clone()
+    want = Sampler(vocab, EOS)(contiguous, fresh)
+    assert torch.equal(contiguous, original), "the caller's logits were left modified"
     assert sampler(logits, seqs).token_ids == want.token_ids
 
 
@@ -279,6 +286,86 @@ def test_greedy_picks_argmax_and_logprobs_are_raw_log_softmax():
         values, ids = want_lp[i].topk(k)
         assert list(top) == ids.tolist()
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_small_top_k_path_matches_reference(monkeypatch):
+    """Rows with a small top_k take the block path (the cuts and the draw on the top_k
+    blocks only); everything else, and rows whose boundary ties span more blocks, the
+    full one. Both against the reference, in one mixed batch over a vocabulary with a
+    partial last block."""
+    vocab = 8 * 1024 + 77
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(9, vocab, generator=gen) * 3
+    logits[5] = torch.randint(0, 3, (vocab,), generator=gen).float()  # ties in every block
+    logits[6, -3:] = 20.0  # the top tokens in the partial last block
+    # Ranks 3-6 tied in four blocks (as bf16 logits tie): top_k=5 keeps all seven.
+    logits[8, [100, 2000, 5000]] = 30.0
+    logits[8, [7, 1500, 4000, vocab - 1]] = 25.0
+    cases = [
+        dict(top_k=1),
+        dict(top_k=5, temperature=0.7),
+        dict(top_k=20, top_p=0.6),
+        dict(top_k=24, top_p=0.9, min_p=0.02, temperature=1.3),
+        dict(top_k=8, repetition_penalty=1.5, presence_penalty=1.0, logit_bias={9: 6.0}),
+        dict(top_k=10),  # ties across every block: the full path
+        dict(top_k=4, top_p=0.5),
+        dict(top_p=0.8),  # no top_k: the full path
+        dict(top_k=5, temperature=9.0),
+    ]
+    seqs = [make_seq([9, 2, 3], SamplingParams(**p), output=[9, 4]) for p in cases]
+    full_rows = []
+    real = sampling_weights
+
+    def spy(logits, seqs):
+        full_rows.append(len(seqs))
+        return real(logits, seqs)
+
+    monkeypatch.setattr(sampler_module, "sampling_weights", spy)
+    sampler = Sampler(vocab, EOS)
+    check_distribution(sampler, logits, seqs)
+    assert full_rows == [2], "rows 5 (ties) and 7 (no top_k) alone take the full path"
+    original = logits.clone()
+    sampler(logits, seqs)
+    assert torch.equal(logits, original), "the caller's logits were left modified"
+    assert int((sampler.distribution(logits, seqs)[8] > 0).sum()) == 7
+    # Draws come from the kept tokens only.
+    dist = sampler.distribution(logits, seqs)
+    for _ in range(5):
+        tokens = torch.tensor(sampler(logits, seqs).token_ids)
+        assert (dist.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_small_top_k_path_draws_follow_the_distribution():
+    """Mass on tokens at block edges in several blocks; top_k=5 of them kept."""
+    vocab, num_draws = 4096, 20_000
+    logits = torch.full((vocab,), -5.0)
+    hot = [0, 127, 128, 1000, 2047, 2048, 4095]
+    logits[hot] = torch.tensor([0.5, 1.0, 0.2, 0.9, -0.3, 0.7, 0.4])
+    sampler = Sampler(vocab, {3}, seed=7)
+    counts, probs = draw_counts(
+        sampler, logits, dict(top_k=5, temperature=1.0), num_draws, vocab, seeded=True
+    )
+    assert int((probs > 0).sum()) == 5
+    assert counts[probs == 0].sum() == 0, "drew a token the cuts removed"
+    assert chi_square_p_value(counts, probs) > ALPHA
+
+
+def test_small_top_k_path_is_independent_of_the_batch():
+    """A seeded top_k=4 row alone, and next to a top_k=60 row (more blocks gathered)."""
+    vocab = 16384
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(13))
+    tokens = []
+    for batch_k in (None, 60):
+        params = [SamplingParams(top_k=4, seed=5)]
+        if batch_k:
+            params.append(SamplingParams(top_k=batch_k, seed=6))
+        seqs = [make_seq([1], p) for p in params]
+        sampler = Sampler(vocab, EOS)
+        row = []
+        for _ in range(30):
+            row.append(sampler(logits[: len(seqs)], seqs).token_ids[0])
+        tokens.append(row)
+    assert tokens[0] == tokens[1] and len(set(tokens[0])) > 1
 
 
 @pytest.mark.parametrize("vocab", [100, 600, 5121, 49152, 50001])

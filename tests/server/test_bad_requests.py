@@ -93,6 +93,9 @@ CASES = [
     Case("prompt longer than the context", 400, "messages", body=chat(messages=[{"role": "user", "content": "hello " * 5000}]), code="context_length_exceeded"),  # noqa: E501
     Case("completion prompt longer than the context", 400, "prompt", COMPLETIONS, completion(prompt="hello " * 5000), code="context_length_exceeded"),  # noqa: E501
     Case("suffix", 400, "suffix", COMPLETIONS, completion(suffix="end")),
+    Case("prompt_logprobs too many", 400, "prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=21)),  # noqa: E501
+    Case("prompt_logprobs negative", 400, "prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=-1)),  # noqa: E501
+    Case("echo with logprobs, streamed", 400, "echo", COMPLETIONS, completion(echo=True, logprobs=1, stream=True)),  # noqa: E501
     # Who and what.
     Case("unknown model", 400, "model", body=chat(model="gpt-9"), code="model_not_found"),
     Case("unknown model (completions)", 400, "model", COMPLETIONS, completion(model="gpt-9")),

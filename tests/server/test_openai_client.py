@@ -186,6 +186,52 @@ def test_completion_logprobs(client, server):
     assert tokens == lp.tokens
 
 
+def test_completion_echo_logprobs_and_prompt_logprobs(client, http, server):
+    """echo with logprobs: the prompt's tokens first (the first without a logprob), then
+    the generated ones. Checked against the engine's other path: a token's logprob when
+    generated (decode) equals its logprob as part of a longer prompt (prefill)."""
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=4, temperature=0)
+    plain = client.completions.create(logprobs=2, **kwargs)
+    generated = plain.choices[0].logprobs
+    r = client.completions.create(echo=True, logprobs=2, **kwargs)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    num_prompt = r.usage.prompt_tokens
+    assert choice.text == PROMPT + plain.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert len(lp.tokens) == num_prompt + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[num_prompt:] == generated.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(generated.token_logprobs, abs=1e-5)
+    assert lp.text_offset[num_prompt] == len(PROMPT)
+    for i in range(1, num_prompt):
+        assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+        assert len(lp.top_logprobs[i]) == 2 and lp.token_logprobs[i] < 0
+        assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i]
+        if lp.tokens[i] in lp.top_logprobs[i]:
+            assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+
+    # The generated text as part of the prompt: its prompt logprobs are the decode ones.
+    body = dict(
+        model=server.model,
+        prompt=PROMPT + plain.choices[0].text,
+        max_tokens=1,
+        temperature=0,
+        prompt_logprobs=3,
+    )
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    prompt_lps = response.json()["choices"][0]["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == response.json()["usage"]["prompt_tokens"]
+    tail = prompt_lps[num_prompt : num_prompt + len(generated.tokens)]
+    for entry, token, logprob in zip(tail, generated.tokens, generated.token_logprobs, strict=True):
+        assert len(entry) in (3, 4)  # the top 3, plus the prompt token when outside them
+        chosen = [e for e in entry.values() if e["decoded_token"] == token]
+        assert chosen and chosen[0]["logprob"] == pytest.approx(logprob, abs=1e-3)
+        assert chosen[0]["rank"] == 1  # greedy: the generated token was the most likely
+        assert sorted(e["rank"] for e in entry.values() if e["rank"]) == [1, 2, 3]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n2(client, server, stream):
     kwargs = dict(
