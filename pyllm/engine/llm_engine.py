@@ -55,7 +55,7 @@ class EngineStats:
     steps: int = 0
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
-    preemptions: int = 0
+    # Preemptions are counted once, by the scheduler (Scheduler.num_preemptions).
 
 
 class LLMEngine:
@@ -232,7 +232,6 @@ class LLMEngine:
         logits, sampled, prompt_logits = self.runner.run(batch)
         self._prompt_logprobs(batch, prompt_logits)
         self.stats.steps += 1
-        self.stats.preemptions += batch.num_preempted
         for seq, n in batch.all():
             seq.num_computed_tokens += n
             if seq.num_computed_tokens <= seq.num_prompt_tokens:

@@ -84,7 +84,9 @@ class _EngineCollector(Collector):
             "recomputation after preemption included)",
             stats.prompt_tokens_computed,
         )
-        yield self._counter("pyllm:num_preemptions", "Sequences preempted", stats.preemptions)
+        yield self._counter(
+            "pyllm:num_preemptions", "Sequences preempted", scheduler.num_preemptions
+        )
         yield self._counter(
             "pyllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",

@@ -71,7 +71,7 @@ def test_preemption_loses_nothing(tiny_model_dir, alone_outputs):
     llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=40 * 16 * 2 * 2 * 2 * 64 * 4 / 2**30)
     assert llm.engine.block_manager.num_blocks == 40
     assert _generate(llm, _prompts(16)) == alone_outputs
-    assert llm.engine.stats.preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_blocks_free(llm)
 
 
@@ -168,7 +168,7 @@ def test_contiguous_cache_preempts_within_its_memory_budget(tiny_model_dir, alon
             outputs[int(out.request_id)] = out.outputs[0].token_ids
         peak = max(peak, engine.kv_cache_committed_bytes())
     assert [outputs[i] for i in range(16)] == alone_outputs
-    assert engine.stats.preemptions > 0
+    assert engine.scheduler.num_preemptions > 0
     assert 0 < peak <= budget
     _assert_all_slots_free(llm)
 
