@@ -317,6 +317,44 @@ def _check_max_seq_len(max_seq_len: int, seq_lens: torch.Tensor) -> None:
         )
 
 
+def _query_start_loc(query_start_loc: torch.Tensor, device: torch.device) -> int:
+    """Checks query_start_loc's tensor properties; returns num_seqs."""
+    _tensor("query_start_loc", query_start_loc)
+    _device("query_start_loc", query_start_loc, device)
+    _index_dtype("query_start_loc", query_start_loc, torch.int32)
+    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    _contiguous("query_start_loc", query_start_loc)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
+    return num_seqs
+
+
+def _check_query_lens(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, max_query_len: int
+) -> None:
+    """Prefill's query offsets against the tokens, max_query_len and seq_lens."""
+    _positive_int("max_query_len", max_query_len)
+    # Checked for zero sequences too: query tokens that no sequence covers would
+    # leave their rows of out unwritten.
+    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
+            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
+        )
+    if query_start_loc.shape[0] > 1:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if int(q_lens.min()) < 0:
+            raise ValueError("query_start_loc must be non-decreasing")
+        if int(q_lens.max()) > max_query_len:
+            raise ValueError(
+                f"max_query_len ({max_query_len}) is smaller than the longest query "
+                f"({int(q_lens.max())})"
+            )
+        if bool((q_lens > seq_lens).any()):
+            raise ValueError("each sequence's query length must be <= its seq_lens entry")
+
+
 # ---------------------------------------------------------------------------
 # Cache ops.
 
@@ -620,34 +658,9 @@ def paged_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
         block_size, alibi_slopes,
     )  # fmt: skip
-    _tensor("query_start_loc", query_start_loc)
-    _device("query_start_loc", query_start_loc, query.device)
-    _index_dtype("query_start_loc", query_start_loc, torch.int32)
-    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    _contiguous("query_start_loc", query_start_loc)
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_seqs < 0:
-        raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
+    num_seqs = _query_start_loc(query_start_loc, query.device)
     _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _positive_int("max_query_len", max_query_len)
-    # Checked for zero sequences too: query tokens that no sequence covers would
-    # leave their rows of out unwritten.
-    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
-            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
-        )
-    if num_seqs:
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(q_lens.min()) < 0:
-            raise ValueError("query_start_loc must be non-decreasing")
-        if int(q_lens.max()) > max_query_len:
-            raise ValueError(
-                f"max_query_len ({max_query_len}) is smaller than the longest query "
-                f"({int(q_lens.max())})"
-            )
-        if bool((q_lens > seq_lens).any()):
-            raise ValueError("each sequence's query length must be <= its seq_lens entry")
+    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
         seq_lens, query_start_loc, block_size, max_query_len, alibi_slopes,
@@ -1241,34 +1254,11 @@ def contiguous_attention_prefill(
     (written first by write_kv_contiguous): prompts, later chunks of a chunked prefill.
     """
     num_tokens, _, _ = _check_attention_io(out, query, num_kv_heads)
-    _tensor("query_start_loc", query_start_loc)
-    _device("query_start_loc", query_start_loc, query.device)
-    _index_dtype("query_start_loc", query_start_loc, torch.int32)
-    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    _contiguous("query_start_loc", query_start_loc)
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_seqs < 0:
-        raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
+    num_seqs = _query_start_loc(query_start_loc, query.device)
     _check_contiguous_attention(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs
     )
-    _positive_int("max_query_len", max_query_len)
-    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
-            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
-        )
-    if num_seqs:
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(q_lens.min()) < 0:
-            raise ValueError("query_start_loc must be non-decreasing")
-        if int(q_lens.max()) > max_query_len:
-            raise ValueError(
-                f"max_query_len ({max_query_len}) is smaller than the longest query "
-                f"({int(q_lens.max())})"
-            )
-        if bool((q_lens > seq_lens).any()):
-            raise ValueError("each sequence's query length must be <= its seq_lens entry")
+    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
     _C.contiguous_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, float(scale), seq_slots, seq_lens,
         query_start_loc, max_query_len,
