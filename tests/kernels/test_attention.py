@@ -8,9 +8,7 @@ arithmetic instead of selection, fails. Outputs are poisoned with NaN before eac
 
 from __future__ import annotations
 
-import contextlib
 import math
-import zlib
 
 import pytest
 import torch
@@ -22,7 +20,9 @@ from tests.kernels.utils import (
     POISON,
     PagedKV,
     assert_close,
+    kernel_threads,
     make_paged_kv,
+    seed_and_single_thread,
 )
 
 HEAD_SIZES = list(ops.SUPPORTED_HEAD_SIZES)
@@ -33,30 +33,7 @@ HEAD_LAYOUTS = [(4, 4), (8, 2), (12, 1)]
 PARTITION = ops.PARTITION_SIZE
 
 
-# torch's thread count when the module loaded: the kernels run with it.
-KERNEL_THREADS = torch.get_num_threads()
-
-
-@pytest.fixture(autouse=True)
-def _seed_and_threads(request):
-    """Fresh random inputs per case, reproducible from the test id. Setup and the
-    float64 reference run on one thread (their tensors are small, and on a shared
-    2-core machine thread hand-offs cost more than the math); kernel calls go
-    through kernel_threads(), so the kernels' parallel paths are what is tested."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(KERNEL_THREADS)
-
-
-@contextlib.contextmanager
-def kernel_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(KERNEL_THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+_seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
 
 # ---------------------------------------------------------------------------

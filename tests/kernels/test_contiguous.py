@@ -10,11 +10,9 @@ memory and watch committed_bytes and the process's RSS follow the committed toke
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-import zlib
 
 import pytest
 import torch
@@ -26,7 +24,9 @@ from tests.kernels.utils import (
     PagedKV,
     assert_close,
     device_param,
+    kernel_threads,
     make_paged_kv,
+    seed_and_single_thread,
 )
 
 TILE = ops.TOKEN_TILE
@@ -50,27 +50,8 @@ SEQ_LENS = [1, 15, 16, 17, 600]
 SLOTS = [5, 2, 7, 0, 3]
 MAX_NUM_SEQS = 8
 
-KERNEL_THREADS = torch.get_num_threads()
 
-
-@pytest.fixture(autouse=True)
-def _seed_and_threads(request):
-    """Reproducible inputs per case; setup and references on one thread, kernels on all
-    (kernel_threads) so their parallel paths are what is tested."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(KERNEL_THREADS)
-
-
-@contextlib.contextmanager
-def kernel_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(KERNEL_THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+_seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
 
 # ---------------------------------------------------------------------------

@@ -4,12 +4,39 @@ so attention tests do not depend on reshape_and_cache being right."""
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 import pyllm.ops as ops
+
+# torch's thread count when the tests loaded: the kernels run with it.
+KERNEL_THREADS = torch.get_num_threads()
+
+
+def seed_and_single_thread(request):
+    """For an autouse fixture: fresh random inputs per case, reproducible from the test
+    id. Setup and the float64 reference run on one thread (their tensors are small, and
+    on a shared 2-core machine thread hand-offs cost more than the math); kernel calls
+    go through kernel_threads(), so the kernels' parallel paths are what is tested."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(KERNEL_THREADS)
+
+
+@contextlib.contextmanager
+def kernel_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(KERNEL_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
 
 # Devices the suite runs on: CUDA joins automatically where a GPU is present.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and ops.BUILT_WITH_CUDA else [])
