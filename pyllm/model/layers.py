@@ -226,14 +226,22 @@ class Linear(nn.Module):
         return self.weight if self.packed_weight is None else self.packed_weight.to_dense()
 
 
-def can_pack_linear_weights(device: torch.device | str) -> bool:
-    """oneDNN-packed weights: CPU tensors, in builds of torch with oneDNN."""
-    return (
+def can_pack_linear_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """oneDNN-packed weights: CPU tensors, in builds of torch with oneDNN, of a dtype
+    oneDNN multiplies on this CPU (its bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT;
+    on an AVX2-only CPU packing them raises, so those weights stay plain)."""
+    if not (
         torch.device(device).type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

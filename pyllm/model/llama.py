@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> bool:
         """Hands every projection's weight to oneDNN in its packed layout (CPU only;
         see layers.Linear). Call after loading; returns whether it packed."""
-        if not can_pack_linear_weights(self.device):
+        if not can_pack_linear_weights(self.device, self.dtype):
             return False
         for module in self.modules():
             if isinstance(module, Linear) and module.packed_weight is None:
