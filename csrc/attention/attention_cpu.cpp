@@ -58,8 +58,9 @@ using vec::kLanes;
 using vec::Vec16;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Row tiles of at most this many query rows share each loaded key vector.
-constexpr int kMaxRowTile = 8;
+// Row tiles of at most this many query rows share each loaded key vector
+// (4 where a Vec16 takes two of AVX2's 16 registers).
+constexpr int kMaxRowTile = vec::kRegisterVecs >= 16 ? 8 : 4;
 // Logits of one row for one chunk, plus one vector of slack: the last token
 // group's 16-lane store may reach past the chunk's last token.
 constexpr int kLogitsStride = static_cast<int>(kPartitionSize) + kLanes;
@@ -215,10 +216,10 @@ inline Vec16 fold_to_tokens(Vec16* wide, int n) {
 
 // Token-group vectors accumulated at once by a tile of RT rows: RT * NV
 // independent multiply-add chains hide the FMA latency, and the RT * NV
-// accumulators, NV keys and a query vector still fit in the 32 registers.
+// accumulators, NV keys and a query vector still fit in the registers.
 constexpr int vecs_in_flight(int rows, int vecs) {
   int nv = 1;
-  while (nv * 2 * rows <= 16 && nv * 2 <= vecs) nv *= 2;
+  while (nv * 2 * rows <= vec::kRegisterVecs / 2 && nv * 2 <= vecs) nv *= 2;
   return nv;
 }
 
@@ -394,20 +395,28 @@ struct LinePrefetcher {
   int64_t byte = 0;
 
   void issue(int lines) {
-    for (; lines > 0 && block < num_blocks; --lines) {
-      vec::prefetch_l2(blocks[block] + byte);
-      byte += 64;
-      if (byte >= block_bytes) {
-        byte = 0;
-        ++block;
+    // Locals, not members, in the loop: the compiler cannot keep members in
+    // registers across the prefetches.
+    int b = block;
+    int64_t offset = byte;
+    for (; lines > 0 && b < num_blocks; --lines) {
+      vec::prefetch_l2(blocks[b] + offset);
+      offset += 64;
+      if (offset >= block_bytes) {
+        offset = 0;
+        ++b;
       }
     }
+    block = b;
+    byte = offset;
   }
 };
 
-// Head dimensions handled together in the value pass, per row tile of kValueRows.
-constexpr int kValueDims = 4;
-constexpr int kValueRows = 4;
+// Head dimensions handled together in the value pass, per row tile of kValueRows:
+// kValueDims * kValueRows accumulators, kValueRows weights and a value vector
+// stay in registers (AVX2: 2 x 2, measured no slower than 1 x 4 or 4 x 1).
+constexpr int kValueDims = vec::kRegisterVecs >= 16 ? 4 : 2;
+constexpr int kValueRows = vec::kRegisterVecs >= 16 ? 4 : 2;
 // Token groups walked together (value blocks, for block_size 16): fewer than
 // the 12 ways of an L1 set (see pv_row_tile).
 constexpr int kValueGroupsPerPass = 8;
