@@ -7,11 +7,11 @@
     python benchmarks/sampler.py --no-step           # skip the decode step (no model load)
 
 The sampler's budget is a share of a decode step, so the same run also times real decode
-steps of the bundled model (SmolLM2-135M, bfloat16, through pyllm's own LLMEngine: model
-runner, scheduler and a greedy sampler) for --num-seqs sequences of --step-prompt-len
-random prompt tokens (by default the sampler batch's own context), and prints each
-scenario's sampler time as a percentage of it; the issue's target is under 10% for
-"all options".
+steps of the bundled model (SmolLM2-135M in the engine's default dtype, or --step-dtype,
+through pyllm's own LLMEngine: model runner, scheduler and a greedy sampler) for
+--num-seqs sequences of --step-prompt-len random prompt tokens (by default the sampler
+batch's own context), and prints each scenario's sampler time as a percentage of it; the
+issue's target is under 10% for "all options".
 
 Logits are random normals times --logit-std (4 gives a next-token entropy near 3 nats at
 temperature 0.8, like a language model mid-sentence; the table prints what the cuts kept).
@@ -96,7 +96,8 @@ def decode_step_time(args) -> tuple[float, float, str]:
         if made != args.num_seqs:
             raise RuntimeError(f"a decode step made {made} tokens, not {args.num_seqs}")
     model = (
-        f"{os.path.basename(engine.config.model_path)} {args.step_dtype}, vocab {vocab},"
+        f"{os.path.basename(engine.config.model_path)}"
+        f" {str(engine.config.torch_dtype).removeprefix('torch.')}, vocab {vocab},"
         f" {args.num_seqs} sequences after {args.step_prompt_len}-token prompts"
     )
     del engine
@@ -183,7 +184,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-step", action="store_true", help="skip timing a decode step")
     parser.add_argument("--model", default=None, help="model of the decode step (bundled)")
-    parser.add_argument("--step-dtype", default="bfloat16")
+    parser.add_argument(
+        "--step-dtype", default="auto", help="dtype of the decode step (auto: the engine's)"
+    )
     parser.add_argument(
         "--step-prompt-len",
         type=int,
