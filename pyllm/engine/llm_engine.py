@@ -160,7 +160,7 @@ class LLMEngine:
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
             )
         seqs = []
-        for i in range(params.n):
+        for i in range(params.num_samples):
             seq_params = params
             if params.seed is not None and i > 0:  # distinct samples, still reproducible
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
@@ -273,7 +273,9 @@ class LLMEngine:
         seq.append_token(token)
         self.stats.generation_tokens += 1
         if logprob is not None:
-            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob[0]
+            if seq.sampling_params.logprobs is not None:
+                seq.logprobs.append(logprob)
         delta = request.detokenizers[id(seq)].add(token)
         seq.output_text += delta
         check_stop(seq, delta, self.eos_token_ids, self.max_model_len)
@@ -288,8 +290,9 @@ class LLMEngine:
             request.waiting_siblings = []
 
     def _output(self, request: _Request) -> RequestOutput:
+        finished = request.finished
         outputs = []
-        for i, seq in enumerate(request.seqs):
+        for i, seq in enumerate(_returned_samples(request.seqs, finished)):
             text = streamable_text(seq)
             outputs.append(
                 CompletionOutput(
@@ -303,7 +306,6 @@ class LLMEngine:
                     else None,
                 )
             )
-        finished = request.finished
         if finished:
             self._forget(request)
         first = request.seqs[0]
@@ -333,6 +335,22 @@ class LLMEngine:
         if isinstance(self.kv_manager, BlockManager):
             return self.kv_cache_bytes
         return self.kv_manager.committed_bytes()
+
+
+def _returned_samples(seqs: list[Sequence], finished: bool) -> list[Sequence]:
+    """The sequences a request's output shows: all of them, or, when best_of draws more
+    than n, none until all are done and then the n with the highest logprob per token
+    (OpenAI's definition of best; ties keep the order of drawing)."""
+    params = seqs[0].sampling_params
+    if not params.ranks_samples:
+        return seqs
+    if not finished:
+        return []
+
+    def logprob_per_token(seq: Sequence) -> float:
+        return seq.cumulative_logprob / max(1, len(seq.output_token_ids))
+
+    return sorted(seqs, key=logprob_per_token, reverse=True)[: params.n]
 
 
 def _load(config: EngineConfig):

@@ -45,6 +45,8 @@ class Sequence:
     output_text: str = ""
     # Per generated token: (chosen logprob, {token: logprob} of the top k) when asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Sum of the generated tokens' logprobs, kept when best_of ranks the samples.
+    cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     # Per prompt position: (logprob of the prompt token there, {token: logprob} of the top
     # k) given the tokens before it; None at position 0 and until computed. The engine sets

@@ -278,6 +278,11 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         params = super().to_sampling_params()
+        if self.best_of is not None:
+            try:
+                params = dataclasses.replace(params, best_of=self.best_of)
+            except ValueError as error:
+                raise RequestError(str(error), "best_of") from None
         # The engine computes the prompt's logprobs once, for the larger of the two asks.
         asked = [k for k in (self.prompt_logprobs, self.echo_logprobs and self.logprobs) if k]
         if self.prompt_logprobs is None and not self.echo_logprobs:
@@ -290,8 +295,11 @@ class CompletionRequest(_SamplingRequest):
     def check(self) -> None:
         if self.suffix:
             raise RequestError("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise RequestError("best_of other than n is not supported by this server", "best_of")
+        if self.best_of is not None and not 1 <= self.best_of <= MAX_N:
+            raise RequestError(f"best_of must be in [1, {MAX_N}], got {self.best_of}", "best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            # As OpenAI: the best samples are known only when all have finished.
+            raise RequestError("best_of larger than n cannot be streamed", "best_of")
         if self.stream and (self.echo_logprobs or self.prompt_logprobs is not None):
             raise RequestError(
                 "prompt logprobs (echo with logprobs, or prompt_logprobs) need stream: false",

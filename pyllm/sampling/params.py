@@ -38,6 +38,8 @@ class SamplingParams:
 
     seed: int | None = None
     n: int = 1
+    # Samples drawn; the n with the highest log-probability per token are returned
+    # (OpenAI's best_of). None: n.
     best_of: int | None = None
 
     # Log-probabilities: of the chosen token (logprobs=0) plus the top k (logprobs=k).
@@ -56,6 +58,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for this request: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranks_samples(self) -> bool:
+        """More samples are drawn than returned, so each one's log-probability is needed."""
+        return self.num_samples > self.n
 
     def validate(self) -> None:
         def integer(name: str, value: object, low: int | None = None) -> None:

@@ -73,7 +73,8 @@ Logprobs = tuple[float, dict[int, float]]
 class SamplerOutput:
     token_ids: list[int]
     # Per sequence: (chosen token's logprob, {token: logprob} of the top k) when its
-    # sampling_params.logprobs is k (0: an empty dict), else None.
+    # sampling_params.logprobs is k (0: an empty dict) or its request ranks best_of
+    # samples (k = 0 unless logprobs asks more), else None.
     logprobs: list[Logprobs | None]
 
 
@@ -207,10 +208,14 @@ class Sampler:
         self, logits: torch.Tensor, token_ids: torch.Tensor, seqs: SequenceOf[Sequence]
     ) -> list[Logprobs | None]:
         out: list[Logprobs | None] = [None] * len(seqs)
-        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        rows = [
+            i
+            for i, seq in enumerate(seqs)
+            if seq.sampling_params.logprobs is not None or seq.sampling_params.ranks_samples
+        ]
         if rows:
             index = _rows(rows, len(seqs), logits.device)
-            ks = [seqs[i].sampling_params.logprobs for i in rows]
+            ks = [seqs[i].sampling_params.logprobs or 0 for i in rows]
             found = _token_logprobs(_take_rows(logits, index), _take_rows(token_ids, index), ks)
             for row, entry in zip(rows, found, strict=True):
                 out[row] = entry

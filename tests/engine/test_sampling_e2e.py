@@ -73,6 +73,31 @@ def test_stop_string_split_across_tokens_stops_and_never_streams(tiny):
     assert final.outputs[0].text == text[: cut + 2]
 
 
+def test_best_of_returns_the_samples_with_the_highest_logprob_per_token(tiny):
+    """best_of=4, n=2 draws the same 4 samples as n=4 (sibling i is seeded seed + i) and
+    returns the 2 with the highest mean logprob, best first; nothing shows before then."""
+    llm, _ = tiny
+    prompt = _prompts(1, seed=11)[0]
+    common = dict(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(n=4, logprobs=0, **common)
+    every = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    every = every[0].outputs
+    means = [sum(lp for lp, _ in c.logprobs) / len(c.logprobs) for c in every]
+    ranked = sorted(range(4), key=lambda i: means[i], reverse=True)
+    assert len({tuple(c.token_ids) for c in every}) > 1  # the samples differ
+
+    engine = llm.engine
+    engine.add_request("best", None, SamplingParams(n=2, best_of=4, **common), prompt)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert all(not o.outputs for o in outputs[:-1]) and outputs[-1].finished
+    best = outputs[-1].outputs
+    assert [c.index for c in best] == [0, 1]
+    assert [c.token_ids for c in best] == [every[i].token_ids for i in ranked[:2]]
+    assert all(c.logprobs is None for c in best)  # not asked for
+
+
 def test_greedy_logprobs_match_hf(tiny):
     llm, hf_model = tiny
     prompt = _prompts(1, seed=12)[0]

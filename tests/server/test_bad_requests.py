@@ -96,6 +96,9 @@ CASES = [
     Case("prompt_logprobs too many", 400, "prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=21)),  # noqa: E501
     Case("prompt_logprobs negative", 400, "prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=-1)),  # noqa: E501
     Case("echo with logprobs, streamed", 400, "echo", COMPLETIONS, completion(echo=True, logprobs=1, stream=True)),  # noqa: E501
+    Case("best_of below n", 400, "best_of", COMPLETIONS, completion(n=3, best_of=2)),
+    Case("best_of zero", 400, "best_of", COMPLETIONS, completion(best_of=0)),
+    Case("best_of above n, streamed", 400, "best_of", COMPLETIONS, completion(best_of=3, stream=True)),  # noqa: E501
     # Who and what.
     Case("unknown model", 400, "model", body=chat(model="gpt-9"), code="model_not_found"),
     Case("unknown model (completions)", 400, "model", COMPLETIONS, completion(model="gpt-9")),

@@ -275,6 +275,15 @@ def test_completion_n2_and_batch_prompts(client, server):
     assert by_index[2] == alone.choices[0].text
 
 
+def test_completion_best_of(client, server):
+    """best_of samples 3 and returns the one with the highest logprob per token."""
+    r = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=6, best_of=3, n=1, temperature=1.0, seed=5
+    )
+    assert [c.index for c in r.choices] == [0]
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].text
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_stop(client, server, kind):
     if kind == "chat":
