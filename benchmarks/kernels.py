@@ -230,8 +230,19 @@ def bench_smollm2(args) -> list[tuple[str, float, float]]:
         rf = residual.float()
         x.copy_((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w)
 
+    weight = torch.randn(2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
+    one_row = torch.randn(1, hidden, dtype=dtype, device=device)
+    linear_out = torch.empty(1, 2 * inter, dtype=dtype, device=device)
     return [
         bench_prefill(args, 9, 3, 64, tokens),
+        (
+            f"small_batch_linear 1x{hidden}->{2 * inter}",
+            time_call(
+                lambda: torch.ops.pyllm.small_batch_linear(linear_out, one_row, weight, None),
+                device,
+            ),
+            time_call(lambda: torch.nn.functional.linear(one_row, weight), device),
+        ),
         (
             f"silu_and_mul {tokens}x{inter}",
             time_call(lambda: torch.ops.pyllm.silu_and_mul(act, gate_up), device),

@@ -75,6 +75,11 @@ namespace pyllm {
                                                                                \
   void silu_and_mul(at::Tensor& out, const at::Tensor& input);                \
                                                                                \
+  /* out[M, N] = input[M, K] . weight[N, K]^T (+ bias), M <= 4 rows. */          \
+  void small_batch_linear(at::Tensor& out, const at::Tensor& input,           \
+                          const at::Tensor& weight,                           \
+                          const std::optional<at::Tensor>& bias);             \
+                                                                               \
   /* Contiguous KV layout: seq_slots name each token's or sequence's slot. */  \
   void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value,    \
                            at::Tensor& key_cache, at::Tensor& value_cache,    \
@@ -110,6 +115,9 @@ PYLLM_DECLARE_OPS
 // is reduced separately, then the partitions are merged. Python reads it back
 // through torch.ops.pyllm.partition_size() to size exp_sums/max_logits/tmp_out.
 constexpr int64_t kPartitionSize = 512;
+
+// Most input rows small_batch_linear takes (a decode step of a few sequences).
+constexpr int64_t kSmallBatchMaxRows = 4;
 
 // Tokens per tile of the contiguous KV layout (see the top of this file).
 constexpr int64_t kTokenTile = 16;

@@ -47,10 +47,13 @@ PARTITION_SIZE: int = int(_C.partition_size())
 BUILT_WITH_CUDA: bool = bool(_C.built_with_cuda())
 # Tokens per tile of the contiguous KV layout.
 TOKEN_TILE: int = int(_C.token_tile())
+# Most input rows small_batch_linear takes.
+SMALL_BATCH_MAX_ROWS: int = int(_C.small_batch_max_rows())
 
 __all__ = [
     "KVArena",
     "PARTITION_SIZE",
+    "SMALL_BATCH_MAX_ROWS",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
@@ -69,6 +72,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "small_batch_linear",
     "swap_blocks",
     "write_kv_contiguous",
 ]
@@ -810,6 +814,50 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     )
     _contiguous("out", out)
     _C.silu_and_mul(out, input)
+
+
+def small_batch_linear(
+    out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """out = input @ weight.T (+ bias) for a few rows: ``input [M, K]`` with
+    ``M <= SMALL_BATCH_MAX_ROWS``, ``weight [N, K]`` (as nn.Linear stores it), ``bias [N]``,
+    ``out [M, N]``, all one dtype. Accumulates in float32.
+
+    A decode step of a few sequences: on the CPU a kernel that streams the weight once at
+    memory bandwidth, with none of a GEMM library's per-call cost; on CUDA, cuBLAS.
+    Input rows may be strided (a row view); their elements must be packed.
+    """
+    _tensor("input", input)
+    _tensor("weight", weight)
+    _tensor("out", out)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _ndim("input", input, 2, "[rows, in_features]")
+    _packed_rows("input", input)
+    rows, in_features = input.shape
+    if rows > SMALL_BATCH_MAX_ROWS:
+        raise ValueError(
+            f"input has {rows} rows; small_batch_linear takes at most {SMALL_BATCH_MAX_ROWS}"
+        )
+    for name, t in (("weight", weight), ("out", out)):
+        _device(name, t, input.device)
+        _same_dtype(name, t, input.dtype)
+    _ndim("weight", weight, 2, "[out_features, in_features]")
+    if weight.shape[1] != in_features:
+        raise ValueError(
+            f"weight must be [out_features, {in_features}] (input's in_features), "
+            f"got {tuple(weight.shape)}"
+        )
+    _contiguous("weight", weight)
+    _shape("out", out, (rows, weight.shape[0]), "[rows, out_features]")
+    _contiguous("out", out)
+    if bias is not None:
+        _tensor("bias", bias)
+        _device("bias", bias, input.device)
+        _same_dtype("bias", bias, input.dtype)
+        _shape("bias", bias, (weight.shape[0],), "[out_features]")
+        _contiguous("bias", bias)
+    _C.small_batch_linear(out, input, weight, bias)
 
 
 # ---------------------------------------------------------------------------

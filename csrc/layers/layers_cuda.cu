@@ -1,7 +1,10 @@
-// CUDA norms and activation: rms_norm, fused_add_rms_norm, silu_and_mul.
-// One thread block per row; all arithmetic in float32.
+// CUDA norms and activation: rms_norm, fused_add_rms_norm, silu_and_mul (one
+// thread block per row; all arithmetic in float32), and small_batch_linear.
 #include <algorithm>
 #include <vector>
+
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
@@ -164,6 +167,31 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
         static_cast<int>(d));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// On a GPU the product of a few rows is cuBLAS's to do well (its GEMV kernels stream
+// the weight at HBM speed); the op exists on CUDA so that code calling it runs on
+// either device. The CPU kernel's checks, then one cuBLAS call.
+void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  check_cuda(input, "input");
+  check_cuda(weight, "weight");
+  check_cuda(out, "out");
+  TORCH_CHECK(input.dim() == 2 && input.size(0) <= kSmallBatchMaxRows,
+              "input must be [rows <= ", kSmallBatchMaxRows, ", in_features], got ",
+              input.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1) &&
+                  weight.scalar_type() == input.scalar_type(),
+              "weight must be [out_features, ", input.size(1), "] in input's dtype");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == weight.size(0) &&
+                  out.is_contiguous() && out.scalar_type() == input.scalar_type(),
+              "out must be contiguous [", input.size(0), ", ", weight.size(0), "]");
+  if (bias.has_value()) {
+    check_cuda(*bias, "bias");
+    at::addmm_out(out, *bias, input, weight.t());
+  } else {
+    at::mm_out(out, input, weight.t());
+  }
 }
 
 }  // namespace pyllm::cuda

@@ -9,6 +9,7 @@ of once per layer and op.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -198,9 +199,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
 
-    On the CPU, pack() hands W to oneDNN once in its blocked layout: a plain
-    F.linear lets oneDNN re-lay-out the whole weight on every call, which at batch 1
-    (bf16 especially) costs more than the product itself.
+    On the CPU, up to ops.SMALL_BATCH_MAX_ROWS rows (a decode step of a few sequences)
+    go through pyllm's small_batch_linear, which streams W at memory bandwidth without a
+    GEMM library's per-call cost. More rows go through oneDNN: pack() hands W to it once
+    in its blocked layout (a plain F.linear lets oneDNN re-lay-out the whole weight on
+    every call, which costs more than the product itself at small batches, bf16
+    especially). pack(keep_plain=True) keeps W beside the packed copy for the small-batch
+    path, at twice the weight memory.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
@@ -210,20 +215,48 @@ class Linear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and takes_small_batch_path(x):
+            return small_batch_linear(x, self.weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> None:
-        """Replaces the weight by oneDNN's packed copy (same memory, not a second one);
-        dense_weight() still reads it back."""
+    def pack(self, keep_plain: bool = False) -> None:
+        """Adds oneDNN's packed copy of the weight. Without keep_plain the plain weight
+        is dropped (one copy in memory; dense_weight() still reads it back), and every
+        batch size goes through oneDNN."""
         self.packed_weight = pack_linear_weight(self.weight)
-        self.weight = None
+        if not keep_plain:
+            self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight if self.packed_weight is None else self.packed_weight.to_dense()
+
+
+def takes_small_batch_path(x: torch.Tensor) -> bool:
+    """Rows few enough for small_batch_linear, on the CPU (cuBLAS does these on a GPU)."""
+    return x.dim() == 2 and x.shape[0] <= ops.SMALL_BATCH_MAX_ROWS and x.device.type == "cpu"
+
+
+def small_batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _C.small_batch_linear(out, x, weight, bias)
+    return out
+
+
+def plain_copy_fits(nbytes: int) -> bool:
+    """Whether keeping nbytes of weights twice (plain for the small-batch path beside
+    oneDNN's packed copy) leaves the machine's memory comfortable: the second copy may
+    take up to a quarter of it. For SmolLM2-135M in float32 that is 0.5 GB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return False
+    return nbytes <= total // 4
 
 
 def can_pack_linear_weights(device: torch.device | str, dtype: torch.dtype) -> bool:

@@ -22,7 +22,10 @@ from pyllm.model.layers import (
     _param,
     can_pack_linear_weights,
     pack_linear_weight,
+    plain_copy_fits,
     rotary_cos_sin_cache,
+    small_batch_linear,
+    takes_small_batch_path,
     v2_workspace,
 )
 
@@ -112,14 +115,19 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.dense_weight()
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, keep_plain: bool | None = None) -> bool:
         """Hands every projection's weight to oneDNN in its packed layout (CPU only;
-        see layers.Linear). Call after loading; returns whether it packed."""
+        see layers.Linear). Call after loading; returns whether it packed. keep_plain
+        keeps the plain weights too, for small batches; by default it does when the
+        second copy fits (layers.plain_copy_fits)."""
         if not can_pack_linear_weights(self.device, self.dtype):
             return False
-        for module in self.modules():
-            if isinstance(module, Linear) and module.packed_weight is None:
-                module.pack()
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is None]
+        if keep_plain is None:
+            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+            keep_plain = plain_copy_fits(nbytes)
+        for module in linears:
+            module.pack(keep_plain)
         if self.config.tie_word_embeddings:
             self.tied_lm_head_packed = pack_linear_weight(self.model.embed_tokens.weight)
         return True
@@ -162,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
+        if takes_small_batch_path(hidden):
+            return small_batch_linear(hidden, self.model.embed_tokens.weight).float()
         if self.tied_lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 hidden, self.tied_lm_head_packed, None, "none", [], ""

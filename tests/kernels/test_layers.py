@@ -1,4 +1,5 @@
-"""rms_norm, fused_add_rms_norm and silu_and_mul against plain-PyTorch float64 references.
+"""rms_norm, fused_add_rms_norm, silu_and_mul and small_batch_linear against plain-PyTorch
+float64 references.
 
 Outputs are poisoned (NaN) before each call, so a row or element the kernel skips fails.
 Hidden sizes include ones that are not multiples of the kernels' vector width or
@@ -157,8 +158,53 @@ def test_layers_no_rows(device):
     ops.silu_and_mul(torch.empty(0, 32, device=device), x)
 
 
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "in_features, out_features",
+    # SmolLM2's projections; widths that leave a partial vector; fewer outputs than a
+    # step of weight rows; a weight big enough to be split across threads.
+    [(576, 960), (1536, 576), (100, 7), (64, 1), (17, 3), (2048, 4099)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_batch_linear(dtype, in_features, out_features, rows, bias, device):
+    generator = torch.Generator().manual_seed(in_features * 10 + out_features + rows)
+    # A row view of a wider tensor, as the model's inputs may be.
+    wide = torch.randn(rows, in_features + 24, generator=generator)
+    x = wide.to(dtype).to(device)[:, 8 : 8 + in_features]
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    weight = weight.to(dtype).to(device)
+    b = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
+    out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
+
+    ops.small_batch_linear(out, x, weight, b)
+
+    expected = x.cpu().double() @ weight.cpu().double().T
+    if b is not None:
+        expected += b.cpu().double()
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+def test_small_batch_linear_no_rows(device):
+    out = torch.empty(0, 8, device=device)
+    ops.small_batch_linear(
+        out, torch.empty(0, 64, device=device), torch.randn(8, 64, device=device)
+    )
+
+
 def test_rms_norm_kernel_rejects_mismatched_out():
     """The kernel itself refuses an out of the wrong shape when called without ops.py."""
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="out"):
         torch.ops.pyllm.rms_norm(torch.empty(3, 64), x, torch.ones(64), EPS)
+
+
+def test_small_batch_linear_kernel_rejects_too_many_rows():
+    """The kernel itself refuses more rows than it handles when called without ops.py."""
+    rows = ops.SMALL_BATCH_MAX_ROWS + 1
+    with pytest.raises(RuntimeError, match="rows"):
+        torch.ops.pyllm.small_batch_linear(
+            torch.empty(rows, 8), torch.randn(rows, 64), torch.randn(8, 64), None
+        )

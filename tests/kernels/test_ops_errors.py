@@ -145,6 +145,13 @@ def valid_silu_and_mul():
     return dict(out=torch.empty(3, 32), input=torch.randn(3, 64))
 
 
+def valid_small_batch_linear():
+    return dict(
+        out=torch.empty(2, 24), input=torch.randn(2, 64), weight=torch.randn(24, 64),
+        bias=torch.randn(24),
+    )  # fmt: skip
+
+
 def contiguous_arena():
     """A small KVArena with slots 1 and 3 committed (test_contiguous.py tests the arena
     and the bad arguments of these ops)."""
@@ -206,6 +213,7 @@ VALID = {
     "rms_norm": valid_rms_norm,
     "fused_add_rms_norm": valid_fused_add_rms_norm,
     "silu_and_mul": valid_silu_and_mul,
+    "small_batch_linear": valid_small_batch_linear,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
     "contiguous_attention_prefill": valid_contiguous_attention_prefill,
@@ -774,6 +782,31 @@ CASES += [
         ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
         ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
         ("out_not_contiguous", {"out": lambda a: torch.empty(3, 40)[:, :32]}, ValueError, "out"),
+    ),
+    *cases_for(
+        "small_batch_linear",
+        (
+            "too_many_rows",
+            {
+                "input": torch.randn(ops.SMALL_BATCH_MAX_ROWS + 1, 64),
+                "out": torch.empty(ops.SMALL_BATCH_MAX_ROWS + 1, 24),
+            },
+            ValueError,
+            "input",
+        ),  # fmt: skip
+        ("input_1d", {"input": torch.randn(64)}, ValueError, "input"),
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
+        ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),
+        ("weight_in_features", {"weight": torch.randn(24, 63)}, ValueError, "weight"),
+        ("weight_dtype", {"weight": lambda a: a["weight"].half()}, TypeError, "weight"),
+        ("weight_not_contiguous", {"weight": torch.randn(64, 24).t()}, ValueError, "weight"),
+        ("weight_not_tensor", {"weight": [[1.0]]}, TypeError, "weight"),
+        ("out_shape", {"out": torch.empty(2, 23)}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+        ("out_not_contiguous", {"out": lambda a: torch.empty(2, 40)[:, :24]}, ValueError, "out"),
+        ("bias_size", {"bias": torch.randn(23)}, ValueError, "bias"),
+        ("bias_dtype", {"bias": lambda a: a["bias"].double()}, TypeError, "bias"),
     ),
 ]
 

@@ -126,7 +126,9 @@ def test_compute_logits_selects_rows(family):
     all_rows = model.compute_logits(hidden)
     picked = model.compute_logits(hidden, torch.tensor([4, 1]))
     assert picked.dtype == torch.float32 and picked.shape == (2, model.config.vocab_size)
-    torch.testing.assert_close(picked, all_rows[[4, 1]])
+    torch.testing.assert_close(picked, model.compute_logits(hidden[[4, 1]]))
+    # 2 rows take the small-batch kernel and 5 oneDNN: the same up to float rounding.
+    torch.testing.assert_close(picked, all_rows[[4, 1]], atol=1e-4, rtol=1e-4)
 
 
 def test_bad_step_inputs_are_named(family):

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine runs, as one command (see README, "Building for CUDA"):
+# build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA,
+# then the kernel, KV-mode and sampler benchmarks. Every log and table goes to $OUT
+# (the device tool's output folder) or ./gpu-out.
+#
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
+#
+# That machine has no internet: nothing is installed, the extension is built in place
+# (setup.py build_ext --inplace) and the tests import it from the checkout. The kernel
+# tests need only torch and pytest; the benchmarks here need no model.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYLLM_TARGET=cuda TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+py=${PYTHON:-python3}
+start=$SECONDS
+step() { echo "== [$((SECONDS - start))s] $*" | tee -a "$out/summary.txt"; }
+
+step "machine"
+{ nvidia-smi; "$py" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
+  >"$out/machine.txt" 2>&1
+cat "$out/machine.txt" | tee -a "$out/summary.txt"
+
+step "build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
+if ! "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log" | tee -a "$out/summary.txt"
+  step "build FAILED"
+  exit 1
+fi
+"$py" -c "import pyllm.ops as ops; assert ops.BUILT_WITH_CUDA, 'no CUDA kernels'; print('CUDA kernels built')" \
+  2>&1 | tee -a "$out/summary.txt"
+
+step "kernel tests on CUDA (tests/kernels -k cuda)"
+"$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf >"$out/tests.log" 2>&1
+echo "pytest exit $?" | tee -a "$out/summary.txt"
+tail -15 "$out/tests.log" | tee -a "$out/summary.txt"
+
+step "decode attention and the other ops (benchmarks/kernels.py --device cuda)"
+"$py" benchmarks/kernels.py --device cuda >"$out/kernels.txt" 2>&1
+echo "exit $?" | tee -a "$out/summary.txt"
+step "the H200 target case: bf16, head 128, batch 64, context 4096"
+"$py" benchmarks/kernels.py --device cuda --batches 64 --contexts 4096 --skip-small-ops \
+  2>&1 | tee -a "$out/summary.txt"
+
+step "paged vs contiguous KV (benchmarks/kv_modes.py --device cuda)"
+"$py" benchmarks/kv_modes.py --device cuda >"$out/kv_modes.txt" 2>&1
+echo "exit $?" | tee -a "$out/summary.txt"
+
+step "sampler (benchmarks/sampler.py --device cuda --no-step)"
+"$py" benchmarks/sampler.py --device cuda --no-step >"$out/sampler.txt" 2>&1
+echo "exit $?" | tee -a "$out/summary.txt"
+step "done"
