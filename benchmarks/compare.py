@@ -17,6 +17,14 @@ Cases (tok/s = tokens over the wall time of one generate call):
 The machine is noisy, so the engines alternate case by case (every engine runs a case,
 then the next case), and each figure is the best of --repeats runs.
 Before any speed is reported, pyllm's float32 greedy text is checked against HF's.
+
+llama.cpp runs in this process: a llama-cpp-python built with its default native flags
+on a CPU with AMX (Sapphire Rapids, in this project's KVM machine) died with a general
+protection fault in libggml-cpu's AMX code and took the run with it. Built without AMX
+it runs:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+    -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --force-reinstall --no-deps \
+    --no-cache-dir llama-cpp-python
 """
 
 from __future__ import annotations
