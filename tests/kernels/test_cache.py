@@ -243,3 +243,36 @@ def test_swap_blocks_kernel_rejects_out_of_range_block():
     src, dst = torch.zeros(4, 2, 64, 8), torch.zeros(2, 2, 64, 8)
     with pytest.raises(RuntimeError, match="block_mapping"):
         torch.ops.pyllm.swap_blocks(src, dst, torch.tensor([[3, 2]]))
+
+
+def _transparent_huge_pages_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _anon_huge_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(
+    _transparent_huge_pages_mode() not in ("always", "madvise"),
+    reason="transparent huge pages are off (or this is not Linux)",
+)
+def test_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages():
+    before = _anon_huge_bytes()
+    key_cache, value_cache = ops.allocate_kv_cache(1024, 8, 128, 16, torch.bfloat16, "cpu")
+    after = _anon_huge_bytes()
+    assert key_cache.shape == (1024, 8, 16, 16, 8) and value_cache.shape == (1024, 8, 128, 16)
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert not key_cache.any() and not value_cache.any()
+    # 2 x 32 MiB of cache: all but a partial 2 MiB page at each end can be huge pages.
+    assert after - before >= 48 * 2**20, (before, after)
+    key_cache.fill_(1.0)  # writable, and still readable after the allocation returns
+    assert key_cache.sum().item() == key_cache.numel()
