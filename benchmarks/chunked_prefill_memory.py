@@ -46,7 +46,7 @@ def run_case(args) -> dict:
     llm.generate(prompt_token_ids=[[1000] * 64], sampling_params=params, use_tqdm=False)
     cfg = llm.engine.model_config
     kv_bytes = args.prompt * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-    kv_bytes *= torch.empty((), dtype=llm.engine.config.torch_dtype).element_size()
+    kv_bytes *= llm.engine.config.torch_dtype.itemsize
     prompt = [1000 + (i * 7919) % 20000 for i in range(args.prompt)]
     if llm.engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

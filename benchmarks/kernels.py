@@ -80,7 +80,7 @@ def make_decode_case(args, batch: int, context: int):
 
 def bench_decode_case(args, batch: int, context: int, copy_gbs: float) -> list[dict]:
     """Times v1 and v2 on one (batch, context) case."""
-    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    element = DTYPES[args.dtype].itemsize
     kc, vc, tables, lens, q, out = make_decode_case(args, batch, context)
     kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_size * element
     moved = kv_bytes + 2 * q.numel() * element

@@ -92,7 +92,7 @@ def ops_row(args, batch: int, context: int) -> str:
     dtype, device = DTYPES[args.dtype], args.device
     hq, hkv, d, chunk = args.num_heads, args.num_kv_heads, args.head_size, args.chunk
     scale = d**-0.5
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     key_cache, value_cache, tables, paged_bytes = paged_case(args, batch, context)
     arena, ckey, cvalue, slots = contiguous_case(args, batch, context)
     query = torch.randn(batch, hq, d, dtype=dtype, device=device)

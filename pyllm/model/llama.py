@@ -262,7 +262,7 @@ def allocate_kv_caches(
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (keys and values): for sizing the cache."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     return (
         2
         * config.num_hidden_layers
