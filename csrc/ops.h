@@ -80,6 +80,12 @@ namespace pyllm {
                           const at::Tensor& weight,                           \
                           const std::optional<at::Tensor>& bias);             \
                                                                                \
+  /* out[M, N] = input[M, K] . W^T (+ bias), W word-packed [N/16, K/E, 16, E]  \
+     (E = 4 / element size; see pyllm.ops.pack_weight_words). */              \
+  void packed_linear(at::Tensor& out, const at::Tensor& input,                \
+                     const at::Tensor& packed_weight,                         \
+                     const std::optional<at::Tensor>& bias);                  \
+                                                                               \
   /* Contiguous KV layout: seq_slots name each token's or sequence's slot. */  \
   void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value,    \
                            at::Tensor& key_cache, at::Tensor& value_cache,    \
@@ -101,6 +107,9 @@ namespace pyllm {
 // The same set of functions, once for each device the library is built for.
 namespace cpu {
 PYLLM_DECLARE_OPS
+// Whether packed_linear has a vector kernel for dtype in this build (bf16 needs
+// AVX512-BF16; elsewhere it runs a plain loop).
+bool packed_linear_vectorized_for(at::ScalarType dtype);
 }  // namespace cpu
 
 #ifdef PYLLM_WITH_CUDA

@@ -77,10 +77,15 @@ TORCH_LIBRARY(pyllm, m) {
       " float epsilon) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("small_batch_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  m.def(
+      "packed_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
 
   // Build facts Python reads back.
   m.def("partition_size() -> int", []() -> int64_t { return pyllm::kPartitionSize; });
   m.def("small_batch_max_rows() -> int", []() -> int64_t { return pyllm::kSmallBatchMaxRows; });
+  m.def("packed_linear_vectorized(ScalarType dtype) -> bool", [](at::ScalarType dtype) -> bool {
+    return pyllm::cpu::packed_linear_vectorized_for(dtype);
+  });
   m.def("built_with_cuda() -> bool", []() -> bool {
 #ifdef PYLLM_WITH_CUDA
     return true;
@@ -102,6 +107,7 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("fused_add_rms_norm", &pyllm::ns::fused_add_rms_norm);       \
   m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);                   \
   m.impl("small_batch_linear", &pyllm::ns::small_batch_linear);       \
+  m.impl("packed_linear", &pyllm::ns::packed_linear);                 \
   m.impl("write_kv_contiguous", &pyllm::ns::write_kv_contiguous);     \
   m.impl("contiguous_attention_decode", &pyllm::ns::contiguous_attention_decode); \
   m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill);

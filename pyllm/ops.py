@@ -66,6 +66,9 @@ __all__ = [
     "copy_blocks",
     "fused_add_rms_norm",
     "kv_cache_x",
+    "pack_weight_words",
+    "packed_linear",
+    "packed_linear_vectorized",
     "paged_attention_prefill",
     "paged_attention_v1",
     "paged_attention_v2",
@@ -881,6 +884,82 @@ def small_batch_linear(
         _shape("bias", bias, (weight.shape[0],), "[out_features]")
         _contiguous("bias", bias)
     _C.small_batch_linear(out, input, weight, bias)
+
+
+def _words_per_element(dtype: torch.dtype) -> int:
+    return 4 // dtype.itemsize
+
+
+def pack_weight_words(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (as nn.Linear stores it) in packed_linear's layout,
+    ``[N / 16, K / E, 16, E]`` with E = 4 / element size (1 float32, 2 bf16 or f16): the
+    32-bit words of 16 consecutive output columns at one step of K are one 64-byte
+    vector. A new tensor; N must be a multiple of 16 and K of E."""
+    _tensor("weight", weight)
+    _float_dtype("weight", weight)
+    _ndim("weight", weight, 2, "[out_features, in_features]")
+    n, k = weight.shape
+    e = _words_per_element(weight.dtype)
+    if n % 16 or k % e:
+        raise ValueError(
+            f"weight must be [N, K] with N a multiple of 16 and K of {e} to pack, "
+            f"got {tuple(weight.shape)}"
+        )
+    return weight.detach().reshape(n // 16, 16, k // e, e).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_linear_vectorized(dtype: torch.dtype) -> bool:
+    """Whether this build's CPU packed_linear has a vector kernel for dtype: float32
+    always; bf16 where built with AVX512-BF16. Elsewhere it runs a plain loop (correct,
+    slow), so callers should keep their weights for another path."""
+    return bool(_C.packed_linear_vectorized(dtype))
+
+
+def packed_linear(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """out = input @ W.T (+ bias) with W given as ``pack_weight_words(W)``:
+    ``input [M, K]``, ``packed_weight [N / 16, K / E, 16, E]``, ``bias [N]``,
+    ``out [M, N]``, all one dtype. Accumulates in float32.
+
+    On the CPU a GEMM micro-kernel over the packed words (an FMA per float, vdpbf16ps
+    per bf16 pair): at decode batch sizes it streams the weight once per call without a
+    GEMM library's per-call cost. On CUDA the weight is unpacked for cuBLAS. Input rows
+    may be strided (a row view); their elements must be packed.
+    """
+    _tensor("input", input)
+    _tensor("packed_weight", packed_weight)
+    _tensor("out", out)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _ndim("input", input, 2, "[rows, in_features]")
+    _packed_rows("input", input)
+    rows, in_features = input.shape
+    for name, t in (("packed_weight", packed_weight), ("out", out)):
+        _device(name, t, input.device)
+        _same_dtype(name, t, input.dtype)
+    e = _words_per_element(input.dtype)
+    _ndim("packed_weight", packed_weight, 4, "[out_features / 16, in_features / E, 16, E]")
+    if packed_weight.shape[1:] != (in_features // e, 16, e) or in_features % e:
+        raise ValueError(
+            f"packed_weight must be [out_features / 16, {in_features // e}, 16, {e}] "
+            f"(pack_weight_words of a weight with {in_features} in_features), "
+            f"got {tuple(packed_weight.shape)}"
+        )
+    _contiguous("packed_weight", packed_weight)
+    out_features = packed_weight.shape[0] * 16
+    _shape("out", out, (rows, out_features), "[rows, out_features]")
+    _contiguous("out", out)
+    if bias is not None:
+        _tensor("bias", bias)
+        _device("bias", bias, input.device)
+        _same_dtype("bias", bias, input.dtype)
+        _shape("bias", bias, (out_features,), "[out_features]")
+        _contiguous("bias", bias)
+    _C.packed_linear(out, input, packed_weight, bias)
 
 
 # ---------------------------------------------------------------------------

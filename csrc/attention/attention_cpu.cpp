@@ -910,19 +910,15 @@ constexpr int kKeyTile = 16;           // key tokens per tile
 // Tokens of a tile that always share a cache block (block_size is a multiple of 8).
 constexpr int kHalfTile = kKeyTile / 2;
 
-// How the lane rows meet a dtype's 32-bit words as stored: a word is a bf16
-// pair (vdpbf16ps multiplies pairs) or one float (an FMA per element). An
-// x-group of a key token is 16 bytes, 4 words, in either.
+// How the lane rows meet a dtype's 32-bit words (vec::WordOps), and the two
+// conversions between words and the float32 rows of the softmax and output.
 template <typename T>
 struct LaneWords;
 
 template <>
-struct LaneWords<float> {
-  static constexpr int kElems = 1;  // elements per word
-  using Operand = Vec16;
+struct LaneWords<float> : vec::WordOps<float> {
   static Operand load(const uint32_t* p) { return Vec16::load(reinterpret_cast<const float*>(p)); }
-  static Operand broadcast(const float* p) { return Vec16::set1(*p); }
-  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return Vec16::fmadd(a, b, acc); }
+  using vec::WordOps<float>::load;
   // The probabilities of word i's tokens for one row vector (token i).
   static Operand p_word(const Vec16* p_tokens, int i) { return p_tokens[i]; }
   // 16 lanes' output words of word j: head dimension j.
@@ -935,13 +931,10 @@ struct LaneWords<float> {
 using vec::BF16x32;
 
 template <>
-struct LaneWords<c10::BFloat16> {
+struct LaneWords<c10::BFloat16> : vec::WordOps<c10::BFloat16> {
   using BF16 = c10::BFloat16;
-  static constexpr int kElems = 2;
-  using Operand = BF16x32;
   static Operand load(const uint32_t* p) { return BF16x32::load(reinterpret_cast<const BF16*>(p)); }
-  static Operand broadcast(const BF16* p) { return BF16x32::broadcast_pair(p); }
-  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return vec::dot_pairs(acc, a, b); }
+  using vec::WordOps<c10::BFloat16>::load;
   // Tokens 2i and 2i + 1, rounded to bf16 and paired.
   static Operand p_word(const Vec16* p_tokens, int i) {
     return BF16x32::interleave(p_tokens[2 * i], p_tokens[2 * i + 1]);

@@ -341,6 +341,136 @@ void small_batch_linear_rows(scalar_t* out, const scalar_t* x, int64_t x_stride,
   });
 }
 
+// ---------------------------------------------------------------------------
+// packed_linear: out[M, N] = input[M, K] . W^T (+ bias), W word-packed as
+// [N/16, K/E, 16, E] (E elements per 32-bit word: 1 float, 2 bf16 or f16): the
+// words of 16 consecutive output columns at one step of K are one 64-byte
+// vector, and a block of 16 columns is K/E such vectors in a row.
+//
+// The micro-kernel is a GEMM's: a tile of MB input rows x NB column blocks keeps
+// MB * NB accumulators (16 columns each) in registers; per word of K it loads NB
+// weight vectors, broadcasts each row's input word, and multiply-adds (an FMA,
+// or vdpbf16ps on a bf16 pair). No horizontal sums, no repacking at run time.
+// Each thread takes one contiguous range of column blocks and streams its part
+// of the weight front to back once; for more than MB rows the NB blocks' panel
+// (NB * K * 16 elements, tens of KB) is reused from L2 by every row tile.
+// Where the CPU has no such instruction for the dtype (bf16 without AVX512-BF16,
+// f16) a plain loop computes the same sums, for correctness only.
+
+// Rows and column blocks of the register tile: M <= 4 rows take 4 blocks (a
+// weight stream with 4 independent sums per row), more rows 8 x 3.
+constexpr int kTileRows = 8;
+constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
+
+template <typename T, int MB, int NB>
+void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* out,
+                 int64_t out_stride) {
+  using W = vec::WordOps<T>;
+  using vec::Vec16;
+  constexpr int E = W::kElems;
+  const int64_t block = K * vec::kLanes;  // elements of one column block
+  Vec16 acc[MB][NB];
+  for (auto& row : acc) {
+    for (auto& a : row) a = Vec16::zero();
+  }
+  for (int64_t k = 0; k < K; k += E) {
+    typename W::Operand b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = W::load(w + j * block + k * vec::kLanes);
+    for (int i = 0; i < MB; ++i) {
+      const auto a = W::broadcast(x + i * x_stride + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = W::mac(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) {
+      Vec16 y = acc[i][j];
+      if (bias != nullptr) y = y + Vec16::load(bias + j * vec::kLanes);
+      y.store(out + i * out_stride + j * vec::kLanes);
+    }
+  }
+}
+
+// Rows [0, M) x column blocks [b0, b1), MB rows at a time.
+template <typename T, int MB>
+void packed_row_tiles(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K,
+                      const T* bias, T* out, int64_t N, int64_t b0, int64_t b1) {
+  constexpr int NB = tile_blocks(MB);
+  const int64_t block = K * vec::kLanes;
+  auto tiles = [&](auto nb_tag, int64_t j) {
+    constexpr int kNB = decltype(nb_tag)::value;
+    const T* bj = bias ? bias + j * vec::kLanes : nullptr;
+    for (int64_t m = 0; m + MB <= rows; m += MB) {
+      packed_tile<T, MB, kNB>(x + m * x_stride, x_stride, w + j * block, K, bj,
+                              out + m * N + j * vec::kLanes, N);
+    }
+  };
+  int64_t j = b0;
+  for (; j + NB <= b1; j += NB) tiles(std::integral_constant<int, NB>{}, j);
+  for (; j < b1; ++j) tiles(std::integral_constant<int, 1>{}, j);
+}
+
+template <typename T>
+void packed_linear_vectorized(const T* x, int64_t x_stride, int64_t M, const T* w, int64_t N,
+                              int64_t K, const T* bias, T* out) {
+  const int64_t blocks = N / vec::kLanes;
+  // Few products: one thread (waking another costs more than it saves).
+  const int64_t threads = M * N * K < 4 * kGrainElements ? 1 : at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (blocks + threads - 1) / threads);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t full = M / kTileRows * kTileRows;
+    if (M <= kTileRows) {
+      // One row tile of exactly M rows.
+      switch (M) {
+        case 1: packed_row_tiles<T, 1>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 2: packed_row_tiles<T, 2>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 3: packed_row_tiles<T, 3>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 4: packed_row_tiles<T, 4>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 5: packed_row_tiles<T, 5>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 6: packed_row_tiles<T, 6>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        case 7: packed_row_tiles<T, 7>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+        default: packed_row_tiles<T, 8>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
+      }
+      return;
+    }
+    // Whole tiles of 8 rows, then the rest as one smaller tile.
+    packed_row_tiles<T, kTileRows>(x, x_stride, full, w, K, bias, out, N, b0, b1);
+    const int64_t rest = M - full;
+    const T* xr = x + full * x_stride;
+    T* outr = out + full * N;
+    switch (rest) {
+      case 0: break;
+      case 1: packed_row_tiles<T, 1>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      case 2: packed_row_tiles<T, 2>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      case 3: packed_row_tiles<T, 3>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      case 4: packed_row_tiles<T, 4>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      case 5: packed_row_tiles<T, 5>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      case 6: packed_row_tiles<T, 6>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+      default: packed_row_tiles<T, 7>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+    }
+  });
+}
+
+// The same sums in plain code: where no vector path exists for the dtype.
+template <typename T>
+void packed_linear_plain(const T* x, int64_t x_stride, int64_t M, const T* w, int64_t N,
+                         int64_t K, const T* bias, T* out) {
+  constexpr int E = 4 / sizeof(T);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      // Element k of column n: block n / 16, word k / E, lane n % 16, slot k % E.
+      const T* col = w + (n / vec::kLanes) * K * vec::kLanes + (n % vec::kLanes) * E;
+      for (int64_t m = 0; m < M; ++m) {
+        float sum = bias ? static_cast<float>(bias[n]) : 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+          sum += static_cast<float>(x[m * x_stride + k]) *
+                 static_cast<float>(col[(k / E) * vec::kLanes * E + k % E]);
+        }
+        out[m * N + n] = static_cast<T>(sum);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -370,6 +500,52 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
                             input.stride(0), M, weight.const_data_ptr<scalar_t>(), N, K,
                             bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr);
   });
+}
+
+void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                   const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
+                  (input.size(1) <= 1 || input.stride(1) == 1),
+              "input must be a CPU tensor [rows, in_features] with packed rows, got ",
+              input.sizes(), " strides ", input.strides());
+  const int64_t M = input.size(0), K = input.size(1);
+  const auto dtype = input.scalar_type();
+  const int64_t E = 4 / int64_t(input.element_size());
+  TORCH_CHECK(packed_weight.device().is_cpu() && packed_weight.dim() == 4 &&
+                  packed_weight.is_contiguous() && packed_weight.scalar_type() == dtype &&
+                  packed_weight.size(1) * E == K && packed_weight.size(2) == vec::kLanes &&
+                  packed_weight.size(3) == E,
+              "packed_weight must be a contiguous CPU tensor [out_features / 16, ", K / E,
+              ", 16, ", E, "] in input's dtype (pack_weight_words), got ",
+              packed_weight.sizes());
+  const int64_t N = packed_weight.size(0) * vec::kLanes;
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype &&
+                  out.dim() == 2 && out.size(0) == M && out.size(1) == N,
+              "out must be a contiguous CPU tensor [", M, ", ", N, "] in input's dtype");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->is_contiguous() && bias->scalar_type() == dtype,
+                "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
+  }
+  if (M == 0 || N == 0) return;
+  PYLLM_DISPATCH_FLOATING_TYPES(dtype, "packed_linear", [&] {
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    const scalar_t* w = packed_weight.const_data_ptr<scalar_t>();
+    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    if constexpr (vec::WordOps<scalar_t>::kVectorized) {
+      packed_linear_vectorized(x, input.stride(0), M, w, N, K, b, o);
+    } else {
+      packed_linear_plain(x, input.stride(0), M, w, N, K, b, o);
+    }
+  });
+}
+
+bool packed_linear_vectorized_for(at::ScalarType dtype) {
+  bool vectorized = false;
+  PYLLM_DISPATCH_FLOATING_TYPES(dtype, "packed_linear_vectorized_for",
+                                [&] { vectorized = vec::WordOps<scalar_t>::kVectorized; });
+  return vectorized;
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,

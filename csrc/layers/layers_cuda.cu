@@ -194,4 +194,32 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
   }
 }
 
+// The word-packed layout is the CPU kernel's. Here the weight is viewed back as
+// [N, K] (one copy) for cuBLAS, so that code calling the op runs on either device.
+void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                   const std::optional<at::Tensor>& bias) {
+  check_cuda(input, "input");
+  check_cuda(packed_weight, "packed_weight");
+  check_cuda(out, "out");
+  TORCH_CHECK(input.dim() == 2, "input must be [rows, in_features], got ", input.sizes());
+  const int64_t M = input.size(0), K = input.size(1);
+  const int64_t E = 4 / int64_t(input.element_size());
+  TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.size(1) * E == K &&
+                  packed_weight.size(2) == 16 && packed_weight.size(3) == E &&
+                  packed_weight.scalar_type() == input.scalar_type(),
+              "packed_weight must be [out_features / 16, ", K / E, ", 16, ", E,
+              "] in input's dtype, got ", packed_weight.sizes());
+  const int64_t N = packed_weight.size(0) * 16;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
+                  out.scalar_type() == input.scalar_type(),
+              "out must be contiguous [", M, ", ", N, "]");
+  const at::Tensor weight = packed_weight.permute({0, 2, 1, 3}).reshape({N, K});
+  if (bias.has_value()) {
+    check_cuda(*bias, "bias");
+    at::addmm_out(out, *bias, input, weight.t());
+  } else {
+    at::mm_out(out, input, weight.t());
+  }
+}
+
 }  // namespace pyllm::cuda

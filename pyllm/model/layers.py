@@ -199,22 +199,29 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
 
-    On the CPU, up to ops.SMALL_BATCH_MAX_ROWS rows (a decode step of a few sequences)
-    go through pyllm's small_batch_linear, which streams W at memory bandwidth without a
-    GEMM library's per-call cost. More rows go through oneDNN: pack() hands W to it once
-    in its blocked layout (a plain F.linear lets oneDNN re-lay-out the whole weight on
-    every call, which costs more than the product itself at small batches, bf16
-    especially). pack(keep_plain=True) keeps W beside the packed copy for the small-batch
-    path, at twice the weight memory.
+    On the CPU pack() lays W out once for a faster kernel. Where pyllm's packed_linear
+    has a vector kernel for the dtype (float32; bf16 with AVX512-BF16) W becomes
+    word-packed (ops.pack_weight_words) and every batch size goes through it: it
+    measured as fast as or faster than both oneDNN and small_batch_linear from 1 to
+    512 rows on SmolLM2's projections (benchmarks/linear.py). Elsewhere up to
+    ops.SMALL_BATCH_MAX_ROWS rows (a decode step of a few sequences) go through
+    small_batch_linear, which streams W at memory bandwidth without a GEMM library's
+    per-call cost, and more rows through oneDNN with W in its blocked layout (a plain
+    F.linear lets oneDNN re-lay-out the whole weight on every call, which costs more
+    than the product itself at small batches, bf16 especially). pack(keep_plain=True)
+    keeps W beside the packed copy, at twice the weight memory.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.word_weight: torch.Tensor | None = None  # pyllm's word-packed copy
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's packed copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.word_weight is not None:
+            return packed_linear(x, self.word_weight, self.bias)
         if self.weight is not None and takes_small_batch_path(x):
             return small_batch_linear(x, self.weight, self.bias)
         if self.packed_weight is not None:
@@ -224,15 +231,48 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, keep_plain: bool = False) -> None:
-        """Adds oneDNN's packed copy of the weight. Without keep_plain the plain weight
-        is dropped (one copy in memory; dense_weight() still reads it back), and every
-        batch size goes through oneDNN."""
-        self.packed_weight = pack_linear_weight(self.weight)
+        """Adds the packed copy of the weight: word-packed where can_pack_weight_words,
+        else oneDNN's. Without keep_plain the plain weight is dropped (one copy in
+        memory; dense_weight() still reads it back)."""
+        if can_pack_weight_words(self.weight):
+            self.word_weight = ops.pack_weight_words(self.weight)
+        else:
+            self.packed_weight = pack_linear_weight(self.weight)
         if not keep_plain:
             self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight if self.packed_weight is None else self.packed_weight.to_dense()
+        if self.weight is not None:
+            return self.weight
+        if self.word_weight is not None:
+            return unpack_weight_words(self.word_weight)
+        return self.packed_weight.to_dense()
+
+
+def can_pack_weight_words(weight: torch.Tensor) -> bool:
+    """Whether packed_linear runs weight fast: a CPU weight of a dtype it has a vector
+    kernel for in this build, with [N, K] that the word layout takes."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    n, k = weight.shape
+    return ops.packed_linear_vectorized(weight.dtype) and n % 16 == 0 and k % 2 == 0
+
+
+def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight back from ops.pack_weight_words' [N / 16, K / E, 16, E]."""
+    blocks, k_words, lanes, e = words.shape
+    return words.permute(0, 2, 1, 3).reshape(blocks * lanes, k_words * e)
+
+
+def packed_linear(
+    x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
+    _C.packed_linear(out, rows, words, bias)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def takes_small_batch_path(x: torch.Tensor) -> bool:

@@ -21,7 +21,9 @@ from pyllm.model.layers import (
     RMSNorm,
     _param,
     can_pack_linear_weights,
+    can_pack_weight_words,
     pack_linear_weight,
+    packed_linear,
     plain_copy_fits,
     rotary_cos_sin_cache,
     small_batch_linear,
@@ -100,7 +102,9 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
-        # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2).
+        # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in
+        # the layout of the projections (layers.Linear.pack).
+        self.tied_lm_head_words: torch.Tensor | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None
         self.register_buffer(
             "cos_sin_cache",
@@ -116,20 +120,30 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.dense_weight()
 
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
-        """Hands every projection's weight to oneDNN in its packed layout (CPU only;
-        see layers.Linear). Call after loading; returns whether it packed. keep_plain
-        keeps the plain weights too, for small batches; by default it does when the
-        second copy fits (layers.plain_copy_fits)."""
-        if not can_pack_linear_weights(self.device, self.dtype):
+        """Lays every projection's weight out for the CPU's faster kernel: word-packed
+        for pyllm's packed_linear, or oneDNN's packed layout (CPU only; see
+        layers.Linear). Call after loading; returns whether it packed. keep_plain keeps
+        the plain weights too; by default it does only beside oneDNN's copy (for the
+        small-batch path) and when that second copy fits (layers.plain_copy_fits)."""
+        linears = [
+            m
+            for m in self.modules()
+            if isinstance(m, Linear) and m.packed_weight is None and m.word_weight is None
+        ]
+        words = self.device.type == "cpu" and all(can_pack_weight_words(m.weight) for m in linears)
+        if not words and not can_pack_linear_weights(self.device, self.dtype):
             return False
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is None]
         if keep_plain is None:
             nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-            keep_plain = plain_copy_fits(nbytes)
+            keep_plain = not words and plain_copy_fits(nbytes)
         for module in linears:
             module.pack(keep_plain)
         if self.config.tie_word_embeddings:
-            self.tied_lm_head_packed = pack_linear_weight(self.model.embed_tokens.weight)
+            embedding = self.model.embed_tokens.weight
+            if can_pack_weight_words(embedding):
+                self.tied_lm_head_words = ops.pack_weight_words(embedding)
+            elif can_pack_linear_weights(self.device, self.dtype):
+                self.tied_lm_head_packed = pack_linear_weight(embedding)
         return True
 
     @torch.inference_mode()
@@ -170,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
+        if self.tied_lm_head_words is not None:
+            return packed_linear(hidden, self.tied_lm_head_words).float()
         if takes_small_batch_path(hidden):
             return small_batch_linear(hidden, self.model.embed_tokens.weight).float()
         if self.tied_lm_head_packed is not None:

@@ -194,6 +194,46 @@ def test_small_batch_linear_no_rows(device):
     )
 
 
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+# One row to a decode batch of 70: every register tile height (1-8), whole tiles of 8
+# with and without a partial one after.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 21, 70])
+@pytest.mark.parametrize(
+    "in_features, out_features",
+    # SmolLM2's projections; column blocks not a multiple of the tile's (3 or 4); one
+    # block; an odd number of words per column.
+    [(576, 960), (1536, 576), (64, 16), (2, 48), (34, 80)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear(dtype, in_features, out_features, rows, bias, device):
+    generator = torch.Generator().manual_seed(in_features * 10 + out_features + rows)
+    # A row view of a wider tensor, as the model's inputs may be.
+    wide = torch.randn(rows, in_features + 24, generator=generator)
+    x = wide.to(dtype).to(device)[:, 8 : 8 + in_features]
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    weight = weight.to(dtype).to(device)
+    b = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
+    out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
+
+    ops.packed_linear(out, x, ops.pack_weight_words(weight), b)
+
+    expected = x.cpu().double() @ weight.cpu().double().T
+    if b is not None:
+        expected += b.cpu().double()
+    assert_close(out, expected, dtype)
+
+
+def test_pack_weight_words_layout():
+    """Element k of output column n sits at [n // 16, k // E, n % 16, k % E]."""
+    for dtype, e in ((torch.float32, 1), (torch.bfloat16, 2)):
+        weight = torch.arange(32 * 6, dtype=torch.float32).view(32, 6).to(dtype)
+        words = ops.pack_weight_words(weight)
+        assert words.shape == (2, 6 // e, 16, e)
+        for n, k in ((0, 0), (5, 3), (17, 4), (31, 5)):
+            assert words[n // 16, k // e, n % 16, k % e] == weight[n, k]
+
+
 def test_rms_norm_kernel_rejects_mismatched_out():
     """The kernel itself refuses an out of the wrong shape when called without ops.py."""
     x = torch.randn(4, 64)

@@ -152,6 +152,21 @@ def valid_small_batch_linear():
     )  # fmt: skip
 
 
+def valid_pack_weight_words():
+    return dict(weight=torch.randn(32, 64))
+
+
+def valid_packed_linear():
+    return dict(
+        out=torch.empty(2, 32), input=torch.randn(2, 64),
+        packed_weight=ops.pack_weight_words(torch.randn(32, 64)), bias=torch.randn(32),
+    )  # fmt: skip
+
+
+def valid_packed_linear_vectorized():
+    return dict(dtype=torch.bfloat16)
+
+
 def contiguous_arena():
     """A small KVArena with slots 1 and 3 committed (test_contiguous.py tests the arena
     and the bad arguments of these ops)."""
@@ -214,12 +229,19 @@ VALID = {
     "fused_add_rms_norm": valid_fused_add_rms_norm,
     "silu_and_mul": valid_silu_and_mul,
     "small_batch_linear": valid_small_batch_linear,
+    "pack_weight_words": valid_pack_weight_words,
+    "packed_linear": valid_packed_linear,
+    "packed_linear_vectorized": valid_packed_linear_vectorized,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
     "contiguous_attention_prefill": valid_contiguous_attention_prefill,
 }
 # Functions that end in a kernel call (the others only allocate).
-KERNEL_CALLING = set(VALID) - {"allocate_kv_cache", "paged_attention_v2_workspace"}
+KERNEL_CALLING = set(VALID) - {
+    "allocate_kv_cache",
+    "paged_attention_v2_workspace",
+    "pack_weight_words",
+}
 
 
 def test_every_public_function_is_covered():
@@ -806,6 +828,50 @@ CASES += [
         ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
         ("out_not_contiguous", {"out": lambda a: torch.empty(2, 40)[:, :24]}, ValueError, "out"),
         ("bias_size", {"bias": torch.randn(23)}, ValueError, "bias"),
+        ("bias_dtype", {"bias": lambda a: a["bias"].double()}, TypeError, "bias"),
+    ),
+    *cases_for(
+        "pack_weight_words",
+        ("weight_1d", {"weight": torch.randn(64)}, ValueError, "weight"),
+        ("weight_int", {"weight": torch.ones(32, 64, dtype=torch.int32)}, TypeError, "weight"),
+        ("weight_rows_not_16s", {"weight": torch.randn(24, 64)}, ValueError, "weight"),
+        ("weight_odd_bf16", {"weight": torch.randn(32, 63).bfloat16()}, ValueError, "weight"),
+        ("weight_not_tensor", {"weight": [[1.0]]}, TypeError, "weight"),
+    ),
+    *cases_for(
+        "packed_linear",
+        ("input_1d", {"input": torch.randn(64)}, ValueError, "input"),
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
+        ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),
+        (
+            "weight_not_packed",
+            {"packed_weight": torch.randn(32, 64)},
+            ValueError,
+            "packed_weight",
+        ),
+        (
+            "weight_in_features",
+            {"packed_weight": ops.pack_weight_words(torch.randn(32, 48))},
+            ValueError,
+            "packed_weight",
+        ),
+        (
+            "weight_dtype",
+            {"packed_weight": lambda a: a["packed_weight"].half()},
+            TypeError,
+            "packed_weight",
+        ),
+        (
+            "weight_not_contiguous",
+            {"packed_weight": lambda a: a["packed_weight"].transpose(0, 1)},
+            ValueError,
+            "packed_weight",
+        ),
+        ("out_shape", {"out": torch.empty(2, 16)}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+        ("out_not_contiguous", {"out": lambda a: torch.empty(2, 40)[:, :32]}, ValueError, "out"),
+        ("bias_size", {"bias": torch.randn(31)}, ValueError, "bias"),
         ("bias_dtype", {"bias": lambda a: a["bias"].double()}, TypeError, "bias"),
     ),
 ]
