@@ -237,37 +237,6 @@ inline Vec16 dot_pairs(Vec16 acc, BF16x32 a, BF16x32 b) {
 }
 #endif
 
-// Kernels that read a tensor as 32-bit words, as stored (the lane-row prefill, the
-// word-packed linear): a word is one float, or a bf16 pair, which vdpbf16ps
-// multiplies pairwise (exact products, float32 sums). WordOps<T>::kVectorized says
-// whether this build has the instruction for T. load reads 16 words, broadcast
-// puts one word in every lane, mac accumulates lane-wise products of two operands.
-template <typename T>
-struct WordOps {
-  static constexpr bool kVectorized = false;
-};
-
-template <>
-struct WordOps<float> {
-  static constexpr bool kVectorized = true;
-  static constexpr int kElems = 1;  // elements per word
-  using Operand = Vec16;
-  static Operand load(const float* p) { return Vec16::load(p); }
-  static Operand broadcast(const float* p) { return Vec16::set1(*p); }
-  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return Vec16::fmadd(a, b, acc); }
-};
-
-#ifdef __AVX512BF16__
-template <>
-struct WordOps<c10::BFloat16> {
-  static constexpr bool kVectorized = true;
-  static constexpr int kElems = 2;
-  using Operand = BF16x32;
-  static Operand load(const c10::BFloat16* p) { return BF16x32::load(p); }
-  static Operand broadcast(const c10::BFloat16* p) { return BF16x32::broadcast_pair(p); }
-  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return dot_pairs(acc, a, b); }
-};
-#endif
 
 // Hints that p's cache line will be read soon: into L1, or only into L2 when
 // it is wanted later and would be evicted from L1 before then.
@@ -602,5 +571,37 @@ template <typename T>
 inline T from_float(float a) {
   return static_cast<T>(a);
 }
+
+// Kernels that read a tensor as 32-bit words, as stored (the lane-row prefill, the
+// word-packed linear): a word is one float, or a bf16 pair, which vdpbf16ps
+// multiplies pairwise (exact products, float32 sums). WordOps<T>::kVectorized says
+// whether this build has the instruction for T. load reads 16 words, broadcast
+// puts one word in every lane, mac accumulates lane-wise products of two operands.
+template <typename T>
+struct WordOps {
+  static constexpr bool kVectorized = false;
+};
+
+template <>
+struct WordOps<float> {
+  static constexpr bool kVectorized = true;
+  static constexpr int kElems = 1;  // elements per word
+  using Operand = Vec16;
+  static Operand load(const float* p) { return Vec16::load(p); }
+  static Operand broadcast(const float* p) { return Vec16::set1(*p); }
+  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return Vec16::fmadd(a, b, acc); }
+};
+
+#ifdef __AVX512BF16__
+template <>
+struct WordOps<c10::BFloat16> {
+  static constexpr bool kVectorized = true;
+  static constexpr int kElems = 2;
+  using Operand = BF16x32;
+  static Operand load(const c10::BFloat16* p) { return BF16x32::load(p); }
+  static Operand broadcast(const c10::BFloat16* p) { return BF16x32::broadcast_pair(p); }
+  static Vec16 mac(Vec16 acc, Operand a, Operand b) { return dot_pairs(acc, a, b); }
+};
+#endif
 
 }  // namespace pyllm::vec

@@ -107,8 +107,8 @@ namespace pyllm {
 // The same set of functions, once for each device the library is built for.
 namespace cpu {
 PYLLM_DECLARE_OPS
-// Whether packed_linear has a vector kernel for dtype in this build (bf16 needs
-// AVX512-BF16; elsewhere it runs a plain loop).
+// Whether packed_linear has a vector kernel for dtype in this build (AVX-512;
+// bf16 also AVX512-BF16); elsewhere it runs a plain loop.
 bool packed_linear_vectorized_for(at::ScalarType dtype);
 }  // namespace cpu
 

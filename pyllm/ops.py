@@ -909,9 +909,9 @@ def pack_weight_words(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear_vectorized(dtype: torch.dtype) -> bool:
-    """Whether this build's CPU packed_linear has a vector kernel for dtype: float32
-    always; bf16 where built with AVX512-BF16. Elsewhere it runs a plain loop (correct,
-    slow), so callers should keep their weights for another path."""
+    """Whether this build's CPU packed_linear has a vector kernel for dtype: float32 on
+    AVX-512, bf16 with AVX512-BF16 too. Elsewhere it runs a plain loop (correct, slow),
+    so callers should keep their weights for another path."""
     return bool(_C.packed_linear_vectorized(dtype))
 
 

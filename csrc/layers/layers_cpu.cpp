@@ -354,13 +354,17 @@ void small_batch_linear_rows(scalar_t* out, const scalar_t* x, int64_t x_stride,
 // Each thread takes one contiguous range of column blocks and streams its part
 // of the weight front to back once; for more than MB rows the NB blocks' panel
 // (NB * K * 16 elements, tens of KB) is reused from L2 by every row tile.
-// Where the CPU has no such instruction for the dtype (bf16 without AVX512-BF16,
-// f16) a plain loop computes the same sums, for correctness only.
+// Where the build has no such kernel for the dtype (bf16 without AVX512-BF16, f16,
+// CPUs without AVX-512) a plain loop computes the same sums, for correctness only.
 
 // Rows and column blocks of the register tile: M <= 4 rows take 4 blocks (a
-// weight stream with 4 independent sums per row), more rows 8 x 3.
+// weight stream with 4 independent sums per row), more rows 8 x 3. Sized for
+// AVX-512's 32 vector registers: with fewer (AVX2: 8 Vec16) the tile would spill,
+// so there the plain loop stands in and the engine keeps its other kernels.
 constexpr int kTileRows = 8;
 constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
+template <typename T>
+constexpr bool kPackedLinearVectorized = vec::WordOps<T>::kVectorized && vec::kRegisterVecs >= 32;
 
 template <typename T, int MB, int NB>
 void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* out,
@@ -533,7 +537,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
     const scalar_t* w = packed_weight.const_data_ptr<scalar_t>();
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* o = out.data_ptr<scalar_t>();
-    if constexpr (vec::WordOps<scalar_t>::kVectorized) {
+    if constexpr (kPackedLinearVectorized<scalar_t>) {
       packed_linear_vectorized(x, input.stride(0), M, w, N, K, b, o);
     } else {
       packed_linear_plain(x, input.stride(0), M, w, N, K, b, o);
@@ -544,7 +548,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
 bool packed_linear_vectorized_for(at::ScalarType dtype) {
   bool vectorized = false;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "packed_linear_vectorized_for",
-                                [&] { vectorized = vec::WordOps<scalar_t>::kVectorized; });
+                                [&] { vectorized = kPackedLinearVectorized<scalar_t>; });
   return vectorized;
 }
 

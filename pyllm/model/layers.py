@@ -200,7 +200,7 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
 
     On the CPU pack() lays W out once for a faster kernel. Where pyllm's packed_linear
-    has a vector kernel for the dtype (float32; bf16 with AVX512-BF16) W becomes
+    has a vector kernel for the dtype (AVX-512: float32, and bf16 with AVX512-BF16) W becomes
     word-packed (ops.pack_weight_words) and every batch size goes through it: it
     measured as fast as or faster than both oneDNN and small_batch_linear from 1 to
     512 rows on SmolLM2's projections (benchmarks/linear.py). Elsewhere up to
