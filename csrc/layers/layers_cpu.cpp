@@ -366,18 +366,26 @@ constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
 template <typename T>
 constexpr bool kPackedLinearVectorized = vec::WordOps<T>::kVectorized && vec::kRegisterVecs >= 32;
 
+// One register tile; meanwhile `ahead_lines` cache lines from `ahead` are
+// prefetched into L2, one per step of K (or a few, if fewer steps than lines).
 template <typename T, int MB, int NB>
 void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* out,
-                 int64_t out_stride) {
+                 int64_t out_stride, const char* ahead, int64_t ahead_lines) {
   using W = vec::WordOps<T>;
   using vec::Vec16;
   constexpr int E = W::kElems;
   const int64_t block = K * vec::kLanes;  // elements of one column block
+  const int64_t steps = K / E;
+  const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
   Vec16 acc[MB][NB];
   for (auto& row : acc) {
     for (auto& a : row) a = Vec16::zero();
   }
+  int64_t line = 0;
   for (int64_t k = 0; k < K; k += E) {
+    for (int64_t l = 0; l < lines_per_step && line < ahead_lines; ++l, ++line) {
+      vec::prefetch_l2(ahead + line * 64);
+    }
     typename W::Operand b[NB];
     for (int j = 0; j < NB; ++j) b[j] = W::load(w + j * block + k * vec::kLanes);
     for (int i = 0; i < MB; ++i) {
@@ -394,18 +402,28 @@ void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* b
   }
 }
 
-// Rows [0, M) x column blocks [b0, b1), MB rows at a time.
+// Rows [0, M) x column blocks [b0, b1), MB rows at a time. With several row
+// tiles per panel of column blocks, the first reads the panel from memory and the
+// others from L2, so the stream from memory would come in bursts; instead the
+// tiles of one panel prefetch the next panel between them.
 template <typename T, int MB>
 void packed_row_tiles(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K,
                       const T* bias, T* out, int64_t N, int64_t b0, int64_t b1) {
   constexpr int NB = tile_blocks(MB);
   const int64_t block = K * vec::kLanes;
+  const int64_t row_tiles = rows / MB;
   auto tiles = [&](auto nb_tag, int64_t j) {
     constexpr int kNB = decltype(nb_tag)::value;
     const T* bj = bias ? bias + j * vec::kLanes : nullptr;
-    for (int64_t m = 0; m + MB <= rows; m += MB) {
-      packed_tile<T, MB, kNB>(x + m * x_stride, x_stride, w + j * block, K, bj,
-                              out + m * N + j * vec::kLanes, N);
+    const int64_t next_blocks =
+        row_tiles > 1 ? std::clamp<int64_t>(b1 - j - kNB, 0, NB) : 0;  // none after b1
+    const int64_t next_lines = next_blocks * block * int64_t(sizeof(T)) / 64;
+    const char* next = reinterpret_cast<const char*>(w + (j + kNB) * block);
+    for (int64_t t = 0; t < row_tiles; ++t) {
+      const int64_t first = next_lines * t / row_tiles, last = next_lines * (t + 1) / row_tiles;
+      packed_tile<T, MB, kNB>(x + t * MB * x_stride, x_stride, w + j * block, K, bj,
+                              out + t * MB * N + j * vec::kLanes, N, next + first * 64,
+                              last - first);
     }
   };
   int64_t j = b0;
