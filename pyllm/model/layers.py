@@ -200,7 +200,8 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
 
     On the CPU pack() lays W out once for a faster kernel. Where pyllm's packed_linear
-    has a vector kernel for the dtype (AVX-512: float32, and bf16 with AVX512-BF16) W becomes
+    has a vector kernel for the dtype (AVX-512: float32, and bf16 with AVX512-BF16 but
+    no AMX, see can_pack_weight_words) W becomes
     word-packed (ops.pack_weight_words) and every batch size goes through it: it
     measured as fast as or faster than both oneDNN and small_batch_linear from 1 to
     512 rows on SmolLM2's projections (benchmarks/linear.py). Elsewhere up to
@@ -251,13 +252,23 @@ class Linear(nn.Module):
 
 def can_pack_weight_words(weight: torch.Tensor) -> bool:
     """Whether packed_linear runs weight fast: a CPU weight of a dtype it has a vector
-    kernel for in this build, with [N, K] that the word layout takes."""
+    kernel for in this build, with [N, K] that the word layout takes. Not bf16 on CPUs
+    with AMX: oneDNN multiplies bf16 there with AMX tiles, several times vdpbf16ps's
+    rate (on this project's Sapphire Rapids, oneDNN took 75 ms for a 512-token bf16
+    prefill's projections; packed_linear takes about 285 ms for them on the Zen 4,
+    without AMX). Not measured on an AMX machine; oneDNN is the path measured there."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if weight.dtype == torch.bfloat16 and _cpu_has_amx():
+        return False
     n, k = weight.shape
     return ops.packed_linear_vectorized(weight.dtype) and n % 16 == 0 and k % 2 == 0
+
+
+def _cpu_has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:

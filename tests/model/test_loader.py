@@ -300,3 +300,15 @@ def test_peak_rss_while_loading(tmp_path, keep_plain):
           f"MiB: {ratio:.2f}x")  # fmt: skip
     assert weights > 300 * 2**20
     assert ratio < 1.3
+
+
+def test_bf16_weights_stay_with_onednn_on_amx_cpus(monkeypatch):
+    """oneDNN multiplies bf16 with AMX tiles where the CPU has them, so bf16 weights are
+    not word-packed there; float32 ones still are wherever packed_linear is vectorized."""
+    import pyllm.model.layers as layers
+    import pyllm.ops as ops
+
+    monkeypatch.setattr(layers, "_cpu_has_amx", lambda: True)
+    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not can_pack_weight_words(weight)
+    assert can_pack_weight_words(weight.float()) == ops.packed_linear_vectorized(torch.float32)
