@@ -842,6 +842,21 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     _C.silu_and_mul(out, input)
 
 
+def _check_linear_output(
+    out: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor, rows: int, features: int
+) -> None:
+    """out [rows, features] and bias [features] of the linear ops (out's dtype and device
+    are checked beside the weight's)."""
+    _shape("out", out, (rows, features), "[rows, out_features]")
+    _contiguous("out", out)
+    if bias is not None:
+        _tensor("bias", bias)
+        _device("bias", bias, input.device)
+        _same_dtype("bias", bias, input.dtype)
+        _shape("bias", bias, (features,), "[out_features]")
+        _contiguous("bias", bias)
+
+
 def small_batch_linear(
     out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> None:
@@ -875,14 +890,7 @@ def small_batch_linear(
             f"got {tuple(weight.shape)}"
         )
     _contiguous("weight", weight)
-    _shape("out", out, (rows, weight.shape[0]), "[rows, out_features]")
-    _contiguous("out", out)
-    if bias is not None:
-        _tensor("bias", bias)
-        _device("bias", bias, input.device)
-        _same_dtype("bias", bias, input.dtype)
-        _shape("bias", bias, (weight.shape[0],), "[out_features]")
-        _contiguous("bias", bias)
+    _check_linear_output(out, bias, input, rows, weight.shape[0])
     _C.small_batch_linear(out, input, weight, bias)
 
 
@@ -951,14 +959,7 @@ def packed_linear(
         )
     _contiguous("packed_weight", packed_weight)
     out_features = packed_weight.shape[0] * 16
-    _shape("out", out, (rows, out_features), "[rows, out_features]")
-    _contiguous("out", out)
-    if bias is not None:
-        _tensor("bias", bias)
-        _device("bias", bias, input.device)
-        _same_dtype("bias", bias, input.dtype)
-        _shape("bias", bias, (out_features,), "[out_features]")
-        _contiguous("bias", bias)
+    _check_linear_output(out, bias, input, rows, out_features)
     _C.packed_linear(out, input, packed_weight, bias)
 
 

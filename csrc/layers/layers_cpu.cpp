@@ -493,21 +493,17 @@ void packed_linear_plain(const T* x, int64_t x_stride, int64_t M, const T* w, in
   });
 }
 
-}  // namespace
-
-void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias) {
+// The linear ops' checks of input [M, K] (rows may be strided, elements packed),
+// and of out [M, N] and bias [N] in input's dtype.
+void check_linear_input(const at::Tensor& input) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
                   (input.size(1) <= 1 || input.stride(1) == 1),
               "input must be a CPU tensor [rows, in_features] with packed rows, got ",
               input.sizes(), " strides ", input.strides());
-  const int64_t M = input.size(0), K = input.size(1);
-  TORCH_CHECK(M <= kSmallBatchMaxRows, "input has ", M, " rows; at most ", kSmallBatchMaxRows);
-  const auto dtype = input.scalar_type();
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.size(1) == K &&
-                  weight.is_contiguous() && weight.scalar_type() == dtype,
-              "weight must be a contiguous CPU tensor [out_features, ", K, "] in input's dtype");
-  const int64_t N = weight.size(0);
+}
+
+void check_linear_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t M,
+                         int64_t N, at::ScalarType dtype) {
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype &&
                   out.dim() == 2 && out.size(0) == M && out.size(1) == N,
               "out must be a contiguous CPU tensor [", M, ", ", N, "] in input's dtype");
@@ -516,6 +512,21 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
                     bias->is_contiguous() && bias->scalar_type() == dtype,
                 "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
   }
+}
+
+}  // namespace
+
+void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  check_linear_input(input);
+  const int64_t M = input.size(0), K = input.size(1);
+  TORCH_CHECK(M <= kSmallBatchMaxRows, "input has ", M, " rows; at most ", kSmallBatchMaxRows);
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.size(1) == K &&
+                  weight.is_contiguous() && weight.scalar_type() == dtype,
+              "weight must be a contiguous CPU tensor [out_features, ", K, "] in input's dtype");
+  const int64_t N = weight.size(0);
+  check_linear_output(out, bias, M, N, dtype);
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "small_batch_linear", [&] {
     small_batch_linear_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
@@ -526,10 +537,7 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
 
 void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
-                  (input.size(1) <= 1 || input.stride(1) == 1),
-              "input must be a CPU tensor [rows, in_features] with packed rows, got ",
-              input.sizes(), " strides ", input.strides());
+  check_linear_input(input);
   const int64_t M = input.size(0), K = input.size(1);
   const auto dtype = input.scalar_type();
   const int64_t E = 4 / int64_t(input.element_size());
@@ -541,14 +549,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
               ", 16, ", E, "] in input's dtype (pack_weight_words), got ",
               packed_weight.sizes());
   const int64_t N = packed_weight.size(0) * vec::kLanes;
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype &&
-                  out.dim() == 2 && out.size(0) == M && out.size(1) == N,
-              "out must be a contiguous CPU tensor [", M, ", ", N, "] in input's dtype");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
-                    bias->is_contiguous() && bias->scalar_type() == dtype,
-                "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
-  }
+  check_linear_output(out, bias, M, N, dtype);
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "packed_linear", [&] {
     const scalar_t* x = input.const_data_ptr<scalar_t>();

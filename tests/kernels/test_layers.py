@@ -158,6 +158,26 @@ def test_layers_no_rows(device):
     ops.silu_and_mul(torch.empty(0, 32, device=device), x)
 
 
+def linear_case(dtype, in_features, out_features, rows, bias, device):
+    """Input (a row view of a wider tensor, as the model's inputs may be), weight, bias
+    or None, and a poisoned out for the linear ops."""
+    generator = torch.Generator().manual_seed(in_features * 10 + out_features + rows)
+    wide = torch.randn(rows, in_features + 24, generator=generator)
+    x = wide.to(dtype).to(device)[:, 8 : 8 + in_features]
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    weight = weight.to(dtype).to(device)
+    b = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
+    out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
+    return x, weight, b, out
+
+
+def assert_linear_close(out, x, weight, b, dtype):
+    expected = x.cpu().double() @ weight.cpu().double().T
+    if b is not None:
+        expected += b.cpu().double()
+    assert_close(out, expected, dtype)
+
+
 @pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -169,21 +189,9 @@ def test_layers_no_rows(device):
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_batch_linear(dtype, in_features, out_features, rows, bias, device):
-    generator = torch.Generator().manual_seed(in_features * 10 + out_features + rows)
-    # A row view of a wider tensor, as the model's inputs may be.
-    wide = torch.randn(rows, in_features + 24, generator=generator)
-    x = wide.to(dtype).to(device)[:, 8 : 8 + in_features]
-    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-    weight = weight.to(dtype).to(device)
-    b = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
-    out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
-
+    x, weight, b, out = linear_case(dtype, in_features, out_features, rows, bias, device)
     ops.small_batch_linear(out, x, weight, b)
-
-    expected = x.cpu().double() @ weight.cpu().double().T
-    if b is not None:
-        expected += b.cpu().double()
-    assert_close(out, expected, dtype)
+    assert_linear_close(out, x, weight, b, dtype)
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -207,21 +215,9 @@ def test_small_batch_linear_no_rows(device):
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear(dtype, in_features, out_features, rows, bias, device):
-    generator = torch.Generator().manual_seed(in_features * 10 + out_features + rows)
-    # A row view of a wider tensor, as the model's inputs may be.
-    wide = torch.randn(rows, in_features + 24, generator=generator)
-    x = wide.to(dtype).to(device)[:, 8 : 8 + in_features]
-    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-    weight = weight.to(dtype).to(device)
-    b = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
-    out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
-
+    x, weight, b, out = linear_case(dtype, in_features, out_features, rows, bias, device)
     ops.packed_linear(out, x, ops.pack_weight_words(weight), b)
-
-    expected = x.cpu().double() @ weight.cpu().double().T
-    if b is not None:
-        expected += b.cpu().double()
-    assert_close(out, expected, dtype)
+    assert_linear_close(out, x, weight, b, dtype)
 
 
 def test_pack_weight_words_layout():
