@@ -842,6 +842,20 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     _C.silu_and_mul(out, input)
 
 
+def _check_linear_input(
+    input: torch.Tensor, weight_name: str, weight: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The linear ops' input [rows, in_features] (rows may be strided, elements packed),
+    and that the weight and out are tensors."""
+    _tensor("input", input)
+    _tensor(weight_name, weight)
+    _tensor("out", out)
+    _supported_device("input", input)
+    _float_dtype("input", input)
+    _ndim("input", input, 2, "[rows, in_features]")
+    _packed_rows("input", input)
+
+
 def _check_linear_output(
     out: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor, rows: int, features: int
 ) -> None:
@@ -868,13 +882,7 @@ def small_batch_linear(
     memory bandwidth, with none of a GEMM library's per-call cost; on CUDA, cuBLAS.
     Input rows may be strided (a row view); their elements must be packed.
     """
-    _tensor("input", input)
-    _tensor("weight", weight)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _ndim("input", input, 2, "[rows, in_features]")
-    _packed_rows("input", input)
+    _check_linear_input(input, "weight", weight, out)
     rows, in_features = input.shape
     if rows > SMALL_BATCH_MAX_ROWS:
         raise ValueError(
@@ -938,13 +946,7 @@ def packed_linear(
     GEMM library's per-call cost. On CUDA the weight is unpacked for cuBLAS. Input rows
     may be strided (a row view); their elements must be packed.
     """
-    _tensor("input", input)
-    _tensor("packed_weight", packed_weight)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _ndim("input", input, 2, "[rows, in_features]")
-    _packed_rows("input", input)
+    _check_linear_input(input, "packed_weight", packed_weight, out)
     rows, in_features = input.shape
     for name, t in (("packed_weight", packed_weight), ("out", out)):
         _device(name, t, input.device)

@@ -431,6 +431,25 @@ void packed_row_tiles(const T* x, int64_t x_stride, int64_t rows, const T* w, in
   for (; j < b1; ++j) tiles(std::integral_constant<int, 1>{}, j);
 }
 
+// rows (1 to kTileRows) x column blocks [b0, b1) as tiles of exactly that height.
+template <typename T>
+void packed_rows_as_one_tile(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K,
+                             const T* bias, T* out, int64_t N, int64_t b0, int64_t b1) {
+  auto run = [&](auto height) {
+    packed_row_tiles<T, decltype(height)::value>(x, x_stride, rows, w, K, bias, out, N, b0, b1);
+  };
+  switch (rows) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    case 6: run(std::integral_constant<int, 6>{}); break;
+    case 7: run(std::integral_constant<int, 7>{}); break;
+    default: run(std::integral_constant<int, kTileRows>{}); break;
+  }
+}
+
 template <typename T>
 void packed_linear_vectorized(const T* x, int64_t x_stride, int64_t M, const T* w, int64_t N,
                               int64_t K, const T* bias, T* out) {
@@ -439,35 +458,16 @@ void packed_linear_vectorized(const T* x, int64_t x_stride, int64_t M, const T* 
   const int64_t threads = M * N * K < 4 * kGrainElements ? 1 : at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (blocks + threads - 1) / threads);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t full = M / kTileRows * kTileRows;
     if (M <= kTileRows) {
-      // One row tile of exactly M rows.
-      switch (M) {
-        case 1: packed_row_tiles<T, 1>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 2: packed_row_tiles<T, 2>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 3: packed_row_tiles<T, 3>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 4: packed_row_tiles<T, 4>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 5: packed_row_tiles<T, 5>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 6: packed_row_tiles<T, 6>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        case 7: packed_row_tiles<T, 7>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-        default: packed_row_tiles<T, 8>(x, x_stride, M, w, K, bias, out, N, b0, b1); break;
-      }
+      packed_rows_as_one_tile(x, x_stride, M, w, K, bias, out, N, b0, b1);
       return;
     }
     // Whole tiles of 8 rows, then the rest as one smaller tile.
+    const int64_t full = M / kTileRows * kTileRows;
     packed_row_tiles<T, kTileRows>(x, x_stride, full, w, K, bias, out, N, b0, b1);
-    const int64_t rest = M - full;
-    const T* xr = x + full * x_stride;
-    T* outr = out + full * N;
-    switch (rest) {
-      case 0: break;
-      case 1: packed_row_tiles<T, 1>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      case 2: packed_row_tiles<T, 2>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      case 3: packed_row_tiles<T, 3>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      case 4: packed_row_tiles<T, 4>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      case 5: packed_row_tiles<T, 5>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      case 6: packed_row_tiles<T, 6>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
-      default: packed_row_tiles<T, 7>(xr, x_stride, rest, w, K, bias, outr, N, b0, b1); break;
+    if (M > full) {
+      packed_rows_as_one_tile(x + full * x_stride, x_stride, M - full, w, K, bias,
+                              out + full * N, N, b0, b1);
     }
   });
 }
