@@ -237,7 +237,6 @@ inline Vec16 dot_pairs(Vec16 acc, BF16x32 a, BF16x32 b) {
 }
 #endif
 
-
 // Hints that p's cache line will be read soon: into L1, or only into L2 when
 // it is wanted later and would be evicted from L1 before then.
 inline void prefetch_l1(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }

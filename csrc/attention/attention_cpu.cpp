@@ -917,8 +917,6 @@ struct LaneWords;
 
 template <>
 struct LaneWords<float> : vec::WordOps<float> {
-  static Operand load(const uint32_t* p) { return Vec16::load(reinterpret_cast<const float*>(p)); }
-  using vec::WordOps<float>::load;
   // The probabilities of word i's tokens for one row vector (token i).
   static Operand p_word(const Vec16* p_tokens, int i) { return p_tokens[i]; }
   // 16 lanes' output words of word j: head dimension j.
@@ -932,9 +930,6 @@ using vec::BF16x32;
 
 template <>
 struct LaneWords<c10::BFloat16> : vec::WordOps<c10::BFloat16> {
-  using BF16 = c10::BFloat16;
-  static Operand load(const uint32_t* p) { return BF16x32::load(reinterpret_cast<const BF16*>(p)); }
-  using vec::WordOps<c10::BFloat16>::load;
   // Tokens 2i and 2i + 1, rounded to bf16 and paired.
   static Operand p_word(const Vec16* p_tokens, int i) {
     return BF16x32::interleave(p_tokens[2 * i], p_tokens[2 * i + 1]);
@@ -961,8 +956,8 @@ inline void copy_value_half(float* dst, const float* src, int n) {
 }
 
 // Transposes a 16 x 16 matrix of 32-bit words held as 16 row vectors (four
-// rounds of unpacks and 128-bit shuffles): turns 16 rows' bf16 pairs into one
-// vector per pair with a row per lane, and back.
+// rounds of unpacks and 128-bit shuffles): turns 16 rows' words into one
+// vector per word with a row per lane, and back.
 inline void transpose_words(__m512i (&r)[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; ++i) {
@@ -1028,7 +1023,9 @@ inline void qk_half(const T* key, int64_t key_stride, const uint32_t* q_words, i
     const T* k = key + c * key_stride;
     for (int w = 0; w < 4; ++w) {  // the 4 words of an x-group
       typename W::Operand q[RV];
-      for (int r = 0; r < RV; ++r) q[r] = W::load(q_words + (size_t(c * 4 + w) * RV + r) * kLanes);
+      for (int r = 0; r < RV; ++r) {
+        q[r] = W::load(reinterpret_cast<const T*>(q_words + (size_t(c * 4 + w) * RV + r) * kLanes));
+      }
       for (int i = 0; i < kHalfTile; ++i) {
         const auto kw = W::broadcast(k + i * X + w * W::kElems);
         for (int r = 0; r < RV; ++r) s[i][r] = W::mac(s[i][r], q[r], kw);

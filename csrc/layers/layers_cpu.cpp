@@ -248,30 +248,25 @@ constexpr int accumulators_per_row(int m) {
   return std::clamp(vec::kRegisterVecs / (2 * m), 1, 4);
 }
 
-// One multiply-add step of small_batch_rows: acc gains w[0, kElems) . x[0, kElems)
-// spread over its lanes. Elements are widened to float32, 16 a step, except
-// bfloat16 on CPUs with AVX512-BF16: there vdpbf16ps multiplies pairs as stored
-// (exact products, float32 sums), 32 a step, with no widening (measured on
-// SmolLM2's 30 layers, batch 1, Sapphire Rapids: widening streamed the weights
-// at 15.5 GB/s, slower than oneDNN's packed bf16 at 17.6).
+// One multiply-add step of small_batch_rows: acc gains w[0, kStep) . x[0, kStep)
+// spread over its lanes. Where vec::WordOps has the dtype, 16 words as stored:
+// float32, and bfloat16 pairs by vdpbf16ps on CPUs with AVX512-BF16 (exact
+// products, float32 sums, no widening; measured on SmolLM2's 30 layers, batch 1,
+// Sapphire Rapids: widening streamed the weights at 15.5 GB/s, slower than
+// oneDNN's packed bf16 at 17.6). Otherwise 16 elements widened to float32.
+template <typename scalar_t, bool kWords = vec::WordOps<scalar_t>::kVectorized>
+struct DotStep : vec::WordOps<scalar_t> {
+  static constexpr int64_t kStep = vec::kLanes * vec::WordOps<scalar_t>::kElems;
+};
 template <typename scalar_t>
-struct DotStep {
+struct DotStep<scalar_t, false> {
   using Operand = vec::Vec16;
-  static constexpr int64_t kElems = vec::kLanes;
+  static constexpr int64_t kStep = vec::kLanes;
   static Operand load(const scalar_t* p) { return vec::Vec16::load(p); }
   static vec::Vec16 mac(vec::Vec16 acc, Operand w, Operand x) {
     return vec::Vec16::fmadd(w, x, acc);
   }
 };
-#ifdef __AVX512BF16__
-template <>
-struct DotStep<c10::BFloat16> {
-  using Operand = vec::BF16x32;
-  static constexpr int64_t kElems = 2 * vec::kLanes;
-  static Operand load(const c10::BFloat16* p) { return vec::BF16x32::load(p); }
-  static vec::Vec16 mac(vec::Vec16 acc, Operand w, Operand x) { return vec::dot_pairs(acc, w, x); }
-};
-#endif
 
 // Output rows [n0, n1) of all M rows.
 template <int M, typename scalar_t>
@@ -280,9 +275,9 @@ void small_batch_rows(const scalar_t* x, int64_t x_stride, const scalar_t* weigh
   using vec::Vec16;
   using Step = DotStep<scalar_t>;
   constexpr int U = accumulators_per_row(M);
-  constexpr int64_t kUnrolled = U * Step::kElems;
+  constexpr int64_t kUnrolled = U * Step::kStep;
   const int64_t k_unrolled = K / kUnrolled * kUnrolled;
-  const int64_t k_vec = K / Step::kElems * Step::kElems;
+  const int64_t k_vec = K / Step::kStep * Step::kStep;
   for (int64_t n = n0; n < n1; ++n) {
     const scalar_t* w = weight + n * K;
     Vec16 acc[M][U];
@@ -292,14 +287,14 @@ void small_batch_rows(const scalar_t* x, int64_t x_stride, const scalar_t* weigh
     int64_t k = 0;
     for (; k < k_unrolled; k += kUnrolled) {
       for (int u = 0; u < U; ++u) {
-        const auto wv = Step::load(w + k + u * Step::kElems);
+        const auto wv = Step::load(w + k + u * Step::kStep);
         for (int m = 0; m < M; ++m) {
-          const auto xv = Step::load(x + m * x_stride + k + u * Step::kElems);
+          const auto xv = Step::load(x + m * x_stride + k + u * Step::kStep);
           acc[m][u] = Step::mac(acc[m][u], wv, xv);
         }
       }
     }
-    for (; k < k_vec; k += Step::kElems) {
+    for (; k < k_vec; k += Step::kStep) {
       const auto wv = Step::load(w + k);
       for (int m = 0; m < M; ++m) acc[m][0] = Step::mac(acc[m][0], wv, Step::load(x + m * x_stride + k));
     }
