@@ -21,10 +21,10 @@ id), as HF's tokenizers do.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
-import struct
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -529,75 +529,17 @@ def _protobuf_fields(data: bytes):
 
 
 def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The `tokenizer.*` and `general.architecture` metadata of a GGUF file, as Python values.
+    """The `tokenizer.*` and `general.architecture` metadata of a GGUF file, as Python values
+    (arrays as lists), as gguf.GGUFReader's `contents()` gives them (tests check that). The
+    file is parsed once through `open_gguf`, shared with the model loader."""
+    from pyllm.model.gguf_file import open_gguf
 
-    Reads only the key-value section. gguf.GGUFReader gives the same values (tests check that), but
-    it builds a numpy view per string: about 6 s for the ~100k tokens and merges of a small model,
-    against a fraction of a second here.
-    """
-    import mmap
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        reader = _GGUFMetadataReader(memoryview(buf))
-        try:
-            magic, version = reader.scalar("<I"), reader.scalar("<I")
-            if magic != _GGUF_MAGIC:
-                raise ValueError(f"{os.fspath(path)!r} is not a GGUF file (magic {magic:#x})")
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} of {os.fspath(path)!r} is not supported")
-            reader.scalar("<Q")  # tensor count: the tensors are the loader's business
-            meta = {}
-            for _ in range(reader.scalar("<Q")):
-                key = reader.string()
-                value = reader.value(reader.scalar("<I"))
-                if key.startswith("tokenizer.") or key == "general.architecture":
-                    meta[key] = value
-            return meta
-        finally:
-            reader.buf.release()
-
-
-class _GGUFMetadataReader:
-    """Sequential little-endian reader over a GGUF file's key-value section."""
-
-    def __init__(self, buf: memoryview):
-        self.buf, self.pos = buf, 0
-
-    def scalar(self, fmt: str):
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.scalar("<Q")
-        raw = self.buf[self.pos : self.pos + length]
-        self.pos += length
-        # Lenient: a few vocabularies hold tokens that are not valid UTF-8 on their own.
-        return bytes(raw).decode("utf-8", errors="replace")
-
-    def value(self, value_type: int):
-        if value_type == _GGUF_STRING:
-            return self.string()
-        if value_type != _GGUF_ARRAY:
-            return self.scalar(_GGUF_SCALAR_FORMATS[value_type])
-        item_type, count = self.scalar("<I"), self.scalar("<Q")
-        if item_type in (_GGUF_STRING, _GGUF_ARRAY):
-            return [self.value(item_type) for _ in range(count)]
-        dtype = numpy.dtype(_GGUF_SCALAR_FORMATS[item_type])
-        items = numpy.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-        self.pos += count * dtype.itemsize
-        return items.tolist()
-
-
-# The GGUF format's constants (gguf.GGUF_MAGIC, gguf.GGUFValueType), kept here so that reading a
-# tokenizer does not import the gguf package.
-_GGUF_MAGIC = 0x46554747  # b"GGUF" read as a little-endian uint32
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-# struct formats of the scalar value types, by GGUFValueType number.
-_GGUF_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
+    meta = {}
+    for key, value in open_gguf(path).metadata.items():
+        if key.startswith("tokenizer.") or key == "general.architecture":
+            # Copies: the parsed metadata is shared and must stay as read.
+            meta[key] = value.tolist() if isinstance(value, numpy.ndarray) else copy.copy(value)
+    return meta
 
 
 def _byte_level_bpe_from_gguf(

@@ -1,0 +1,461 @@
+// CPU kernels over GGUF-quantized weights: quant_linear (out = input . W^T + bias
+// with W kept in its file's blocks) and dequantize_rows (the embedding lookup).
+//
+// quant_linear quantizes each input row once to int8 in groups of 32 (one float
+// scale per group, and the scaled sum of each 16 values), then takes integer dot
+// products of the weights' small unsigned integers with those int8 values, 32 at a
+// time (gguf_blocks.h: every format reads as groups of 32 with a scale and offset
+// per 16). The integer product is exact; per group it is scaled into float32 sums:
+//   sum_k w_k x_k ~= sum_halves dx * (a * sum(u * qx) + b * sum(qx)).
+// Decoding a group's integers costs a few vector instructions, so each decoded
+// group meets up to kTileRows input rows before the next one is decoded. Integer
+// dot products need 8 bits per activation instead of 32, and one instruction does
+// 32 multiply-adds (vpdpbusd with AVX512-VNNI or AVX-VNNI; vpmaddubsw + vpmaddwd on
+// AVX2; a plain loop elsewhere). Each thread takes a contiguous range of output
+// columns and streams its rows of W once per tile of input rows.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PYLLM_QUANT_AVX2 1
+#endif
+
+#include "../dispatch_utils.h"
+#include "../ops.h"
+#include "gguf_blocks.h"
+
+namespace pyllm::cpu {
+namespace {
+
+using namespace pyllm::quant;
+
+// Input rows per register tile: each decoded group of 32 weights is used this many times.
+constexpr int kTileRows = 8;
+// Weights per thread below which a second thread costs more than it saves.
+constexpr int64_t kGrainWeights = 1 << 16;
+
+// ---------------------------------------------------------------------------
+// Activations, quantized per row in groups of 32: q[K] int8 in [-127, 127],
+// d[K / 32] the group's scale, s[K / 16] the scaled sum d * sum(q) of each half.
+
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> s;
+  int64_t K = 0;
+  const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
+  const float* d_row(int64_t m) const { return d.data() + m * (K / 32); }
+  const float* s_row(int64_t m) const { return s.data() + m * (K / 16); }
+};
+
+template <typename scalar_t>
+void quantize_group(const scalar_t* x, int8_t* q, float* d, float* s) {
+  float v[32];
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    v[i] = static_cast<float>(x[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float scale = amax / 127.0f;
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  int sums[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
+    q[i] = static_cast<int8_t>(qi);
+    sums[i / 16] += qi;
+  }
+  *d = scale;
+  s[0] = scale * float(sums[0]);
+  s[1] = scale * float(sums[1]);
+}
+
+template <typename scalar_t>
+QuantizedRows quantize_rows(const scalar_t* x, int64_t x_stride, int64_t M, int64_t K) {
+  QuantizedRows r;
+  r.K = K;
+  r.q.resize(M * K);
+  r.d.resize(M * K / 32);
+  r.s.resize(M * K / 16);
+  at::parallel_for(0, M * (K / 32), 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t m = g / (K / 32), k = (g % (K / 32)) * 32;
+      quantize_group(x + m * x_stride + k, r.q.data() + m * K + k, r.d.data() + g,
+                     r.s.data() + 2 * g);
+    }
+  });
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// One group's integers as a vector of 32 bytes, per format (AVX2 and up).
+#ifdef PYLLM_QUANT_AVX2
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+// 16 bytes of nibbles -> the 16 low nibbles, then the 16 high ones.
+inline __m256i split_nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+// Bit l of bits -> 0x10 in byte l (0 elsewhere).
+inline __m256i bits_to_fifth_bit(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+template <int64_t T>
+inline __m256i group_vector(const uint8_t* blk, int g) {
+  using F = Format<T>;
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    return split_nibbles(F::nibbles(blk, g));
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    return _mm256_or_si256(split_nibbles(F::nibbles(blk, g)),
+                           bits_to_fifth_bit(F::high_bits(blk)));
+  } else if constexpr (T == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::values(blk, g)));
+  } else if constexpr (T == kQ4_K) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::nibble_bytes(blk, g)));
+    return g % 2 ? high_nibbles(v) : low_nibbles(v);
+  } else if constexpr (T == kQ5_K) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::nibble_bytes(blk, g)));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::high_bytes(blk)));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << g));
+    const __m256i fifth =
+        _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(g % 2 ? high_nibbles(v) : low_nibbles(v), fifth);
+  } else {
+    static_assert(T == kQ6_K);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::low_bytes(blk, g)));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::high_bytes(blk, g)));
+    // Bits 2j, 2j + 1 of each byte to bits 4, 5 (16-bit shifts; the mask drops
+    // what crossed from the neighbouring byte).
+    const __m256i top = _mm256_and_si256(
+        _mm256_slli_epi16(_mm256_srli_epi16(h, F::high_shift(g)), 4), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(F::upper_nibble(g) ? high_nibbles(v) : low_nibbles(v), top);
+  }
+}
+
+// Eight int32 lanes, lane i = sum of products of bytes [4i, 4i + 4): u unsigned
+// (< 64, so vpmaddubsw's 16-bit pair sums cannot saturate), x signed.
+inline __m256i dot_u8_s8(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// The same for signed w (Q8_0): |w| times x with w's sign (x is never -128).
+inline __m256i dot_s8_s8(__m256i w, __m256i x) {
+  return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Multiply-adds one group of 32 weights (integers u, scales a[0..1], offsets
+// off[0..1] of its halves) into the sums of R input rows.
+template <int64_t T, int R>
+inline void group_step(__m256i u, const float* a, const float* off, const QuantizedRows& x,
+                       int64_t m0, int64_t group, __m256* acc, float* offset) {
+  using F = Format<T>;
+  const __m256 scale = _mm256_set_m128(_mm_set1_ps(a[1]), _mm_set1_ps(a[0]));
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m256i xv =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_row(m) + group * 32));
+    const __m256i dot = F::kSigned ? dot_s8_s8(u, xv) : dot_u8_s8(u, xv);
+    const __m256 dx = _mm256_set1_ps(x.d_row(m)[group]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, dx), acc[r]);
+    if constexpr (!F::kSigned) {
+      const float* s = x.s_row(m) + 2 * group;
+      offset[r] += (off[0] * s[0] + off[1] * s[1]);  // one add on the carried chain
+    }
+  }
+}
+
+// Output columns [n0, n1) for input rows [m0, m0 + R). Groups alternate between
+// two sets of sums, so that two multiply-add chains are in flight.
+template <int64_t T, int R>
+void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
+              float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / F::kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[2][R];
+    float offset[2][R];
+    for (int r = 0; r < R; ++r) {
+      acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+      offset[0][r] = offset[1][r] = 0.0f;
+    }
+    if constexpr (F::kGroups == 1) {
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        float a[4], off[4];
+        const uint8_t* blk = row + b * F::kBytes;
+        F::scales(blk, a, off);
+        F::scales(blk + F::kBytes, a + 2, off + 2);
+        const __m256i u0 = group_vector<T>(blk, 0);
+        const __m256i u1 = group_vector<T>(blk + F::kBytes, 0);
+        group_step<T, R>(u0, a, off, x, m0, b, acc[0], offset[0]);
+        group_step<T, R>(u1, a + 2, off + 2, x, m0, b + 1, acc[1], offset[1]);
+      }
+      if (b < blocks) {
+        float a[2], off[2];
+        F::scales(row + b * F::kBytes, a, off);
+        group_step<T, R>(group_vector<T>(row + b * F::kBytes, 0), a, off, x, m0, b, acc[0],
+                         offset[0]);
+      }
+    } else {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = row + b * F::kBytes;
+        float a[2 * F::kGroups], off[2 * F::kGroups];
+        F::scales(blk, a, off);
+        for (int g = 0; g < F::kGroups; g += 2) {
+          const int64_t group = b * F::kGroups + g;
+          group_step<T, R>(group_vector<T>(blk, g), a + 2 * g, off + 2 * g, x, m0, group,
+                           acc[0], offset[0]);
+          group_step<T, R>(group_vector<T>(blk, g + 1), a + 2 * g + 2, off + 2 * g + 2, x, m0,
+                           group + 1, acc[1], offset[1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] =
+          hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (offset[0][r] + offset[1][r]);
+    }
+  }
+}
+
+#else  // portable
+
+template <int64_t T, int R>
+void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
+              float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / F::kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[R] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      float a[2 * F::kGroups], off[2 * F::kGroups];
+      F::scales(blk, a, off);
+      for (int g = 0; g < F::kGroups; ++g) {
+        const int64_t group = b * F::kGroups + g;
+        uint8_t u[32];
+        group_quants<T>(blk, g, u);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q_row(m0 + r) + group * 32;
+          int32_t dot[2] = {0, 0};
+          for (int l = 0; l < 32; ++l) {
+            const int32_t wv = F::kSigned ? int32_t(int8_t(u[l])) : int32_t(u[l]);
+            dot[l / 16] += wv * int32_t(q[l]);
+          }
+          const float dx = x.d_row(m0 + r)[group];
+          const float* s = x.s_row(m0 + r) + 2 * group;
+          acc[r] += dx * (a[2 * g] * float(dot[0]) + a[2 * g + 1] * float(dot[1])) +
+                    off[2 * g] * s[0] + off[2 * g + 1] * s[1];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = acc[r];
+  }
+}
+
+#endif
+
+template <int64_t T>
+void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+              int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: dot_rows<T, 1>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 2: dot_rows<T, 2>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 3: dot_rows<T, 3>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 4: dot_rows<T, 4>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 5: dot_rows<T, 5>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 6: dot_rows<T, 6>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 7: dot_rows<T, 7>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    default: dot_rows<T, kTileRows>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+  }
+}
+
+// Float32 results [M, N] for all rows; columns split across threads. A thread
+// runs every row tile over a strip of columns small enough for its weight bytes
+// to stay in L2 between tiles.
+template <int64_t T>
+void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
+                  float* out, int64_t out_stride) {
+  using F = Format<T>;
+  const int64_t row_bytes = K / F::kBlock * F::kBytes;
+  const int64_t strip = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1));
+  const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t n0 = c0; n0 < c1; n0 += strip) {
+      const int64_t n1 = std::min(c1, n0 + strip);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        dot_tile<T>(rows, w, row_bytes, x, m0, K, out + m0 * out_stride, out_stride, n0, n1);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Dequantization of whole rows (portable: it runs once per looked-up token).
+
+template <int64_t T, typename scalar_t>
+void dequantize_row(const uint8_t* row, int64_t K, scalar_t* y) {
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      uint8_t u[32];
+      group_quants<T>(blk, g, u);
+      scalar_t* yg = y + b * F::kBlock + g * 32;
+      for (int l = 0; l < 32; ++l) {
+        const float q = F::kSigned ? float(int8_t(u[l])) : float(u[l]);
+        yg[l] = static_cast<scalar_t>(a[2 * g + l / 16] * q + off[2 * g + l / 16]);
+      }
+    }
+  }
+}
+
+int64_t block_size_of(int64_t type) {
+  int64_t size = 0;
+  dispatch_type(type, [&](auto t) { size = Format<decltype(t)::value>::kBlock; });
+  return size;
+}
+
+int64_t block_bytes_of(int64_t type) {
+  int64_t bytes = 0;
+  dispatch_type(type, [&](auto t) { bytes = Format<decltype(t)::value>::kBytes; });
+  return bytes;
+}
+
+// qweight [N, row_bytes] uint8 for K input features of type qtype; returns N.
+int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t K) {
+  TORCH_CHECK(block_size_of(qtype) != 0, "qtype ", qtype,
+              " is not a supported GGML quantization type");
+  TORCH_CHECK(K % block_size_of(qtype) == 0, "in_features (", K,
+              ") must be a multiple of the block size ", block_size_of(qtype));
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kByte &&
+                  qweight.size(1) == K / block_size_of(qtype) * block_bytes_of(qtype),
+              "qweight must be a contiguous CPU uint8 tensor [out_features, ",
+              K / block_size_of(qtype) * block_bytes_of(qtype), "], got ", qweight.sizes());
+  return qweight.size(0);
+}
+
+}  // namespace
+
+void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
+                  int64_t qtype, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
+                  (input.size(1) <= 1 || input.stride(1) == 1),
+              "input must be a CPU tensor [rows, in_features] with packed rows, got ",
+              input.sizes());
+  const int64_t M = input.size(0), K = input.size(1);
+  const int64_t N = check_qweight(qweight, qtype, K);
+  const auto dtype = input.scalar_type();
+  // out's rows may be strided: a fused projection writes each part into its columns.
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == dtype && out.dim() == 2 &&
+                  out.size(0) == M && out.size(1) == N && (N <= 1 || out.stride(1) == 1),
+              "out must be a CPU tensor [", M, ", ", N, "] with packed rows in input's dtype");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->is_contiguous() && bias->scalar_type() == dtype,
+                "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
+  }
+  if (M == 0 || N == 0) return;
+  PYLLM_DISPATCH_FLOATING_TYPES(dtype, "quant_linear", [&] {
+    const QuantizedRows x =
+        quantize_rows(input.const_data_ptr<scalar_t>(), input.stride(0), M, K);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t ld = out.stride(0);
+    // float32 out is written in place; other dtypes through a float32 buffer.
+    constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+    std::vector<float> buffer(kFloat ? 0 : M * N);
+    float* y = kFloat ? reinterpret_cast<float*>(o) : buffer.data();
+    const int64_t y_ld = kFloat ? ld : N;
+    dispatch_type(qtype, [&](auto t) {
+      quant_matmul<decltype(t)::value>(qweight.const_data_ptr<uint8_t>(), N, K, x, M, y, y_ld);
+    });
+    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    if (b != nullptr || !kFloat) {
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = y[m * y_ld + n] + (b ? static_cast<float>(b[n]) : 0.0f);
+            o[m * ld + n] = static_cast<scalar_t>(v);
+          }
+        }
+      });
+    }
+  });
+}
+
+void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
+                     const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(),
+              "out must be a contiguous CPU tensor [rows, in_features], got ", out.sizes());
+  const int64_t K = out.size(1);
+  const int64_t N = check_qweight(qweight, qtype, K);
+  const int64_t R = out.size(0);
+  const int64_t* index = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->device().is_cpu() && rows->dim() == 1 && rows->is_contiguous() &&
+                    rows->scalar_type() == at::kLong && rows->size(0) == R,
+                "rows must be a contiguous CPU int64 tensor [", R, "] (one per row of out)");
+    index = rows->const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < R; ++i) {
+      TORCH_CHECK(index[i] >= 0 && index[i] < N, "rows[", i, "] = ", index[i],
+                  " is outside [0, ", N, ")");
+    }
+  } else {
+    TORCH_CHECK(R == N, "out must have one row per qweight row (", N, ") when rows is None");
+  }
+  const int64_t row_bytes = qweight.size(1);
+  const uint8_t* w = qweight.const_data_ptr<uint8_t>();
+  PYLLM_DISPATCH_FLOATING_TYPES(out.scalar_type(), "dequantize_rows", [&] {
+    scalar_t* y = out.data_ptr<scalar_t>();
+    dispatch_type(qtype, [&](auto t) {
+      at::parallel_for(0, R, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)),
+                       [&](int64_t r0, int64_t r1) {
+                         for (int64_t r = r0; r < r1; ++r) {
+                           const int64_t src = index ? index[r] : r;
+                           dequantize_row<decltype(t)::value>(w + src * row_bytes, K, y + r * K);
+                         }
+                       });
+    });
+  });
+}
+
+}  // namespace pyllm::cpu
