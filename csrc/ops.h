@@ -86,6 +86,16 @@ namespace pyllm {
                      const at::Tensor& packed_weight,                         \
                      const std::optional<at::Tensor>& bias);                  \
                                                                                \
+  /* out[M, N] = input[M, K] . W^T (+ bias), W [N, K] kept as the GGUF blocks  \
+     of GGML type qtype: qweight uint8 [N, K / block * block_bytes]. */        \
+  void quant_linear(at::Tensor& out, const at::Tensor& input,                 \
+                    const at::Tensor& qweight, int64_t qtype,                 \
+                    const std::optional<at::Tensor>& bias);                   \
+                                                                               \
+  /* out[R, K] = rows of the quantized weight (all N rows if rows is None). */ \
+  void dequantize_rows(at::Tensor& out, const at::Tensor& qweight,            \
+                       int64_t qtype, const std::optional<at::Tensor>& rows); \
+                                                                               \
   /* Contiguous KV layout: seq_slots name each token's or sequence's slot. */  \
   void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value,    \
                            at::Tensor& key_cache, at::Tensor& value_cache,    \

@@ -80,6 +80,12 @@ TORCH_LIBRARY(pyllm, m) {
   m.def(
       "packed_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
 
+  // Linear layers over GGUF-quantized weights (quantization/).
+  m.def(
+      "quant_linear(Tensor(a!) out, Tensor input, Tensor qweight, int qtype,"
+      " Tensor? bias) -> ()");
+  m.def("dequantize_rows(Tensor(a!) out, Tensor qweight, int qtype, Tensor? rows) -> ()");
+
   // Build facts Python reads back.
   m.def("partition_size() -> int", []() -> int64_t { return pyllm::kPartitionSize; });
   m.def("small_batch_max_rows() -> int", []() -> int64_t { return pyllm::kSmallBatchMaxRows; });
@@ -108,6 +114,8 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);                   \
   m.impl("small_batch_linear", &pyllm::ns::small_batch_linear);       \
   m.impl("packed_linear", &pyllm::ns::packed_linear);                 \
+  m.impl("quant_linear", &pyllm::ns::quant_linear);                   \
+  m.impl("dequantize_rows", &pyllm::ns::dequantize_rows);             \
   m.impl("write_kv_contiguous", &pyllm::ns::write_kv_contiguous);     \
   m.impl("contiguous_attention_decode", &pyllm::ns::contiguous_attention_decode); \
   m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill);

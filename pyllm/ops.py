@@ -55,6 +55,7 @@ SMALL_BATCH_MAX_ROWS: int = int(_C.small_batch_max_rows())
 __all__ = [
     "KVArena",
     "PARTITION_SIZE",
+    "QUANT_TYPES",
     "SMALL_BATCH_MAX_ROWS",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
@@ -64,6 +65,7 @@ __all__ = [
     "contiguous_attention_decode",
     "contiguous_attention_prefill",
     "copy_blocks",
+    "dequantize_rows",
     "fused_add_rms_norm",
     "kv_cache_x",
     "pack_weight_words",
@@ -73,6 +75,8 @@ __all__ = [
     "paged_attention_v1",
     "paged_attention_v2",
     "paged_attention_v2_workspace",
+    "quant_linear",
+    "quant_row_bytes",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -963,6 +967,124 @@ def packed_linear(
     out_features = packed_weight.shape[0] * 16
     _check_linear_output(out, bias, input, rows, out_features)
     _C.packed_linear(out, input, packed_weight, bias)
+
+
+# ---------------------------------------------------------------------------
+# Linear layers over GGUF-quantized weights.
+
+# GGML type name -> (type id, weights per block, bytes per block): the block formats
+# quant_linear and dequantize_rows read, as a GGUF file stores them.
+QUANT_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+_QUANT_BY_ID = {
+    type_id: (name, block, nbytes) for name, (type_id, block, nbytes) in QUANT_TYPES.items()
+}
+
+
+def quant_row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one weight row of in_features values in GGML type qtype."""
+    name, block, nbytes = _quant_type(qtype)
+    if in_features % block:
+        raise ValueError(
+            f"in_features ({in_features}) must be a multiple of {name}'s block of {block}"
+        )
+    return in_features // block * nbytes
+
+
+def _quant_type(qtype: object) -> tuple[str, int, int]:
+    if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in _QUANT_BY_ID:
+        supported = ", ".join(f"{n}={t}" for n, (t, _, _) in QUANT_TYPES.items())
+        raise ValueError(f"qtype must be a supported GGML type id ({supported}), got {qtype!r}")
+    return _QUANT_BY_ID[qtype]
+
+
+def _check_qweight(qweight: torch.Tensor, qtype: int, in_features: int, device) -> int:
+    """qweight [N, row bytes] uint8 of type qtype for in_features values; returns N."""
+    _tensor("qweight", qweight)
+    _device("qweight", qweight, device)
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"qweight must be uint8 (the GGUF blocks' bytes), got {qweight.dtype}")
+    _ndim("qweight", qweight, 2, "[out_features, row_bytes]")
+    row_bytes = quant_row_bytes(qtype, in_features)
+    if qweight.shape[1] != row_bytes:
+        raise ValueError(
+            f"qweight must be [out_features, {row_bytes}] ({_quant_type(qtype)[0]} rows of "
+            f"{in_features} values), got {tuple(qweight.shape)}"
+        )
+    _contiguous("qweight", qweight)
+    return qweight.shape[0]
+
+
+def quant_linear(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """out = input @ W.T (+ bias) with W [N, K] kept quantized: ``qweight`` holds its N
+    rows of GGUF blocks of GGML type ``qtype`` (``QUANT_TYPES``), uint8
+    ``[N, quant_row_bytes(qtype, K)]``, exactly as a GGUF file stores the tensor.
+    ``input [M, K]`` and ``out [M, N]`` float32/bf16/fp16, ``bias [N]``.
+
+    On the CPU each input row is quantized to int8 in groups of 32 and multiplied with
+    the weights' integers (VNNI or AVX2 integer dot products), scaled per group and
+    accumulated in float32: the error against a float product is bounded by half a
+    quantization step of the input per weight. Input rows and out rows may be strided
+    (row views); their elements must be packed.
+    """
+    _check_linear_input(input, "qweight", qweight, out)
+    rows, in_features = input.shape
+    out_features = _check_qweight(qweight, qtype, in_features, input.device)
+    _device("out", out, input.device)
+    _same_dtype("out", out, input.dtype)
+    _shape("out", out, (rows, out_features), "[rows, out_features]")
+    _packed_rows("out", out)
+    if bias is not None:
+        _tensor("bias", bias)
+        _device("bias", bias, input.device)
+        _same_dtype("bias", bias, input.dtype)
+        _shape("bias", bias, (out_features,), "[out_features]")
+        _contiguous("bias", bias)
+    _C.quant_linear(out, input, qweight, qtype, bias)
+
+
+def dequantize_rows(
+    out: torch.Tensor, qweight: torch.Tensor, qtype: int, rows: torch.Tensor | None = None
+) -> None:
+    """out[i] = row rows[i] of the quantized weight, as floats (all rows in order when
+    rows is None): ``out [R, K]`` float32/bf16/fp16, ``qweight`` as for quant_linear,
+    ``rows [R]`` int64. An embedding lookup in a quantized token table."""
+    _tensor("out", out)
+    _supported_device("out", out)
+    _float_dtype("out", out)
+    _ndim("out", out, 2, "[rows, in_features]")
+    _contiguous("out", out)
+    num_rows = _check_qweight(qweight, qtype, out.shape[1], out.device)
+    if rows is None:
+        if out.shape[0] != num_rows:
+            raise ValueError(
+                f"out must have qweight's {num_rows} rows when rows is None, got {out.shape[0]}"
+            )
+    else:
+        _tensor("rows", rows)
+        _device("rows", rows, out.device)
+        _index_dtype("rows", rows, torch.int64)
+        _shape("rows", rows, (out.shape[0],), "[R] (one per row of out)")
+        _contiguous("rows", rows)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+            raise ValueError(
+                f"rows must lie in [0, {num_rows}), got {int(rows.min())}..{int(rows.max())}"
+            )
+    _C.dequantize_rows(out, qweight, qtype, rows)
 
 
 # ---------------------------------------------------------------------------
