@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs, as one command (see README, "Building for CUDA"):
-# build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA,
-# then the kernel, KV-mode and sampler benchmarks. Every log and table goes to $OUT
-# (the device tool's output folder) or ./gpu-out.
+# build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA
+# (the quantization kernels' on their own), then the kernel, quantized-linear, KV-mode and
+# sampler benchmarks. Every log and table goes to $OUT (the device tool's output folder)
+# or ./gpu-out.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
 #
@@ -33,10 +34,22 @@ fi
 "$py" -c "import pyllm.ops as ops; assert ops.BUILT_WITH_CUDA, 'no CUDA kernels'; print('CUDA kernels built')" \
   2>&1 | tee -a "$out/summary.txt"
 
-step "kernel tests on CUDA (tests/kernels -k cuda)"
-"$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf >"$out/tests.log" 2>&1
+step "kernel tests on CUDA (tests/kernels -k cuda, quantization apart)"
+"$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf \
+  --ignore=tests/kernels/test_quant.py >"$out/tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$out/summary.txt"
 tail -15 "$out/tests.log" | tee -a "$out/summary.txt"
+
+step "quantization kernel tests on CUDA (tests/kernels/test_quant.py -k cuda)"
+"$py" -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py -k cuda -rf \
+  >"$out/tests_quant.log" 2>&1
+echo "pytest exit $?" | tee -a "$out/summary.txt"
+tail -15 "$out/tests_quant.log" | tee -a "$out/summary.txt"
+
+step "quantized linear (benchmarks/quant_linear.py --device cuda)"
+"$py" benchmarks/quant_linear.py --device cuda >"$out/quant_linear.txt" 2>&1
+echo "exit $?" | tee -a "$out/summary.txt"
+tail -20 "$out/quant_linear.txt" | tee -a "$out/summary.txt"
 
 step "decode attention and the other ops (benchmarks/kernels.py --device cuda)"
 "$py" benchmarks/kernels.py --device cuda >"$out/kernels.txt" 2>&1
