@@ -27,6 +27,7 @@
 #endif
 
 #include "../cpu_float_rows.h"
+#include "../cpu_packed_tile.h"
 #include "../cpu_vec.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
@@ -351,51 +352,6 @@ void small_batch_linear_rows(scalar_t* out, const scalar_t* x, int64_t x_stride,
 // (NB * K * 16 elements, tens of KB) is reused from L2 by every row tile.
 // Where the build has no such kernel for the dtype (bf16 without AVX512-BF16, f16,
 // CPUs without AVX-512) a plain loop computes the same sums, for correctness only.
-
-// Rows and column blocks of the register tile: M <= 4 rows take 4 blocks (a
-// weight stream with 4 independent sums per row), more rows 8 x 3. Sized for
-// AVX-512's 32 vector registers: with fewer (AVX2: 8 Vec16) the tile would spill,
-// so there the plain loop stands in and the engine keeps its other kernels.
-constexpr int kTileRows = 8;
-constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
-template <typename T>
-constexpr bool kPackedLinearVectorized = vec::WordOps<T>::kVectorized && vec::kRegisterVecs >= 32;
-
-// One register tile; meanwhile `ahead_lines` cache lines from `ahead` are
-// prefetched into L2, one per step of K (or a few, if fewer steps than lines).
-template <typename T, int MB, int NB>
-void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* out,
-                 int64_t out_stride, const char* ahead, int64_t ahead_lines) {
-  using W = vec::WordOps<T>;
-  using vec::Vec16;
-  constexpr int E = W::kElems;
-  const int64_t block = K * vec::kLanes;  // elements of one column block
-  const int64_t steps = K / E;
-  const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
-  Vec16 acc[MB][NB];
-  for (auto& row : acc) {
-    for (auto& a : row) a = Vec16::zero();
-  }
-  int64_t line = 0;
-  for (int64_t k = 0; k < K; k += E) {
-    for (int64_t l = 0; l < lines_per_step && line < ahead_lines; ++l, ++line) {
-      vec::prefetch_l2(ahead + line * 64);
-    }
-    typename W::Operand b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = W::load(w + j * block + k * vec::kLanes);
-    for (int i = 0; i < MB; ++i) {
-      const auto a = W::broadcast(x + i * x_stride + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = W::mac(acc[i][j], a, b[j]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) {
-      Vec16 y = acc[i][j];
-      if (bias != nullptr) y = y + Vec16::load(bias + j * vec::kLanes);
-      y.store(out + i * out_stride + j * vec::kLanes);
-    }
-  }
-}
 
 // Rows [0, M) x column blocks [b0, b1), MB rows at a time. With several row
 // tiles per panel of column blocks, the first reads the panel from memory and the

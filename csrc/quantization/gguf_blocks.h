@@ -17,6 +17,10 @@
 
 #include <c10/util/Half.h>
 
+#if defined(__F16C__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
+
 namespace pyllm::quant {
 
 // GGML's type ids (gguf.GGMLQuantizationType).
@@ -34,7 +38,11 @@ enum Type : int64_t {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__) && !defined(__CUDACC__)
+  return _cvtsh_ss(bits);  // one instruction; c10's conversion is a dozen bit operations
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K / Q5_K: 8 scales and 8 mins of 6 bits packed in 12 bytes.

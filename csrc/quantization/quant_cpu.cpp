@@ -30,6 +30,7 @@
 #define PYLLM_QUANT_AVX2 1
 #endif
 
+#include "../cpu_packed_tile.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "gguf_blocks.h"
@@ -176,29 +177,30 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// Multiply-adds one group of 32 weights (integers u, scales a[0..1], offsets
-// off[0..1] of its halves) into the sums of R input rows.
+// Multiply-adds one group of 32 weights (integers u, scales a0, a1 of its halves)
+// into the sums of R input rows; the offsets are added per block (dot_rows).
 template <int64_t T, int R>
-inline void group_step(__m256i u, const float* a, const float* off, const QuantizedRows& x,
-                       int64_t m0, int64_t group, __m256* acc, float* offset) {
+inline void group_step(__m256i u, float a0, float a1, const QuantizedRows& x, int64_t m0,
+                       int64_t group, __m256* acc) {
   using F = Format<T>;
-  const __m256 scale = _mm256_set_m128(_mm_set1_ps(a[1]), _mm_set1_ps(a[0]));
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
     const __m256i xv =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_row(m) + group * 32));
     const __m256i dot = F::kSigned ? dot_s8_s8(u, xv) : dot_u8_s8(u, xv);
-    const __m256 dx = _mm256_set1_ps(x.d_row(m)[group]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, dx), acc[r]);
-    if constexpr (!F::kSigned) {
-      const float* s = x.s_row(m) + 2 * group;
-      offset[r] += (off[0] * s[0] + off[1] * s[1]);  // one add on the carried chain
-    }
+    const float dx = x.d_row(m)[group];
+    // Lanes 0-3 sum the first half of the group, lanes 4-7 the second.
+    const __m256 scale = T == kQ6_K
+                             ? _mm256_set_m128(_mm_set1_ps(a1 * dx), _mm_set1_ps(a0 * dx))
+                             : _mm256_set1_ps(a0 * dx);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
   }
 }
 
 // Output columns [n0, n1) for input rows [m0, m0 + R). Groups alternate between
-// two sets of sums, so that two multiply-add chains are in flight.
+// two sets of sums, so that two multiply-add chains are in flight. The offsets
+// (b * dx * sum(qx)) go per block: one scalar per row for a block of 32, two 8-lane
+// products per row for the 16 halves of a block of 256.
 template <int64_t T, int R>
 void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
@@ -213,34 +215,42 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
       offset[0][r] = offset[1][r] = 0.0f;
     }
     if constexpr (F::kGroups == 1) {
-      int64_t b = 0;
-      for (; b + 2 <= blocks; b += 2) {
-        float a[4], off[4];
+      // Within a block of 32 both halves share a and b: b * dx * (sum of both halves).
+      auto block = [&](int64_t b, int set) {
+        float a[2], off[2];
         const uint8_t* blk = row + b * F::kBytes;
         F::scales(blk, a, off);
-        F::scales(blk + F::kBytes, a + 2, off + 2);
-        const __m256i u0 = group_vector<T>(blk, 0);
-        const __m256i u1 = group_vector<T>(blk + F::kBytes, 0);
-        group_step<T, R>(u0, a, off, x, m0, b, acc[0], offset[0]);
-        group_step<T, R>(u1, a + 2, off + 2, x, m0, b + 1, acc[1], offset[1]);
+        group_step<T, R>(group_vector<T>(blk, 0), a[0], a[1], x, m0, b, acc[set]);
+        if constexpr (!F::kSigned) {
+          for (int r = 0; r < R; ++r) {
+            const float* s = x.s_row(m0 + r) + 2 * b;
+            offset[set][r] += off[0] * (s[0] + s[1]);
+          }
+        }
+      };
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        block(b, 0);
+        block(b + 1, 1);
       }
-      if (b < blocks) {
-        float a[2], off[2];
-        F::scales(row + b * F::kBytes, a, off);
-        group_step<T, R>(group_vector<T>(row + b * F::kBytes, 0), a, off, x, m0, b, acc[0],
-                         offset[0]);
-      }
+      if (b < blocks) block(b, 0);
     } else {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* blk = row + b * F::kBytes;
-        float a[2 * F::kGroups], off[2 * F::kGroups];
+        alignas(32) float a[16], off[16];
         F::scales(blk, a, off);
-        for (int g = 0; g < F::kGroups; g += 2) {
-          const int64_t group = b * F::kGroups + g;
-          group_step<T, R>(group_vector<T>(blk, g), a + 2 * g, off + 2 * g, x, m0, group,
-                           acc[0], offset[0]);
-          group_step<T, R>(group_vector<T>(blk, g + 1), a + 2 * g + 2, off + 2 * g + 2, x, m0,
-                           group + 1, acc[1], offset[1]);
+        for (int g = 0; g < 8; g += 2) {
+          const int64_t group = b * 8 + g;
+          group_step<T, R>(group_vector<T>(blk, g), a[2 * g], a[2 * g + 1], x, m0, group,
+                           acc[0]);
+          group_step<T, R>(group_vector<T>(blk, g + 1), a[2 * g + 2], a[2 * g + 3], x, m0,
+                           group + 1, acc[1]);
+        }
+        const __m256 off_lo = _mm256_load_ps(off), off_hi = _mm256_load_ps(off + 8);
+        for (int r = 0; r < R; ++r) {
+          const float* s = x.s_row(m0 + r) + 16 * b;
+          acc[0][r] = _mm256_fmadd_ps(off_lo, _mm256_loadu_ps(s), acc[0][r]);
+          acc[1][r] = _mm256_fmadd_ps(off_hi, _mm256_loadu_ps(s + 8), acc[1][r]);
         }
       }
     }
@@ -348,6 +358,108 @@ void dequantize_row(const uint8_t* row, int64_t K, scalar_t* y) {
   }
 }
 
+// Float32 values of one row: vectorized where group_vector exists.
+template <int64_t T>
+void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
+#ifdef PYLLM_QUANT_AVX2
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      const __m256i u = group_vector<T>(blk, g);
+      const __m128i halves[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+      float* yg = y + b * F::kBlock + g * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_set1_ps(a[2 * g + h]), offset = _mm256_set1_ps(off[2 * g + h]);
+        const __m128i lo = halves[h], hi = _mm_srli_si128(halves[h], 8);
+        const __m256i q0 = F::kSigned ? _mm256_cvtepi8_epi32(lo) : _mm256_cvtepu8_epi32(lo);
+        const __m256i q1 = F::kSigned ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
+        _mm256_storeu_ps(yg + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), scale, offset));
+        _mm256_storeu_ps(yg + 16 * h + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), scale, offset));
+      }
+    }
+  }
+#else
+  dequantize_row<T>(row, K, y);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Many rows: the int8 tiles above decode each group once per 8 rows, which leaves
+// the arithmetic well below the float units' peak. Where packed_linear's register
+// tile runs for the input dtype (AVX-512: float32 FMA, bf16 vdpbf16ps), each thread
+// instead dequantizes a panel of 16 * NB columns into its word-packed layout in a
+// buffer that stays in L2, and runs the tile over all input rows: the weight is
+// decoded once per call, and the products are packed_linear's.
+
+// Input rows from which the panel path is taken: decoding a panel costs about as
+// much as 16 rows of products (benchmarks/quant_linear.py, SmolLM2 Q4_1 and Q4_K:
+// 16 rows 48-52 ms by panels against about 45 by int8 tiles, 64 rows 79-81 ms).
+constexpr int64_t kPanelMinRows = 32;
+
+template <int64_t T, typename S>
+void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nb, int64_t K,
+                      float* row, S* panel) {
+  constexpr int E = vec::WordOps<S>::kElems;
+  for (int c = 0; c < nb * vec::kLanes; ++c) {
+    dequantize_row_f32<T>(w + (n0 + c) * row_bytes, K, row);
+    // Element k of column c: block c / 16, word k / E, lane c % 16, slot k % E.
+    S* dst = panel + (c / vec::kLanes) * K * vec::kLanes + (c % vec::kLanes) * E;
+    for (int64_t k = 0; k < K; ++k) dst[(k / E) * vec::kLanes * E + k % E] = S(row[k]);
+  }
+}
+
+template <typename S, int NB>
+void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t K,
+                const S* bias, S* out, int64_t ld) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) {
+    packed_tile<S, kTileRows, NB>(x + m * x_stride, x_stride, panel, K, bias, out + m * ld, ld,
+                                  nullptr, 0);
+  }
+  auto tail = [&](auto rows) {
+    packed_tile<S, decltype(rows)::value, NB>(x + m * x_stride, x_stride, panel, K, bias,
+                                              out + m * ld, ld, nullptr, 0);
+  };
+  switch (M - m) {
+    case 1: tail(std::integral_constant<int, 1>{}); break;
+    case 2: tail(std::integral_constant<int, 2>{}); break;
+    case 3: tail(std::integral_constant<int, 3>{}); break;
+    case 4: tail(std::integral_constant<int, 4>{}); break;
+    case 5: tail(std::integral_constant<int, 5>{}); break;
+    case 6: tail(std::integral_constant<int, 6>{}); break;
+    case 7: tail(std::integral_constant<int, 7>{}); break;
+    default: break;
+  }
+}
+
+// Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
+template <int64_t T, typename S>
+void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
+                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+  constexpr int NB = tile_blocks(kTileRows);
+  const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> row(K);
+    std::vector<S> panel(NB * vec::kLanes * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NB * vec::kLanes;
+      const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
+      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), panel.data());
+      const S* b = bias ? bias + n0 : nullptr;
+      if (nb == NB) {
+        panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      } else if (nb == 2) {
+        panel_rows<S, 2>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      } else {
+        panel_rows<S, 1>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      }
+    }
+  });
+}
+
 int64_t block_size_of(int64_t type) {
   int64_t size = 0;
   dispatch_type(type, [&](auto t) { size = Format<decltype(t)::value>::kBlock; });
@@ -396,25 +508,40 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
   }
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "quant_linear", [&] {
-    const QuantizedRows x =
-        quantize_rows(input.const_data_ptr<scalar_t>(), input.stride(0), M, K);
+    const scalar_t* in = input.const_data_ptr<scalar_t>();
+    const uint8_t* w = qweight.const_data_ptr<uint8_t>();
+    const int64_t row_bytes = qweight.size(1);
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t ld = out.stride(0);
+    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+    // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
+    int64_t n_panel = 0;
+    if constexpr (kPackedLinearVectorized<scalar_t>) {
+      if (M >= kPanelMinRows) {
+        n_panel = N / vec::kLanes * vec::kLanes;
+        dispatch_type(qtype, [&](auto t) {
+          panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
+                                           ld);
+        });
+      }
+    }
+    const int64_t rest = N - n_panel;
+    if (rest == 0) return;
+    const QuantizedRows x = quantize_rows(in, input.stride(0), M, K);
     // float32 out is written in place; other dtypes through a float32 buffer.
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    std::vector<float> buffer(kFloat ? 0 : M * N);
-    float* y = kFloat ? reinterpret_cast<float*>(o) : buffer.data();
-    const int64_t y_ld = kFloat ? ld : N;
+    std::vector<float> buffer(kFloat ? 0 : M * rest);
+    float* y = kFloat ? reinterpret_cast<float*>(o + n_panel) : buffer.data();
+    const int64_t y_ld = kFloat ? ld : rest;
     dispatch_type(qtype, [&](auto t) {
-      quant_matmul<decltype(t)::value>(qweight.const_data_ptr<uint8_t>(), N, K, x, M, y, y_ld);
+      quant_matmul<decltype(t)::value>(w + n_panel * row_bytes, rest, K, x, M, y, y_ld);
     });
-    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
     if (b != nullptr || !kFloat) {
       at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
-          for (int64_t n = 0; n < N; ++n) {
-            const float v = y[m * y_ld + n] + (b ? static_cast<float>(b[n]) : 0.0f);
-            o[m * ld + n] = static_cast<scalar_t>(v);
+          for (int64_t n = 0; n < rest; ++n) {
+            const float v = y[m * y_ld + n] + (b ? static_cast<float>(b[n_panel + n]) : 0.0f);
+            o[m * ld + n_panel + n] = static_cast<scalar_t>(v);
           }
         }
       });

@@ -1,0 +1,134 @@
+"""quant_linear on a GGUF file's own projection weights, for a range of rows, beside the
+float kernels on the same weights widened (the model's path with quantization="none").
+
+    PYTHONPATH=. python benchmarks/quant_linear.py                       # bundled SmolLM2 Q4_1
+    PYTHONPATH=. python benchmarks/quant_linear.py --gguf FILE --rows 1,8,512 --dtypes bfloat16
+    PYTHONPATH=. python benchmarks/quant_linear.py --device cuda
+
+Per row count: the best of --repeats passes over every projection of the file's first
+--layers layers (each weight read once per pass, far more bytes than the caches hold, as
+in a decode step), the weight bytes read per second, and the GFLOP/s. The float side
+runs the model's Linear on the dequantized weights (packed_linear or oneDNN, whichever
+this CPU uses), skipped with --no-float.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pyllm.ops as ops  # noqa: E402
+from pyllm.model.default_model import default_model_path  # noqa: E402
+from pyllm.model.gguf_file import open_gguf  # noqa: E402
+from pyllm.model.layers import Linear, can_pack_weight_words  # noqa: E402
+
+PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def best_of(repeats: int, fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def load_weights(path: str, layers: int, device: str):
+    """(type id, qweight [N, row bytes], in_features) of each projection."""
+    gguf_file = open_gguf(path)
+    weights = []
+    for i in range(layers):
+        for part in PARTS:
+            t = gguf_file.tensors.get(f"blk.{i}.{part}.weight")
+            if t is None or t.type_name not in ops.QUANT_TYPES:
+                continue
+            raw = torch.from_numpy(t.raw.copy()).to(device)
+            weights.append((t.type_id, raw, t.shape[1]))
+    if not weights:
+        sys.exit(f"{path}: no projection of a type quant_linear reads")
+    return weights
+
+
+def float_linears(weights, dtype, device) -> list[Linear]:
+    linears = []
+    for type_id, qweight, k in weights:
+        module = Linear(k, qweight.shape[0], False, dtype, device)
+        ops.dequantize_rows(module.weight.data, qweight, type_id)
+        if device == "cpu":
+            # As the model packs them: word-packed alone, or oneDNN's beside the plain
+            # weight that small_batch_linear reads.
+            module.pack(keep_plain=not can_pack_weight_words(module.weight))
+        linears.append(module)
+    return linears
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", default=None, help="GGUF file (default: bundled SmolLM2)")
+    parser.add_argument("--layers", type=int, default=None, help="first N layers (default all)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,512")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-float", action="store_true", help="skip the float kernels")
+    args = parser.parse_args()
+    path = args.gguf or default_model_path()
+    layers = args.layers or int(
+        next(v for k, v in open_gguf(path).metadata.items() if k.endswith(".block_count"))
+    )
+    weights = load_weights(path, layers, args.device)
+    nbytes = sum(q.numel() for _, q, _ in weights)
+    flops_per_row = 2 * sum(q.shape[0] * k for _, q, k in weights)
+    names = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
+    types = sorted({names[t] for t, _, _ in weights})
+    print(f"# {os.path.basename(path)}: {len(weights)} projections of {layers} layers, "
+          f"{'/'.join(types)}, {nbytes / 1e6:.1f} MB quantized")  # fmt: skip
+    print(f"# {platform.processor() or platform.machine()}, torch threads "
+          f"{torch.get_num_threads()}, device {args.device}")  # fmt: skip
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        linears = [] if args.no_float else float_linears(weights, dtype, args.device)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            xs = [torch.randn(rows, k, device=args.device).to(dtype) for _, _, k in weights]
+            outs = [
+                torch.empty(rows, q.shape[0], dtype=dtype, device=args.device)
+                for _, q, _ in weights
+            ]
+
+            def quant(xs=xs, outs=outs):
+                for (type_id, q, _), x, out in zip(weights, xs, outs, strict=True):
+                    torch.ops.pyllm.quant_linear(out, x, q, type_id, None)
+
+            seconds = best_of(args.repeats, quant)
+            line = (
+                f"{str(dtype).removeprefix('torch.'):9} rows {rows:4}: quant_linear "
+                f"{seconds * 1e3:8.2f} ms {nbytes / seconds / 1e9:6.1f} GB/s "
+                f"{flops_per_row * rows / seconds / 1e9:6.0f} GFLOP/s"
+            )
+            if linears:
+
+                def dense(linears=linears, xs=xs):
+                    for module, x in zip(linears, xs, strict=True):
+                        module(x)
+
+                dense_seconds = best_of(args.repeats, dense)
+                line += (
+                    f" | float weights {dense_seconds * 1e3:8.2f} ms "
+                    f"{flops_per_row * rows / dense_seconds / 1e9:6.0f} GFLOP/s "
+                    f"({dense_seconds / seconds:.2f}x)"
+                )
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
