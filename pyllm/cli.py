@@ -16,6 +16,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument(
+        "--quantization",
+        default="auto",
+        help="auto (a GGUF file's quantized weights stay quantized), none (widen every "
+        "weight to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -47,6 +53,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=False if args.no_prefix_caching else None,
         kv_cache=args.kv_cache,
+        quantization=args.quantization,
     )
 
 
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, FileNotFoundError, MemoryError) as error:
         print(f"pyllm: error: {error}", file=sys.stderr)
         return 2
 

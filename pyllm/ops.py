@@ -418,8 +418,9 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    tensor = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
-    return tensor.zero_()  # commits the pages now, off the first steps' critical path
+    # Anonymous pages read as zero; they are committed as blocks are first written, so
+    # the process holds only the part of the pool its sequences have used.
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 def reshape_and_cache(

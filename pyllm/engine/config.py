@@ -8,6 +8,9 @@ import torch
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 KV_CACHE_MODES = ("paged", "contiguous")
+# "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
+# "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
+QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k")
 
 
 @dataclass
@@ -26,6 +29,7 @@ class EngineConfig:
     # "paged": blocks + block tables (vLLM's PagedAttention); "contiguous": each sequence
     # slot contiguous in a virtual KV arena, memory mapped as it grows (dAttention).
     kv_cache: str = "paged"
+    quantization: str | None = "auto"  # see QUANTIZATION_MODES; None is "none"
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
@@ -37,6 +41,16 @@ class EngineConfig:
         self.model_path = str(self.model)
         self.torch_device = _resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        if self.quantization is None:
+            self.quantization = "none"
+        if not isinstance(self.quantization, str) or self.quantization.lower() not in (
+            QUANTIZATION_MODES
+        ):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_MODES} or None, "
+                f"got {self.quantization!r}"
+            )
+        self.quantization = self.quantization.lower()
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.enable_prefix_caching is None:
@@ -63,13 +77,20 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
-    def kv_cache_budget_bytes(self, device: torch.device) -> int:
+    def kv_cache_budget_bytes(
+        self, device: torch.device, weights_bytes: int = 0, available: int | None = None
+    ) -> int:
+        """kv_cache_memory where given; on a GPU a share of its free memory; on the CPU a
+        share of the memory left after the weights, at most DEFAULT_CPU_KV_CACHE_GIB
+        (pyllm.model.memory.default_kv_cache_bytes)."""
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory * 2**30)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * self.gpu_memory_utilization)
-        return int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+        from pyllm.model.memory import default_kv_cache_bytes
+
+        return default_kv_cache_bytes(weights_bytes, available=available)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from pyllm.engine.sequence import Sequence
 from pyllm.engine.slot_manager import SlotManager
 from pyllm.engine.stop_checker import check_stop, streamable_text
 from pyllm.model.llama import kv_cache_bytes_per_block
-from pyllm.model.loader import load_model
+from pyllm.model.loader import estimate_weight_bytes, load_model
+from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
 from pyllm.sampling.params import SamplingParams
@@ -62,6 +64,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
+        self._weights_bytes, self._available = _check_memory(config)
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device
         self.max_model_len = self.model.max_model_len
@@ -113,7 +116,7 @@ class LLMEngine:
     def _allocate_kv_cache(self):
         """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
         cfg = self.config
-        budget = cfg.kv_cache_budget_bytes(self.device)
+        budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         if cfg.kv_cache == "contiguous":
             # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
             # of it are ever committed at once (SlotManager keeps to that).
@@ -353,9 +356,39 @@ def _returned_samples(seqs: list[Sequence], finished: bool) -> list[Sequence]:
     return sorted(seqs, key=logprob_per_token, reverse=True)[: params.n]
 
 
+def _check_memory(config: EngineConfig) -> tuple[int, int | None]:
+    """Refuses (InsufficientMemoryError) a CPU model whose weights and KV cache would not
+    fit in the memory available now, before anything is loaded; returns the weights'
+    bytes and that memory figure."""
+    weights = estimate_weight_bytes(config.model_path, config.torch_dtype, config.quantization)
+    if config.torch_device.type != "cpu":
+        return weights, None
+    available = available_memory_bytes()
+    kv = config.kv_cache_budget_bytes(config.torch_device, weights, available)
+    held_as = config.quantization if config.quantization not in ("auto", "none") else None
+    check_fits(
+        weights,
+        kv,
+        os.path.basename(config.model_path),
+        [
+            "a quantized GGUF file",
+            "quantization='q4_k' (CLI --quantization q4_k) for an HF folder",
+            "a smaller max_model_len",
+            "a smaller kv_cache_memory",
+        ],
+        weights_dtype=held_as or str(config.torch_dtype).removeprefix("torch."),
+        available=available,
+    )
+    return weights, available
+
+
 def _load(config: EngineConfig):
     model, model_config = load_model(
-        config.model_path, config.torch_dtype, config.torch_device, config.max_model_len
+        config.model_path,
+        config.torch_dtype,
+        config.torch_device,
+        config.max_model_len,
+        quantization=config.quantization,
     )
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     return model, model_config, tokenizer

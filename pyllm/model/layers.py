@@ -196,8 +196,47 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+@dataclass(slots=True)
+class QuantPart:
+    """Output features [start, stop) of a layer whose weight stays quantized: qweight holds
+    their rows as GGUF blocks of GGML type qtype (ops.quant_linear). A fused projection
+    (q/k/v, gate/up) whose parts come in different types keeps one part per type."""
+
+    qweight: torch.Tensor
+    qtype: int
+    start: int
+    stop: int
+
+
+def quant_linear(
+    x: torch.Tensor, parts: list[QuantPart], bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [..., K] times the quantized weight of parts, each writing its output columns."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
+    whole = len(parts) == 1
+    for p in parts:
+        part_bias = None if bias is None else bias[p.start : p.stop]
+        target = out if whole else out[:, p.start : p.stop]
+        _C.quant_linear(target, rows, p.qweight, p.qtype, part_bias)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def dequantize_parts(parts: list[QuantPart], in_features: int, dtype) -> torch.Tensor:
+    """The float weight [N, K] of quantized parts (for tests and dense_weight)."""
+    pieces = []
+    for p in parts:
+        w = torch.empty(p.stop - p.start, in_features, dtype=dtype, device=p.qweight.device)
+        _C.dequantize_rows(w, p.qweight, p.qtype, None)
+        pieces.append(w)
+    return torch.cat(pieces)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
+
+    A GGUF model's quantized weights stay quantized (set_quantized): W is then kept as
+    the file's blocks and every batch size goes through ops.quant_linear.
 
     On the CPU pack() lays W out once for a faster kernel. Where pyllm's packed_linear
     has a vector kernel for the dtype (AVX-512: float32, and bf16 with AVX512-BF16 but
@@ -215,12 +254,29 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.word_weight: torch.Tensor | None = None  # pyllm's word-packed copy
         self.packed_weight: torch.Tensor | None = None  # oneDNN's packed copy
+        self.qparts: list[QuantPart] | None = None  # GGUF blocks, by output range
+
+    def set_quantized(self, parts: list[QuantPart]) -> None:
+        """Keeps W as quantized parts covering all output features (the float W goes)."""
+        covered = sorted((p.start, p.stop) for p in parts)
+        if (
+            not covered
+            or covered[0][0] != 0
+            or covered[-1][1] != self.out_features
+            or any(a[1] != b[0] for a, b in zip(covered, covered[1:], strict=False))
+        ):
+            raise ValueError(f"quantized parts {covered} do not cover [0, {self.out_features})")
+        self.qparts = sorted(parts, key=lambda p: p.start)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qparts is not None:
+            return quant_linear(x, self.qparts, self.bias, self.out_features)
         if self.word_weight is not None:
             return packed_linear(x, self.word_weight, self.bias)
         if self.weight is not None and takes_small_batch_path(x):
@@ -245,6 +301,9 @@ class Linear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         if self.weight is not None:
             return self.weight
+        if self.qparts is not None:
+            dtype = self.bias.dtype if self.bias is not None else torch.float32
+            return dequantize_parts(self.qparts, self.in_features, dtype)
         if self.word_weight is not None:
             return unpack_weight_words(self.word_weight)
         return self.packed_weight.to_dense()

@@ -18,19 +18,23 @@ from pyllm.model.layers import (
     Attention,
     AttentionMetadata,
     Linear,
+    QuantPart,
     RMSNorm,
     _param,
     can_pack_linear_weights,
     can_pack_weight_words,
+    dequantize_parts,
     pack_linear_weight,
     packed_linear,
     plain_copy_fits,
+    quant_linear,
     rotary_cos_sin_cache,
     small_batch_linear,
     takes_small_batch_path,
     v2_workspace,
 )
 
+_C = torch.ops.pyllm
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -64,6 +68,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight = _param(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
+        # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
+        self.embed_tokens.qpart: QuantPart | None = None
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
         )
@@ -116,8 +122,27 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab_size, hidden_size]: the embedding itself when the two are tied."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
+            embed = self.model.embed_tokens
+            if embed.qpart is not None:
+                return dequantize_parts([embed.qpart], self.config.hidden_size, self.dtype)
+            return embed.weight
         return self.lm_head.dense_weight()
+
+    def set_quantized_embedding(self, part: QuantPart) -> None:
+        """Keeps the token table quantized (the float table goes); a tied LM head reads
+        the same blocks through quant_linear."""
+        self.model.embed_tokens.qpart = part
+        self.model.embed_tokens.weight = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        part = self.model.embed_tokens.qpart
+        if part is None:
+            return F.embedding(input_ids, self.model.embed_tokens.weight)
+        out = torch.empty(
+            input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device
+        )
+        _C.dequantize_rows(out, part.qweight, part.qtype, input_ids)
+        return out
 
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
         """Lays every projection's weight out for the CPU's faster kernel: word-packed
@@ -128,7 +153,10 @@ class LlamaForCausalLM(nn.Module):
         linears = [
             m
             for m in self.modules()
-            if isinstance(m, Linear) and m.packed_weight is None and m.word_weight is None
+            if isinstance(m, Linear)
+            and m.weight is not None
+            and m.packed_weight is None
+            and m.word_weight is None
         ]
         words = self.device.type == "cpu" and all(can_pack_weight_words(m.weight) for m in linears)
         if not words and not can_pack_linear_weights(self.device, self.dtype):
@@ -138,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
             keep_plain = not words and plain_copy_fits(nbytes)
         for module in linears:
             module.pack(keep_plain)
-        if self.config.tie_word_embeddings:
-            embedding = self.model.embed_tokens.weight
+        embedding = self.model.embed_tokens.weight
+        if self.config.tie_word_embeddings and embedding is not None:
             if can_pack_weight_words(embedding):
                 self.tied_lm_head_words = ops.pack_weight_words(embedding)
             elif can_pack_linear_weights(self.device, self.dtype):
@@ -167,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
             self.dtype,
             self.device,
         )
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(
@@ -184,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
+        part = self.model.embed_tokens.qpart
+        if part is not None:
+            return quant_linear(hidden, [part], None, self.config.vocab_size).float()
         if self.tied_lm_head_words is not None:
             return packed_linear(hidden, self.tied_lm_head_words).float()
         if takes_small_batch_path(hidden):

@@ -10,17 +10,22 @@ model exists at any time.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 
 import torch
 
+import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.llama import LlamaForCausalLM
 
 # Checkpoint tensors that carry no weights of ours (rotary tables some exporters save).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+logger = logging.getLogger("pyllm")
 
 
 def load_model(
@@ -29,19 +34,25 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     pack_weights: bool = True,
+    quantization: str | None = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds and fills a model from an HF folder (config.json + *.safetensors) or a
     .gguf file; returns it and its config. pack_weights: on the CPU, hand the
-    projection weights to oneDNN in its packed layout (LlamaForCausalLM.pack_weights)."""
+    projection weights to oneDNN in its packed layout (LlamaForCausalLM.pack_weights).
+    quantization: "auto" keeps a GGUF file's quantized weights in their blocks, "none"
+    (or None) widens them to dtype (EngineConfig.QUANTIZATION_MODES)."""
     path = os.fspath(path)
+    quantization = "none" if quantization is None else quantization
     if os.path.isfile(path) and path.endswith(".gguf"):
         from pyllm.model.loader_gguf import load_gguf
 
-        model = load_gguf(path, dtype, device, max_model_len)
+        model = load_gguf(path, dtype, device, max_model_len, keep_quantized=quantization == "auto")
     elif os.path.isdir(path):
         config = ModelConfig.from_hf_dir(path)
         model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
         load_safetensors(model, path)
+        if quantization not in ("auto", "none"):
+            quantize_linears(model, quantization)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"model path {path} does not exist")
     else:
@@ -49,6 +60,67 @@ def load_model(
     if pack_weights:
         model.pack_weights()
     return model, model.config
+
+
+def quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
+    """Quantizes every projection's float weight to GGML type qtype ("q8_0", "q4_0",
+    "q4_k"), one layer at a time, so that the model multiplies the blocks through
+    ops.quant_linear as it would a GGUF file's. A layer whose in_features is not a
+    multiple of the type's block keeps its float weight (logged)."""
+    from pyllm.model.layers import Linear, QuantPart
+    from pyllm.model.quantize import QUANT_TYPES_BY_NAME, quantize_weight
+
+    type_id = QUANT_TYPES_BY_NAME[qtype]
+    block = next(b for t, b, _ in ops.QUANT_TYPES.values() if t == type_id)
+    kept = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.weight is None:
+            continue
+        if module.in_features % block:
+            kept.append(name)
+            continue
+        qweight = quantize_weight(module.weight.detach(), qtype)
+        module.set_quantized([QuantPart(qweight, type_id, 0, module.out_features)])
+    if kept:
+        logger.info(
+            "pyllm: %d projection(s) keep float weights (in_features not a multiple of "
+            "%s's block of %d): %s",
+            len(kept),
+            qtype,
+            block,
+            ", ".join(kept[:3]),
+        )
+
+
+def estimate_weight_bytes(
+    path: str | os.PathLike, dtype: torch.dtype, quantization: str | None = "auto"
+) -> int:
+    """Bytes the model's weights will take in memory, read from the file's tensor table
+    without loading it: a GGUF tensor kept quantized takes its bytes in the file, every
+    other tensor numel x dtype's size (an HF folder quantized at load is first loaded in
+    dtype, so that is its peak)."""
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from pyllm.model.gguf_file import open_gguf
+
+        keep = quantization == "auto"
+        total = 0
+        for t in open_gguf(path).tensors.values():
+            if keep and t.type_name in ops.QUANT_TYPES and len(t.shape) == 2:
+                total += t.nbytes
+            else:
+                total += math.prod(t.shape) * dtype.itemsize
+        return total
+    if not os.path.isdir(path):
+        return 0  # load_model names the problem
+    from safetensors import safe_open
+
+    total = 0
+    for file in safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape()) * dtype.itemsize
+    return total
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

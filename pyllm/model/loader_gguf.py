@@ -1,6 +1,7 @@
-"""GGUF files (llama.cpp's format) into a LlamaForCausalLM, through the `gguf` package.
+"""GGUF files (llama.cpp's format) into a LlamaForCausalLM.
 
-Each tensor is dequantized to float32 on its own, renamed from llama.cpp's names
+The file is parsed and memory-mapped once (pyllm.model.gguf_file). Each tensor is
+dequantized (by `gguf.quants`) to float32 on its own, renamed from llama.cpp's names
 (``blk.3.attn_k.weight``) to HF's (``model.layers.3.self_attn.k_proj.weight``), and
 copied into its slot. llama.cpp's converter reorders the rows of the Llama q/k
 projections (per head, it interleaves the two rotary halves for its GPT-J-style
@@ -15,8 +16,10 @@ import warnings
 import numpy as np
 import torch
 
+import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
+from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.loader import WeightFiller
 
@@ -44,58 +47,59 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NOT_WEIGHTS = ("rope_freqs.weight",)
 
 
-def _open(path: str):
-    import gguf
-
+def _open(path: str) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"GGUF file {path} not found") from None
-    except (ValueError, KeyError, IndexError, OSError) as error:
+        return open_gguf(path)
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
 
 
-def _metadata(reader) -> dict:
+def _metadata(gguf_file: GGUFFile) -> dict:
     """Scalar and string fields by key; of arrays only tokenizer.ggml.tokens (whose
-    length is the vocabulary size) is kept, as a list."""
-    import gguf
-
+    length is the vocabulary size) is kept."""
     out = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+    for key, value in gguf_file.metadata.items():
+        if isinstance(value, (list, np.ndarray)):
             if key == "tokenizer.ggml.tokens":
-                out[key] = range(len(field.data))  # only the length is needed
+                out[key] = range(len(value))  # only the length is needed
             continue
-        out[key] = field.contents()
+        out[key] = value
     return out
 
 
-def _config(reader, path: str) -> ModelConfig:
-    tensors = {t.name: t for t in reader.tensors}
+def _config(gguf_file: GGUFFile, path: str) -> ModelConfig:
+    tensors = gguf_file.tensors
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = tuple(
             float(x) for x in dequantize(tensors["rope_freqs.weight"], path).reshape(-1)
         )
-    return ModelConfig.from_gguf_metadata(_metadata(reader), set(tensors), path, freq_factors)
+    return ModelConfig.from_gguf_metadata(_metadata(gguf_file), set(tensors), path, freq_factors)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
     return _config(_open(path), path)
 
 
-def dequantize(tensor, path: str) -> np.ndarray:
-    """One GGUF tensor as float32 [rows, cols] (numpy order: GGUF lists dims reversed)."""
+def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
+    """One GGUF tensor as float32 [rows, cols] (numpy order: GGUF lists dims reversed).
+    Also takes a gguf.GGUFReader tensor (tests read files through both)."""
     import gguf.quants
 
-    type_name = tensor.tensor_type.name
-    if type_name not in SUPPORTED_TYPES:
+    if isinstance(tensor, GGUFTensor):
+        qtype = gguf.GGMLQuantizationType(tensor.type_id)
+        data, shape = tensor.raw, tensor.shape
+    else:
+        qtype = tensor.tensor_type
+        data, shape = tensor.data, tuple(int(d) for d in reversed(tensor.shape))
+    if qtype.name not in SUPPORTED_TYPES:
         raise ValueError(
-            f"{path}: tensor {tensor.name!r} has quantization type {type_name}, which is not "
+            f"{path}: tensor {tensor.name!r} has quantization type {qtype.name}, which is not "
             f"supported; supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
+    values = gguf.quants.dequantize(data, qtype)
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
@@ -124,22 +128,27 @@ def load_gguf(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    keep_quantized: bool = True,
 ) -> LlamaForCausalLM:
-    reader = _open(path)
-    config = _config(reader, path)
+    """The model of a GGUF file. keep_quantized: projection and embedding weights of the
+    types ops.QUANT_TYPES lists stay in their blocks (read from the file straight into
+    their one copy, never widened); other types, and everything with keep_quantized
+    False, are dequantized to the model's dtype as before."""
+    gguf_file = _open(path)
+    config = _config(gguf_file, path)
     model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
     filler = WeightFiller(model, path)
-    for tensor in reader.tensors:
-        if tensor.name in _NOT_WEIGHTS:
+    quantized = _load_quantized(model, gguf_file, filler) if keep_quantized else set()
+    for tensor in gguf_file.tensors.values():
+        if tensor.name in _NOT_WEIGHTS or tensor.name in quantized:
             continue
         name = hf_name(tensor.name)
         if name is None or not filler.wants(name):
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} (not part of this model)")
         values = dequantize(tensor, path)
-        if config.architecture == "llama" and ".attn_q." in tensor.name:
-            values = unpermute_rows(values, config.num_attention_heads)
-        elif config.architecture == "llama" and ".attn_k." in tensor.name:
-            values = unpermute_rows(values, config.num_key_value_heads)
+        rows_per_head = _permuted_heads(config, tensor.name)
+        if rows_per_head:
+            values = unpermute_rows(values, rows_per_head)
         with warnings.catch_warnings():
             # F32 tensors come back as read-only views of the memory-mapped file; they
             # are only read (copied into the parameter), never written.
@@ -150,3 +159,101 @@ def load_gguf(
         del values
     filler.finish()
     return model
+
+
+def _permuted_heads(config: ModelConfig, gguf_name: str) -> int:
+    """The head count of a q/k projection whose rows llama.cpp reordered, else 0."""
+    if config.architecture != "llama":
+        return 0
+    if ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    if ".attn_k." in gguf_name:
+        return config.num_key_value_heads
+    return 0
+
+
+# Which GGUF tensors make up each projection, in output order: (module path, parts).
+def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:
+    out = []
+    for i in range(config.num_hidden_layers):
+        blk = f"blk.{i}."
+        layer = f"model.layers.{i}."
+        out += [
+            (layer + "self_attn.qkv_proj", [blk + "attn_q", blk + "attn_k", blk + "attn_v"]),
+            (layer + "self_attn.o_proj", [blk + "attn_output"]),
+            (layer + "mlp.gate_up_proj", [blk + "ffn_gate", blk + "ffn_up"]),
+            (layer + "mlp.down_proj", [blk + "ffn_down"]),
+        ]
+    if not config.tie_word_embeddings:
+        out.append(("lm_head", ["output"]))
+    return out
+
+
+def _quantizable(tensor: GGUFTensor | None, in_features: int) -> bool:
+    if tensor is None or tensor.type_name not in ops.QUANT_TYPES:
+        return False
+    return in_features % ops.QUANT_TYPES[tensor.type_name][1] == 0
+
+
+def _load_quantized(model: LlamaForCausalLM, gguf_file: GGUFFile, filler: WeightFiller) -> set:
+    """Gives every projection (and the token table) whose GGUF tensors are all of a
+    quantized type pyllm multiplies its blocks as they are; returns the names of the
+    tensors used. Parts of one fused projection that share a type share one tensor."""
+    config = model.config
+    tensors = gguf_file.tensors
+    used: set[str] = set()
+    with open(gguf_file.path, "rb") as file:
+        for module_path, names in _projections(config):
+            module = model.get_submodule(module_path)
+            parts = [tensors.get(name + ".weight") for name in names]
+            if not all(_quantizable(t, module.in_features) for t in parts):
+                continue
+            if any(name + ".bias" in tensors for name in names) and module.bias is None:
+                continue  # the filler reports the unexpected bias
+            module.set_quantized(_read_parts(file, config, parts, module.in_features, model.device))
+            for t in parts:
+                used.add(t.name)
+                filler.filled.add(hf_name(t.name))
+        embedding = tensors.get("token_embd.weight")
+        if _quantizable(embedding, config.hidden_size):
+            (part,) = _read_parts(file, config, [embedding], config.hidden_size, model.device)
+            model.set_quantized_embedding(part)
+            used.add(embedding.name)
+            filler.filled.add("model.embed_tokens.weight")
+    return used
+
+
+def _read_parts(
+    file, config: ModelConfig, tensors: list[GGUFTensor], in_features: int, device
+) -> list:
+    """QuantParts for consecutive tensors (their rows one after another in the output),
+    each run of one type read from the file into one uint8 tensor."""
+    from pyllm.model.layers import QuantPart
+
+    parts, start, i = [], 0, 0
+    while i < len(tensors):
+        run = [tensors[i]]
+        while i + len(run) < len(tensors) and tensors[i + len(run)].type_id == run[0].type_id:
+            run.append(tensors[i + len(run)])
+        rows = sum(t.shape[0] for t in run)
+        row_bytes = ops.quant_row_bytes(run[0].type_id, in_features)
+        qweight = torch.empty(rows, row_bytes, dtype=torch.uint8)
+        at = 0
+        for t in run:
+            if t.shape != (t.shape[0], in_features):
+                raise ValueError(
+                    f"{file.name}: tensor {t.name!r} has shape {t.shape}, expected "
+                    f"[rows, {in_features}]"
+                )
+            dest = qweight[at : at + t.shape[0]].numpy()
+            file.seek(t.offset)
+            if file.readinto(memoryview(dest).cast("B")) != t.nbytes:
+                raise ValueError(f"{file.name}: tensor {t.name!r} is cut short")
+            heads = _permuted_heads(config, t.name)
+            if heads:
+                dest[:] = unpermute_rows(dest, heads)
+            at += t.shape[0]
+        parts.append(QuantPart(qweight.to(device), run[0].type_id, start, start + rows))
+        start += rows
+        i += len(run)
+    return parts

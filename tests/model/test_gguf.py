@@ -317,7 +317,9 @@ def test_smollm2_greedy_matches_hf(hf_smollm2):
             out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                               pad_token_id=0)  # fmt: skip
             expected.append(out[0, len(ids) :].tolist())
-    model, _ = load_model(default_model_path(), dtype="float32")
+    # Widened to float32, as HF loads it (the quantized path is held against this one
+    # in test_quantized.py).
+    model, _ = load_model(default_model_path(), dtype="float32", quantization="none")
     result = run_sequences(model, prompts, max_new_tokens=NEW_TOKENS)
     for i, (ours, ref) in enumerate(zip(result.generated, expected, strict=True)):
         assert len(ours) == NEW_TOKENS
