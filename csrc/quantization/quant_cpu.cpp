@@ -401,13 +401,20 @@ constexpr int64_t kPanelMinRows = 32;
 
 template <int64_t T, typename S>
 void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nb, int64_t K,
-                      float* row, S* panel) {
+                      float* row, S* row_words, S* panel) {
   constexpr int E = vec::WordOps<S>::kElems;
   for (int c = 0; c < nb * vec::kLanes; ++c) {
     dequantize_row_f32<T>(w + (n0 + c) * row_bytes, K, row);
-    // Element k of column c: block c / 16, word k / E, lane c % 16, slot k % E.
-    S* dst = panel + (c / vec::kLanes) * K * vec::kLanes + (c % vec::kLanes) * E;
-    for (int64_t k = 0; k < K; ++k) dst[(k / E) * vec::kLanes * E + k % E] = S(row[k]);
+    const S* words = reinterpret_cast<const S*>(row);
+    if constexpr (!std::is_same_v<S, float>) {
+      for (int64_t k = 0; k < K; k += vec::kLanes) vec::Vec16::load(row + k).store(row_words + k);
+      words = row_words;
+    }
+    // Word k / E of column c goes to block c / 16, word k / E, lane c % 16.
+    const auto* src = reinterpret_cast<const uint32_t*>(words);
+    auto* dst = reinterpret_cast<uint32_t*>(panel + (c / vec::kLanes) * K * vec::kLanes) +
+                c % vec::kLanes;
+    for (int64_t i = 0; i < K / E; ++i) dst[i * vec::kLanes] = src[i];
   }
 }
 
@@ -443,11 +450,11 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
   const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> row(K);
-    std::vector<S> panel(NB * vec::kLanes * K);
+    std::vector<S> row_words(K), panel(NB * vec::kLanes * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
-      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), panel.data());
+      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data());
       const S* b = bias ? bias + n0 : nullptr;
       if (nb == NB) {
         panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
