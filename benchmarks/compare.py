@@ -13,15 +13,25 @@ Cases (tok/s = tokens over the wall time of one generate call):
   prefill 512   one 512-token prompt, one output token; prompt tokens / time
   decode b1     one ~30-token prompt, 128 output tokens; output tokens / time
   8x64, 32x64   8 or 32 ~30-token prompts, 64 output tokens each; all output tokens / time
-                (the short prompts' prefill is included, as in /work/shared/PEERS.md)
+                (the short prompts' prefill is included)
 The machine is noisy, so the engines alternate case by case (every engine runs a case,
 then the next case), and each figure is the best of --repeats runs.
 Before any speed is reported, pyllm's float32 greedy text is checked against HF's.
 
-llama.cpp runs in this process: a llama-cpp-python built with its default native flags
-on a CPU with AMX (Sapphire Rapids, in this project's KVM machine) died with a general
-protection fault in libggml-cpu's AMX code and took the run with it. Built without AMX
-it runs:
+GGUF mode: pyllm and llama.cpp on the same GGUF file(s), each engine in its own process
+    PYTHONPATH=. python benchmarks/compare.py --gguf A.gguf,B.gguf [--pyllm-arg dtype=float32]
+Each engine's worker process (this file with --worker ENGINE FILE) loads the file, runs
+every case once and reports its load time and peak RSS (its VmHWM: Linux would count the
+launching process's high-water mark in a child's ru_maxrss); per repeat the engines' workers
+run one after the other, and each figure is the best of --repeats. The prompts are
+tokenized once, with pyllm's tokenizer of that file. A worker is skipped when MemAvailable
+cannot hold its estimated need, and killed when its anonymous RSS passes --max-rss-gib (or
+MemAvailable falls under a floor). --pyllm-arg key=value goes into pyllm's LLM(...) options.
+
+In the default mode llama.cpp runs in this process: a llama-cpp-python built with its
+default native flags on a CPU with AMX (Sapphire Rapids, in this project's KVM machine) died
+with a general protection fault in libggml-cpu's AMX code and took the run with it. Built
+without AMX it runs:
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --force-reinstall --no-deps \
     --no-cache-dir llama-cpp-python
@@ -38,9 +48,15 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-import torch
+# torch is imported where it is used: a llama.cpp worker's peak RSS must not include it.
+
+# Run as a script, this folder is sys.path[0], and its kernels.py would shadow the `kernels`
+# package that transformers imports; nothing here is imported from this folder.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
 
 WORDS = (
     "the a river mountain city quiet engine light story winter garden music paper window "
@@ -96,12 +112,18 @@ def case_rate(name: str, case: dict, seconds: float) -> float:
 class PyllmEngine:
     name = "pyllm"
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, model: str | None = None, **options):
         from pyllm import LLM, SamplingParams
 
         self.dtype, self.label = dtype, ""
         self._params = SamplingParams
-        self.llm = LLM(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64)
+        # No prefix caching: the cases share prompts, and a cached prefix would skip prefill.
+        options = {"enable_prefix_caching": False, "max_num_seqs": 64, **options}
+        self.llm = LLM(model=model, dtype=dtype, **options)
+        self.options = options
+        quantization = getattr(self.llm.engine.config, "quantization", None)
+        if quantization is not None:
+            self.label = f"quantization={quantization}"
 
     def generate(self, prompts, max_tokens):
         params = self._params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -111,6 +133,9 @@ class PyllmEngine:
     def weight_bytes(self) -> int:
         """Weight bytes one decode step must read: every layer's matrices and norms, plus the
         LM head (the embedding lookup reads one row, so it is not counted)."""
+        path = self.llm.engine.config.model_path
+        if path.endswith(".gguf") and pyllm_keeps_weights_quantized(self.options):
+            return gguf_file_info(path)["decode_bytes"]
         c = self.llm.engine.model_config
         q, kv, h = (
             c.num_attention_heads * c.head_dim,
@@ -126,8 +151,10 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, dtype: str, gguf_path: str):
+        import torch
         from transformers import AutoModelForCausalLM
 
+        self.torch = torch
         self.dtype, self.label = dtype, ""
         directory, file = os.path.split(gguf_path)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -135,8 +162,12 @@ class HFEngine:
         ).eval()
         self.pad_id = 0
 
-    @torch.inference_mode()
     def generate(self, prompts, max_tokens):
+        with self.torch.inference_mode():
+            return self._generate(prompts, max_tokens)
+
+    def _generate(self, prompts, max_tokens):
+        torch = self.torch
         # Left padding, so every row's last prompt token sits in the final column.
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -164,7 +195,7 @@ class LlamaCppEngine:
     max_seqs = 32
     seq_capacity = 640  # KV cells per sequence: the 512-token prompt plus its output
 
-    def __init__(self, gguf_path: str, threads: int):
+    def __init__(self, gguf_path: str, threads: int, dtype: str = "q4_1"):
         import llama_cpp
         import numpy
 
@@ -172,7 +203,7 @@ class LlamaCppEngine:
         # llama.cpp logs every graph input on stderr; keep the callback alive on self.
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(self._quiet, None)
-        self.dtype, self.label = "q4_1", "llama_batch API"
+        self.dtype, self.label = dtype, "llama_batch API"
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), model_params)
@@ -320,6 +351,8 @@ def timed(engine, case: dict) -> tuple[float, list[list[int]]]:
 
 def memory_read_bandwidth(gib: float = 1.0) -> float:
     """Bytes/s of a float32 sum over `gib` GiB (best of 3): a read-only stream."""
+    import torch
+
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
     x.sum()
     best = float("inf")
@@ -371,6 +404,462 @@ def format_table(rows: list[dict], titles: dict[str, str]) -> str:
     return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
 
 
+# ----------------------------------------------------------------------------- GGUF mode
+# pyllm and llama.cpp on the same GGUF file, each engine in a worker process of its own, so
+# that its load time and peak RSS are its own.
+
+GGUF_ENGINES = ("pyllm", "llama.cpp")
+WATCHDOG_POLL_S = 0.1
+MEM_FLOOR_BYTES = 512 * 2**20  # a worker is killed when MemAvailable falls under this
+HEADROOM_BYTES = 2**30  # left to the rest of the machine when a worker starts
+GIB = 2**30
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo, in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            parts = value.split()
+            out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+def process_memory(pid: int | str) -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of a process in bytes ({} once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def gguf_file_info(path: str) -> dict:
+    """Sizes and types of a GGUF file's tensors, and the bytes one decode token reads."""
+    import gguf
+
+    from pyllm.model.loader import load_config
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    by_type: dict[str, int] = {}
+    for t in reader.tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    tensor_bytes = sum(by_type.values())
+    # A decode token reads every tensor once, but only one row of the embedding table
+    # when the LM head is a tensor of its own (tied, the table is the head and is read).
+    decode_bytes = tensor_bytes
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        decode_bytes -= int(tensors["token_embd.weight"].n_bytes)
+    label = max(by_type, key=by_type.get)
+    field = reader.fields.get("general.file_type")
+    if field is not None:
+        try:
+            label = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+        except ValueError:
+            pass
+    config = load_config(path)
+    return {
+        "path": path,
+        "name": os.path.basename(path),
+        "file_bytes": os.path.getsize(path),
+        "tensor_bytes": tensor_bytes,
+        "decode_bytes": decode_bytes,
+        "type": label,
+        "bytes_by_type": by_type,
+        "weight_elements": sum(int(t.n_elements) for t in reader.tensors),
+        "kv_elements_per_token": 2 * config.num_hidden_layers * config.kv_size,
+    }
+
+
+def parse_pyllm_args(items: list[str]) -> dict:
+    """--pyllm-arg key=value items -> LLM(...) options. Values are read as JSON where they
+    parse (numbers, true/false), else kept as strings ("none" stays "none")."""
+    from pyllm.engine.config import EngineConfig
+
+    known = sorted(set(EngineConfig.__dataclass_fields__) - {"model"})
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--pyllm-arg takes key=value, got {item!r}")
+        if key not in known:
+            raise ValueError(
+                f"--pyllm-arg {key}: pyllm's LLM has no option {key!r} (its options: "
+                + ", ".join(known)
+                + ")"
+            )
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        options[key] = value
+    return options
+
+
+def pyllm_keeps_weights_quantized(options: dict) -> bool:
+    """Whether this pyllm keeps GGUF weights quantized with these options (older builds have
+    no `quantization` option and widen every weight to the dtype)."""
+    from pyllm.engine.config import EngineConfig
+
+    field = EngineConfig.__dataclass_fields__.get("quantization")
+    if field is None:
+        return False
+    return str(options.get("quantization", field.default)).lower() != "none"
+
+
+def estimated_need(engine: str, info: dict, options: dict) -> tuple[int, str]:
+    """Bytes a worker may need at its peak, and how that was reckoned."""
+    runtime = 512 * 2**20  # interpreter, libraries, activations
+    if engine == "llama.cpp":
+        cells = LlamaCppEngine.max_seqs * LlamaCppEngine.seq_capacity
+        kv = cells * info["kv_elements_per_token"] * 2  # float16 K and V
+        return info["file_bytes"] + kv + runtime, "the file + an f16 KV cache + 0.5 GiB"
+    from pyllm.engine.config import DEFAULT_CPU_KV_CACHE_GIB
+    from pyllm.model.dtype import resolve_dtype
+
+    kv = int(float(options.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_GIB) * GIB)
+    weights, how = int(1.5 * info["file_bytes"]), "1.5 x the file"
+    if not pyllm_keeps_weights_quantized(options):
+        itemsize = resolve_dtype(options.get("dtype", "auto"), "cpu").itemsize
+        widened = int(1.25 * info["weight_elements"] * itemsize)
+        if widened > weights:
+            weights, how = widened, f"1.25 x the weights widened to {itemsize} bytes"
+    return weights + kv + runtime, f"{how} + a {gib(kv)} KV cache + 0.5 GiB"
+
+
+def gguf_worker(
+    engine_name: str, path: str, workload_path: str, threads: int | None, options: dict
+) -> None:
+    """One engine on one file: load, warm up, every case once; prints one @@JSON line."""
+    with open(workload_path) as f:
+        workload = json.load(f)
+    start = time.perf_counter()
+    if engine_name == "pyllm":
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        options = dict(options)
+        engine = PyllmEngine(options.pop("dtype", "auto"), model=path, **options)
+        config = engine.llm.engine.config
+        engine.dtype = str(config.torch_dtype).removeprefix("torch.")
+        if getattr(config, "quantization", None) is not None:
+            engine.dtype += f" quantization={config.quantization}"
+    elif engine_name == "llama.cpp":
+        engine = LlamaCppEngine(
+            path, threads or os.cpu_count(), dtype=""
+        )  # the parent names the file's type
+    else:
+        raise ValueError(f"--worker engine must be one of {GGUF_ENGINES}, got {engine_name!r}")
+    load_s = time.perf_counter() - start
+    after_load = process_memory("self")
+    engine.generate(workload["batch8"]["prompts"][:2], 2)  # first-call costs are not counted
+    rates, seconds, tokens = {}, {}, {}
+    for name in CASES:
+        seconds[name], out = timed(engine, workload[name])
+        rates[name] = case_rate(name, workload[name], seconds[name])
+        tokens[name] = out[0]
+    memory = process_memory("self")
+    result = {
+        "engine": engine.name,
+        "dtype": engine.dtype,
+        "note": engine.label,
+        "load_s": load_s,
+        "rss_after_load_bytes": after_load.get("VmRSS"),
+        # VmHWM, not ru_maxrss: Linux carries the launching process's high-water mark into
+        # a child's ru_maxrss across fork and exec.
+        "vm_hwm_bytes": memory.get("VmHWM"),
+        "rates": rates,
+        "seconds": seconds,
+        "decode_b1_tokens": tokens["decode_b1"],
+    }
+    print("@@" + json.dumps(result), flush=True)
+
+
+def run_worker(engine: str, info: dict, workload_path: str, args, threads: int) -> dict:
+    """Runs one worker under a watchdog that polls its memory and kills it past the limit."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, info["path"]]
+    cmd += ["--workload", workload_path, "--threads", str(threads)]
+    for item in args.pyllm_arg:
+        cmd += ["--pyllm-arg", item]
+    if args.max_rss_gib:
+        limit = int(args.max_rss_gib * GIB)
+    else:
+        limit = meminfo()["MemAvailable"] - HEADROOM_BYTES
+    peak_rss = peak_anon = 0
+    killed, last = None, {}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
+        while True:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            memory = process_memory(proc.pid) or last
+            last = memory
+            # Anonymous pages only: mapped file pages (llama.cpp maps the weights) can be
+            # dropped by the kernel and are no OOM risk.
+            anon = memory.get("RssAnon", 0) + memory.get("RssShmem", 0)
+            peak_anon = max(peak_anon, anon)
+            peak_rss = max(peak_rss, memory.get("VmRSS", 0))
+            if killed is None:
+                reason = None
+                if anon > limit:
+                    reason = f"its anonymous RSS passed the limit {gib(limit)}"
+                elif meminfo()["MemAvailable"] < MEM_FLOOR_BYTES:
+                    reason = f"MemAvailable fell under {gib(MEM_FLOOR_BYTES)}"
+                elif time.monotonic() - started > args.worker_timeout:
+                    reason = f"it ran past --worker-timeout {args.worker_timeout:.0f} s"
+                if reason:
+                    killed = (
+                        f"killed: {reason} (RSS {gib(memory.get('VmRSS', 0))}, "
+                        f"anonymous {gib(anon)})"
+                    )
+                    os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(WATCHDOG_POLL_S)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    record = {
+        "engine": engine,
+        "returncode": proc.returncode,
+        # polled every WATCHDOG_POLL_S: a killed worker reports no VmHWM of its own
+        "peak_rss_polled_bytes": peak_rss,
+        "peak_anon_bytes": peak_anon,
+        "wall_s": time.monotonic() - started,
+    }
+    answers = [line[2:] for line in stdout.splitlines() if line.startswith("@@")]
+    if killed:
+        record.update(status="killed", reason=killed)
+    elif proc.returncode != 0 or not answers:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        record.update(status="failed", reason=f"exit status {proc.returncode}: {tail}")
+    else:
+        record.update(status="ok", **json.loads(answers[-1]))
+        if engine == "llama.cpp":
+            record["dtype"] = info["type"]
+    return record
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def format_gguf_table(rows: list[dict], titles: dict[str, str]) -> str:
+    header = [
+        "engine",
+        "file",
+        "dtype",
+        "load s",
+        "peak RSS",
+        *(titles[c] + " tok/s" for c in CASES),
+    ]
+    header.append("decode b1 reads")
+    body = []
+    for r in rows:
+        cells = [r["engine"], r["file"], r["dtype"] or "-"]
+        if r["status"] != "ok":
+            cells += ["-"] * (len(header) - len(cells) - 1) + [r["status"]]
+            body.append(cells)
+            continue
+        cells += [f"{r['load_s']:.2f}", gib(r["peak_rss_bytes"])]
+        for c in CASES:
+            ratio = r.get(c + "_vs_pyllm")
+            cells.append(f"{r[c]:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        cells.append(
+            f"{r['decode_b1_read_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({r['decode_b1_bandwidth_fraction']:.0%})"
+        )
+        body.append(cells)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+
+    def fmt(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
+
+
+def gguf_rows(info: dict, runs: dict[str, list[dict]], workload: dict, bandwidth: float):
+    """The best of each engine's runs on one file: one row per engine."""
+    rows = []
+    for engine, records in runs.items():
+        done = [r for r in records if r["status"] == "ok"]
+        row = {"engine": engine, "file": info["name"], "dtype": None, "note": ""}
+        if not done:
+            row.update(status=records[-1]["status"], reason=records[-1]["reason"], runs=records)
+            rows.append(row)
+            continue
+        row.update(
+            status="ok",
+            dtype=done[0]["dtype"],
+            note=done[0]["note"],
+            runs_ok=len(done),
+            load_s=min(r["load_s"] for r in done),
+            peak_rss_bytes=max(r["vm_hwm_bytes"] or r["peak_rss_polled_bytes"] for r in done),
+            peak_anon_bytes=max(r["peak_anon_bytes"] for r in done),
+            rss_after_load_bytes=max(r["rss_after_load_bytes"] or 0 for r in done),
+        )
+        for c in CASES:
+            row[c] = max(r["rates"][c] for r in done)
+        rate = row["decode_b1"]
+        row["weights_read_per_token_bytes"] = info["decode_bytes"]
+        row["decode_b1_read_bytes_per_s"] = info["decode_bytes"] * rate
+        row["decode_b1_bandwidth_fraction"] = info["decode_bytes"] * rate / bandwidth
+        row["batch_sizes"] = {c: len(workload[c]["prompts"]) for c in CASES}
+        row["max_tokens"] = {c: workload[c]["max_tokens"] for c in CASES}
+        row["runs"] = records
+        rows.append(row)
+    reference = next((r for r in rows if r["engine"] == "pyllm" and r["status"] == "ok"), None)
+    for row in rows:
+        if row["status"] == "ok":
+            for c in CASES:
+                ok = reference is not None and row["engine"] != "pyllm"
+                row[c + "_vs_pyllm"] = row[c] / reference[c] if ok else None
+    return rows
+
+
+def describe_run(record: dict, titles: dict[str, str]) -> str:
+    if record["status"] != "ok":
+        return f"{record['status']}: {record['reason']}"
+    rates = ", ".join(f"{titles[c]} {record['rates'][c]:.1f}" for c in CASES)
+    return (
+        f"{record['dtype']}: load {record['load_s']:.2f} s, peak RSS "
+        f"{gib(record['vm_hwm_bytes'] or record['peak_rss_polled_bytes'])}; {rates} tok/s"
+    )
+
+
+def gguf_mode(args, files: list[str]) -> int:
+    import importlib.util
+
+    import torch
+
+    from pyllm.model.tokenizer import Tokenizer
+
+    options = parse_pyllm_args(args.pyllm_arg)
+    engines = [e for e in GGUF_ENGINES if e in args.engines.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    threads = args.threads or torch.get_num_threads()
+    print("$ " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cpus, threads {threads} per engine, "
+        f"load average {os.getloadavg()[0]:.1f} (other work on the cores makes figures noisy)"
+    )
+    bandwidth = memory_read_bandwidth()
+    print(f"memory read bandwidth (float32 sum over 1 GiB, best of 3): {bandwidth / 1e9:.1f} GB/s")
+    skipped = []
+    if "llama.cpp" in engines and importlib.util.find_spec("llama_cpp") is None:
+        engines.remove("llama.cpp")
+        skipped.append("llama.cpp: llama_cpp is not importable")
+        print("skipped llama.cpp: llama_cpp is not importable")
+    if not engines:
+        raise ValueError(f"--engines {args.engines!r} names none of {GGUF_ENGINES}")
+    print(f"pyllm LLM options: {options or 'defaults'}")
+    rows, files_meta, titles = [], [], {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in files:
+            info = gguf_file_info(path)
+            files_meta.append({k: v for k, v in info.items() if k != "path"})
+            print(
+                f"{info['name']}: {info['type']}, file {gib(info['file_bytes'])}; a decode token "
+                f"reads {info['decode_bytes'] / 1e6:.0f} MB of tensors (all of the file's "
+                f"{info['tensor_bytes'] / 1e6:.0f} MB, less the embedding table when the LM "
+                "head is its own tensor)",
+                flush=True,
+            )
+            tokenizer = Tokenizer.from_pretrained(path)
+            workload = build_workload(
+                lambda text, t=tokenizer: t.encode(text, add_special_tokens=False), args.quick
+            )
+            titles = case_titles(workload)
+            workload_path = os.path.join(scratch, "workload.json")
+            with open(workload_path, "w") as f:
+                json.dump(workload, f)
+            runs: dict[str, list[dict]] = {e: [] for e in engines}
+            for repeat in range(repeats):
+                for engine in engines:  # one after the other, never two at once
+                    need, how = estimated_need(engine, info, options if engine == "pyllm" else {})
+                    available = meminfo()["MemAvailable"]
+                    if need > available - HEADROOM_BYTES:
+                        record = {
+                            "engine": engine,
+                            "status": "skipped",
+                            "reason": f"needs ~{gib(need)} ({how}), MemAvailable is "
+                            f"{gib(available)} and {gib(HEADROOM_BYTES)} stays free",
+                        }
+                    else:
+                        record = run_worker(engine, info, workload_path, args, threads)
+                    runs[engine].append(record)
+                    print(
+                        f"  {engine} on {info['name']} run {repeat + 1}: "
+                        + describe_run(record, titles),
+                        flush=True,
+                    )
+            file_rows = gguf_rows(info, runs, workload, bandwidth)
+            rows += file_rows
+            done = {r["engine"]: r for r in file_rows if r["status"] == "ok"}
+            if len(done) == 2:
+                ours, theirs = (
+                    next(r for r in done[e]["runs"] if r["status"] == "ok")["decode_b1_tokens"]
+                    for e in GGUF_ENGINES
+                )
+                same = matching_prefix(ours, theirs)
+                print(
+                    f"  greedy decode b1 tokens: pyllm and llama.cpp agree on the first {same} "
+                    f"of {len(ours)} (their arithmetic differs: a near-tie may part them)"
+                )
+                done["llama.cpp"]["greedy_matching_prefix"] = same
+
+    print()
+    print(
+        f"best of {repeats} run(s) per engine, each engine's cases in its own worker process, "
+        "the engines' workers one after the other: tok/s the highest, load the fastest, peak "
+        "RSS (the worker's VmHWM) the highest; ratios in parentheses: engine / pyllm on "
+        "the same file"
+    )
+    print(format_gguf_table(rows, titles))
+    print(
+        f"decode b1 reads = weights read per token x decode b1 tok/s, and its share of the "
+        f"measured {bandwidth / 1e9:.1f} GB/s; load average now {os.getloadavg()[0]:.1f}"
+    )
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"{row['engine']} on {row['file']}: {row['status']}: {row['reason']}")
+    if args.json:
+        meta = {
+            "mode": "gguf",
+            "command": sys.argv,
+            "cpus": os.cpu_count(),
+            "threads": threads,
+            "load_average_at_end": os.getloadavg()[0],
+            "bandwidth_bytes_per_s": bandwidth,
+            "repeats": repeats,
+            "best_of": "tok/s highest, load_s lowest, peak_rss_bytes highest",
+            "pyllm_options": options,
+            "files": files_meta,
+            "skipped": skipped,
+            "case_titles": titles,
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -384,17 +873,74 @@ def main() -> int:
     parser.add_argument("--vllm-model", default=None, help="HF folder of the model, for vLLM")
     parser.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="GGUF mode: pyllm and llama.cpp on this file (repeat, or a comma list)",
+    )
+    parser.add_argument(
+        "--pyllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for pyllm's LLM(...), e.g. quantization=none (repeatable)",
+    )
+    parser.add_argument(
+        "--max-rss-gib",
+        type=float,
+        default=None,
+        help="GGUF mode: kill a worker whose anonymous RSS passes this "
+        f"(default: MemAvailable when it starts, less {HEADROOM_BYTES // GIB} GiB)",
+    )
+    parser.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds")
+    parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="GGUF mode: threads of both engines (default: torch's thread count)",
+    )
     args = parser.parse_args()
+    if args.worker:
+        if not args.workload:
+            parser.error("--worker needs --workload")
+        options = parse_pyllm_args(args.pyllm_arg)
+        gguf_worker(*args.worker, args.workload, args.threads, options)
+        return 0
+    if args.gguf:
+        files = [f for item in args.gguf for f in item.split(",") if f]
+        for f in files:
+            if not f.endswith(".gguf") or not os.path.isfile(f):
+                parser.error(f"--gguf {f}: not a .gguf file")
+        if args.threads is not None and args.threads < 1:
+            parser.error(f"--threads must be positive, got {args.threads}")
+        if args.max_rss_gib is not None and args.max_rss_gib <= 0:
+            parser.error(f"--max-rss-gib must be positive, got {args.max_rss_gib}")
+        try:
+            return gguf_mode(args, [os.path.abspath(f) for f in files])
+        except ValueError as error:
+            parser.error(str(error))
     dtypes = args.dtypes.split(",")
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, dtypes[0])
         return 0
     repeats = 1 if args.quick else args.repeats
     wanted = args.engines.split(",")
+    try:
+        pyllm_options = parse_pyllm_args(args.pyllm_arg)
+    except ValueError as error:
+        parser.error(str(error))
+    if "dtype" in pyllm_options:
+        parser.error("--pyllm-arg dtype: this mode takes the dtypes from --dtypes")
 
     from pyllm.model.default_model import default_model_path
 
     gguf = default_model_path()
+    import torch
+
     threads = torch.get_num_threads()
     print("$ " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, torch threads {threads}")
@@ -404,7 +950,7 @@ def main() -> int:
     engines: list = []
     skipped: list[str] = []
     for dtype in dtypes:
-        engines.append(PyllmEngine(dtype))
+        engines.append(PyllmEngine(dtype, **pyllm_options))
     workload = build_workload(
         lambda text: engines[0].llm.tokenizer.encode(text, add_special_tokens=False), args.quick
     )
