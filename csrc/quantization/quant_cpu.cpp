@@ -46,52 +46,60 @@ constexpr int kTileRows = 8;
 constexpr int64_t kGrainWeights = 1 << 16;
 
 // ---------------------------------------------------------------------------
-// Activations, quantized per row in groups of 32: q[K] int8 in [-127, 127],
-// d[K / 32] the group's scale, s[K / 16] the scaled sum d * sum(q) of each half.
+// Activations, quantized per row in spans of G values (32; 256 for the K formats,
+// whose integer sums run over a whole block): q[K] int8 in [-127, 127], d[K / G] the
+// span's scale, and per 16 values the sum of q (isum) and the scaled sum d * isum (s).
 
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> s;
-  int64_t K = 0;
+  std::vector<int32_t> isum;
+  int64_t K = 0, G = 32;
+  int span_shift = 0;  // log2(G / 32)
   const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
-  const float* d_row(int64_t m) const { return d.data() + m * (K / 32); }
+  // The scale of group `group` (of 32) of row m.
+  float dx(int64_t m, int64_t group) const { return d[m * (K / G) + (group >> span_shift)]; }
   const float* s_row(int64_t m) const { return s.data() + m * (K / 16); }
+  const int32_t* isum_row(int64_t m) const { return isum.data() + m * (K / 16); }
 };
 
 template <typename scalar_t>
-void quantize_group(const scalar_t* x, int8_t* q, float* d, float* s) {
-  float v[32];
+void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, int32_t* isum) {
   float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) {
-    v[i] = static_cast<float>(x[i]);
-    amax = std::max(amax, std::fabs(v[i]));
-  }
+  for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
   const float scale = amax / 127.0f;
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-  int sums[2] = {0, 0};
-  for (int i = 0; i < 32; ++i) {
-    const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
-    q[i] = static_cast<int8_t>(qi);
-    sums[i / 16] += qi;
+  for (int64_t h = 0; h < G / 16; ++h) {
+    int32_t sum = 0;
+    for (int64_t i = 16 * h; i < 16 * h + 16; ++i) {
+      const int qi = static_cast<int>(std::nearbyint(static_cast<float>(x[i]) * inv));
+      q[i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    isum[h] = sum;
+    s[h] = scale * float(sum);
   }
   *d = scale;
-  s[0] = scale * float(sums[0]);
-  s[1] = scale * float(sums[1]);
 }
 
 template <typename scalar_t>
-QuantizedRows quantize_rows(const scalar_t* x, int64_t x_stride, int64_t M, int64_t K) {
+QuantizedRows quantize_rows(const scalar_t* x, int64_t x_stride, int64_t M, int64_t K,
+                            int64_t G) {
   QuantizedRows r;
   r.K = K;
+  r.G = G;
+  r.span_shift = G == 256 ? 3 : 0;
   r.q.resize(M * K);
-  r.d.resize(M * K / 32);
+  r.d.resize(M * K / G);
   r.s.resize(M * K / 16);
-  at::parallel_for(0, M * (K / 32), 256, [&](int64_t g0, int64_t g1) {
+  r.isum.resize(M * K / 16);
+  at::parallel_for(0, M * (K / G), std::max<int64_t>(1, 8192 / G), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t m = g / (K / 32), k = (g % (K / 32)) * 32;
-      quantize_group(x + m * x_stride + k, r.q.data() + m * K + k, r.d.data() + g,
-                     r.s.data() + 2 * g);
+      const int64_t m = g / (K / G), k = (g % (K / G)) * G;
+      const int64_t h = m * (K / 16) + k / 16;
+      quantize_span(x + m * x_stride + k, G, r.q.data() + m * K + k, r.d.data() + g,
+                    r.s.data() + h, r.isum.data() + h);
     }
   });
   return r;
@@ -188,12 +196,85 @@ inline void group_step(__m256i u, float a0, float a1, const QuantizedRows& x, in
     const __m256i xv =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_row(m) + group * 32));
     const __m256i dot = F::kSigned ? dot_s8_s8(u, xv) : dot_u8_s8(u, xv);
-    const float dx = x.d_row(m)[group];
+    const float dx = x.dx(m, group);
     // Lanes 0-3 sum the first half of the group, lanes 4-7 the second.
     const __m256 scale = T == kQ6_K
                              ? _mm256_set_m128(_mm_set1_ps(a1 * dx), _mm_set1_ps(a0 * dx))
                              : _mm256_set1_ps(a0 * dx);
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+  }
+}
+
+// 16-bit products summed in pairs and scaled: acc + sum over pairs of p * scale.
+inline __m256i madd_scaled(__m256i acc, __m256i p, __m256i scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, scale);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, p, scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
+}
+
+// The K formats (blocks of 256 with small integer sub-block scales), against inputs
+// quantized with one scale per 256: the sub-block scales multiply the 16-bit pair
+// sums as integers, so a whole block's products stay in one int32 accumulator and
+// become float once per block. Offsets: mins (or Q6_K's -32) times the inputs'
+// integer sums per 16, also once per block.
+template <int64_t T, int R>
+void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 256;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    float offset[R] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      int sc[16], mn[8];
+      float d, dmin = 0.0f;
+      if constexpr (T == kQ6_K) {
+        d = half_at(blk + 208);
+        for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
+      } else {
+        d = half_at(blk);
+        dmin = half_at(blk + 2);
+        for (int g = 0; g < 8; ++g) {
+          k_scale_min(blk + 4, g, sc[2 * g], mn[g]);
+          sc[2 * g + 1] = sc[2 * g];
+        }
+      }
+      __m256i iacc[R];
+      for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i u = group_vector<T>(blk, g);
+        // Pair sums 0-7 are the group's first 16 values, 8-15 its second.
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sc[2 * g + 1])),
+                                               _mm_set1_epi16(static_cast<int16_t>(sc[2 * g])));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(x.q_row(m0 + r) + b * 256 + g * 32));
+          iacc[r] = madd_scaled(iacc[r], _mm256_maddubs_epi16(u, xv), scale);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = x.d[m * blocks + b];
+        const int32_t* is = x.isum_row(m) + 16 * b;
+        int32_t low = 0;  // sum of offsets' integer parts
+        if constexpr (T == kQ6_K) {
+          for (int i = 0; i < 16; ++i) low += sc[i] * is[i];
+          offset[r] -= 32.0f * d * dx * float(low);
+        } else {
+          for (int g = 0; g < 8; ++g) low += mn[g] * (is[2 * g] + is[2 * g + 1]);
+          offset[r] -= dmin * dx * float(low);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(d * dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = hsum(acc[r]) + offset[r];
   }
 }
 
@@ -205,6 +286,10 @@ template <int64_t T, int R>
 void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
   using F = Format<T>;
+  if constexpr (F::kGroups == 8) {
+    kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+    return;
+  }
   const int64_t blocks = K / F::kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -286,7 +371,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
             const int32_t wv = F::kSigned ? int32_t(int8_t(u[l])) : int32_t(u[l]);
             dot[l / 16] += wv * int32_t(q[l]);
           }
-          const float dx = x.d_row(m0 + r)[group];
+          const float dx = x.dx(m0 + r, group);
           const float* s = x.s_row(m0 + r) + 2 * group;
           acc[r] += dx * (a[2 * g] * float(dot[0]) + a[2 * g + 1] * float(dot[1])) +
                     off[2 * g] * s[0] + off[2 * g + 1] * s[1];
@@ -534,7 +619,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     }
     const int64_t rest = N - n_panel;
     if (rest == 0) return;
-    const QuantizedRows x = quantize_rows(in, input.stride(0), M, K);
+    const QuantizedRows x = quantize_rows(in, input.stride(0), M, K, block_size_of(qtype));
     // float32 out is written in place; other dtypes through a float32 buffer.
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
     std::vector<float> buffer(kFloat ? 0 : M * rest);

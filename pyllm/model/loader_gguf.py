@@ -1,15 +1,19 @@
 """GGUF files (llama.cpp's format) into a LlamaForCausalLM.
 
-The file is parsed and memory-mapped once (pyllm.model.gguf_file). Each tensor is
-dequantized (by `gguf.quants`) to float32 on its own, renamed from llama.cpp's names
-(``blk.3.attn_k.weight``) to HF's (``model.layers.3.self_attn.k_proj.weight``), and
-copied into its slot. llama.cpp's converter reorders the rows of the Llama q/k
-projections (per head, it interleaves the two rotary halves for its GPT-J-style
-rope); we undo that so the neox-style rotary kernel sees HF's layout.
+The file is parsed and memory-mapped once (pyllm.model.gguf_file). Projection weights
+and the token table of a type pyllm.ops.quant_linear reads stay in their blocks: each is
+read from the file straight into its one uint8 tensor (layers.QuantPart). Every other
+tensor (and all of them with keep_quantized=False) is dequantized (by `gguf.quants`) to
+float32 on its own, renamed from llama.cpp's names (``blk.3.attn_k.weight``) to HF's
+(``model.layers.3.self_attn.k_proj.weight``), and copied into its slot. llama.cpp's
+converter reorders the rows of the Llama q/k projections (per head, it interleaves the
+two rotary halves for its GPT-J-style rope); we undo that, on float rows or on rows of
+blocks alike, so the neox-style rotary kernel sees HF's layout.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 
@@ -24,7 +28,9 @@ from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.loader import WeightFiller
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,6 +51,8 @@ _LAYER_NAMES = {
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that are not weights of ours: rope_freqs goes into the config.
 _NOT_WEIGHTS = ("rope_freqs.weight",)
+
+logger = logging.getLogger("pyllm")
 
 
 def _open(path: str) -> GGUFFile:
@@ -139,6 +147,19 @@ def load_gguf(
     model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
     filler = WeightFiller(model, path)
     quantized = _load_quantized(model, gguf_file, filler) if keep_quantized else set()
+    widened = sorted(
+        {
+            t.type_name
+            for t in gguf_file.tensors.values()
+            if t.name not in quantized and t.type_name not in ("F32", "F16", "BF16")
+        }
+    )
+    if keep_quantized and widened:
+        logger.info(
+            "pyllm: %s: tensors of type %s are widened to %s at load (quant_linear reads "
+            "%s only, and only weights whose in_features is a whole number of blocks)",
+            path, ", ".join(widened), model.dtype, ", ".join(ops.QUANT_TYPES),
+        )  # fmt: skip
     for tensor in gguf_file.tensors.values():
         if tensor.name in _NOT_WEIGHTS or tensor.name in quantized:
             continue

@@ -54,12 +54,13 @@ def random_weight(type_name: str, rows: int, in_features: int) -> tuple[torch.Te
     return torch.from_numpy(raw), dense.astype(np.float64)
 
 
-def activation_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
-    """The CPU kernel rounds each input to a step of (max |x| of its group of 32) / 127:
-    the output's error is at most half a step times |w|, summed ([M, N])."""
+def activation_error_bound(x: torch.Tensor, dense: np.ndarray, span: int) -> np.ndarray:
+    """The CPU kernel rounds each input to a step of (max |x| of its span) / 127, the
+    span being the format's block (32, or 256 for the K formats): the output's error is
+    at most half a step times |w|, summed ([M, N])."""
     xf = x.double().cpu().numpy()
-    step = np.abs(xf.reshape(xf.shape[0], -1, 32)).max(axis=2) / 127.0
-    return 0.5 * np.repeat(step, 32, axis=1) @ np.abs(dense).T
+    step = np.abs(xf.reshape(xf.shape[0], -1, span)).max(axis=2) / 127.0
+    return 0.5 * np.repeat(step, span, axis=1) @ np.abs(dense).T
 
 
 def check_quant_linear(type_name, in_features, out_features, rows, bias, dtype, device):
@@ -76,7 +77,8 @@ def check_quant_linear(type_name, in_features, out_features, rows, bias, dtype, 
     if b is not None:
         expected += b.double().cpu().numpy()
     atol, rtol = TOLERANCES[dtype]
-    allowed = activation_error_bound(x, dense) + atol + rtol * np.abs(expected)
+    span = ops.QUANT_TYPES[type_name][1]
+    allowed = activation_error_bound(x, dense, span) + atol + rtol * np.abs(expected)
     error = np.abs(out.double().cpu().numpy() - expected)
     worst = np.unravel_index(np.argmax(error - allowed), error.shape)
     assert (error <= allowed).all(), (
@@ -123,7 +125,8 @@ def test_quant_linear_writes_column_views(type_name, device):
         ops.quant_linear(out[:, 16:64], x, qweight.to(device), type_id)
     assert out[:, :16].isnan().all() and out[:, 64:].isnan().all()
     expected = x.double().cpu().numpy() @ dense.T
-    allowed = activation_error_bound(x, dense) + 1e-4 + 1e-4 * np.abs(expected)
+    span = ops.QUANT_TYPES[type_name][1]
+    allowed = activation_error_bound(x, dense, span) + 1e-4 + 1e-4 * np.abs(expected)
     assert (np.abs(out[:, 16:64].double().cpu().numpy() - expected) <= allowed).all()
 
 
