@@ -868,6 +868,10 @@ def _check_linear_output(
     are checked beside the weight's)."""
     _shape("out", out, (rows, features), "[rows, out_features]")
     _contiguous("out", out)
+    _check_linear_bias(bias, input, features)
+
+
+def _check_linear_bias(bias: torch.Tensor | None, input: torch.Tensor, features: int) -> None:
     if bias is not None:
         _tensor("bias", bias)
         _device("bias", bias, input.device)
@@ -1049,12 +1053,7 @@ def quant_linear(
     _same_dtype("out", out, input.dtype)
     _shape("out", out, (rows, out_features), "[rows, out_features]")
     _packed_rows("out", out)
-    if bias is not None:
-        _tensor("bias", bias)
-        _device("bias", bias, input.device)
-        _same_dtype("bias", bias, input.dtype)
-        _shape("bias", bias, (out_features,), "[out_features]")
-        _contiguous("bias", bias)
+    _check_linear_bias(bias, input, out_features)
     _C.quant_linear(out, input, qweight, qtype, bias)
 
 
