@@ -268,11 +268,14 @@ def _anon_huge_bytes() -> int:
 def test_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages():
     before = _anon_huge_bytes()
     key_cache, value_cache = ops.allocate_kv_cache(1024, 8, 128, 16, torch.bfloat16, "cpu")
-    after = _anon_huge_bytes()
+    # Nothing is committed until the cache is written (the pool holds what sequences use).
+    assert _anon_huge_bytes() - before < 8 * 2**20
     assert key_cache.shape == (1024, 8, 16, 16, 8) and value_cache.shape == (1024, 8, 128, 16)
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     assert not key_cache.any() and not value_cache.any()
+    key_cache.fill_(1.0)  # writable, and still readable after the allocation returns
+    value_cache.fill_(2.0)
+    after = _anon_huge_bytes()
     # 2 x 32 MiB of cache: all but a partial 2 MiB page at each end can be huge pages.
     assert after - before >= 48 * 2**20, (before, after)
-    key_cache.fill_(1.0)  # writable, and still readable after the allocation returns
     assert key_cache.sum().item() == key_cache.numel()

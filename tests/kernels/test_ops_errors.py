@@ -167,6 +167,28 @@ def valid_packed_linear_vectorized():
     return dict(dtype=torch.bfloat16)
 
 
+Q4_K = ops.QUANT_TYPES["Q4_K"][0]
+
+
+def valid_quant_linear():
+    # Zero bytes are valid Q4_K blocks (all scales 0).
+    return dict(
+        out=torch.empty(2, 8), input=torch.randn(2, 256),
+        qweight=torch.zeros(8, 144, dtype=torch.uint8), qtype=Q4_K, bias=torch.randn(8),
+    )  # fmt: skip
+
+
+def valid_dequantize_rows():
+    return dict(
+        out=torch.empty(3, 256), qweight=torch.zeros(8, 144, dtype=torch.uint8), qtype=Q4_K,
+        rows=torch.tensor([0, 7, 2]),
+    )  # fmt: skip
+
+
+def valid_quant_row_bytes():
+    return dict(qtype=Q4_K, in_features=512)
+
+
 def contiguous_arena():
     """A small KVArena with slots 1 and 3 committed (test_contiguous.py tests the arena
     and the bad arguments of these ops)."""
@@ -232,6 +254,9 @@ VALID = {
     "pack_weight_words": valid_pack_weight_words,
     "packed_linear": valid_packed_linear,
     "packed_linear_vectorized": valid_packed_linear_vectorized,
+    "quant_linear": valid_quant_linear,
+    "dequantize_rows": valid_dequantize_rows,
+    "quant_row_bytes": valid_quant_row_bytes,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
     "contiguous_attention_prefill": valid_contiguous_attention_prefill,
@@ -241,6 +266,7 @@ KERNEL_CALLING = set(VALID) - {
     "allocate_kv_cache",
     "paged_attention_v2_workspace",
     "pack_weight_words",
+    "quant_row_bytes",
 }
 
 
@@ -873,6 +899,59 @@ CASES += [
         ("out_not_contiguous", {"out": lambda a: torch.empty(2, 40)[:, :32]}, ValueError, "out"),
         ("bias_size", {"bias": torch.randn(31)}, ValueError, "bias"),
         ("bias_dtype", {"bias": lambda a: a["bias"].double()}, TypeError, "bias"),
+    ),
+    *cases_for(
+        "quant_linear",
+        ("qtype_unknown", {"qtype": 99}, ValueError, "qtype"),
+        ("qtype_bool", {"qtype": True}, ValueError, "qtype"),
+        ("in_features_not_blocks", {"input": torch.randn(2, 96)}, ValueError, "in_features"),
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),
+        (
+            "qweight_int8",
+            {"qweight": lambda a: a["qweight"].view(torch.int8)},
+            ValueError,
+            "qweight",
+        ),
+        (
+            "qweight_row_bytes",
+            {"qweight": torch.zeros(8, 143, dtype=torch.uint8)},
+            ValueError,
+            "qweight",
+        ),
+        (
+            "qweight_not_contiguous",
+            {"qweight": torch.zeros(144, 8, dtype=torch.uint8).t()},
+            ValueError,
+            "qweight",
+        ),
+        ("qweight_not_tensor", {"qweight": [[0]]}, TypeError, "qweight"),
+        ("out_shape", {"out": torch.empty(2, 9)}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+        ("out_not_packed", {"out": lambda a: torch.empty(8, 2).t()}, ValueError, "out"),
+        ("bias_size", {"bias": torch.randn(7)}, ValueError, "bias"),
+        ("bias_dtype", {"bias": lambda a: a["bias"].double()}, TypeError, "bias"),
+    ),
+    *cases_for(
+        "dequantize_rows",
+        ("out_float64", {"out": torch.empty(3, 256, dtype=torch.float64)}, TypeError, "out"),
+        ("out_not_contiguous", {"out": torch.empty(256, 3).t()}, ValueError, "out"),
+        (
+            "qweight_row_bytes",
+            {"qweight": torch.zeros(8, 72, dtype=torch.uint8)},
+            ValueError,
+            "qweight",
+        ),
+        ("rows_int32", {"rows": lambda a: a["rows"].int()}, TypeError, "rows"),
+        ("rows_length", {"rows": torch.tensor([0, 1])}, ValueError, "rows"),
+        ("rows_out_of_range", {"rows": torch.tensor([0, 8, 1])}, ValueError, "rows"),
+        ("rows_negative", {"rows": torch.tensor([0, -1, 1])}, ValueError, "rows"),
+        ("no_rows_row_count", {"rows": None}, ValueError, "out"),
+    ),
+    *cases_for(
+        "quant_row_bytes",
+        ("qtype_unknown", {"qtype": 1}, ValueError, "qtype"),
+        ("in_features_not_blocks", {"in_features": 100}, ValueError, "in_features"),
     ),
 ]
 

@@ -1,7 +1,7 @@
 """A real `python -m pyllm serve` process on 127.0.0.1, shared by the server tests.
 
-The server runs the bundled model in float32 (so a greedy output must not depend on what
-else is in the batch) with an API key, so every /v1/ test also exercises authentication.
+The server runs the bundled model widened to float32 (so a greedy output must not depend
+on what else is in the batch) with an API key, so every /v1/ test also exercises authentication.
 Its log is written to a file and shown if it fails to start.
 """
 
@@ -25,8 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-7f3a"
 STARTUP_TIMEOUT_S = 300
 # Small enough to be light on a shared machine, large enough for 32 concurrent streams.
+# Widened weights: quantized ones take int8 products below 32 rows and float panels from
+# 32 (ops.quant_linear), so their logits depend on how many tokens share a step.
 SERVER_ARGS = [
     "--dtype", "float32",
+    "--quantization", "none",
     "--kv-cache-memory", "0.25",
     "--max-model-len", "2048",
 ]  # fmt: skip
