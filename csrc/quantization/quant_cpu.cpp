@@ -54,18 +54,18 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> s;
-  std::vector<int32_t> isum;
+  std::vector<int16_t> isum;  // |sum| <= 16 * 127
   int64_t K = 0, G = 32;
   int span_shift = 0;  // log2(G / 32)
   const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
   // The scale of group `group` (of 32) of row m.
   float dx(int64_t m, int64_t group) const { return d[m * (K / G) + (group >> span_shift)]; }
   const float* s_row(int64_t m) const { return s.data() + m * (K / 16); }
-  const int32_t* isum_row(int64_t m) const { return isum.data() + m * (K / 16); }
+  const int16_t* isum_row(int64_t m) const { return isum.data() + m * (K / 16); }
 };
 
 template <typename scalar_t>
-void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, int32_t* isum) {
+void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, int16_t* isum) {
   float amax = 0.0f;
   for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
   const float scale = amax / 127.0f;
@@ -77,7 +77,7 @@ void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, 
       q[i] = static_cast<int8_t>(qi);
       sum += qi;
     }
-    isum[h] = sum;
+    isum[h] = static_cast<int16_t>(sum);
     s[h] = scale * float(sum);
   }
   *d = scale;
@@ -221,6 +221,27 @@ inline __m256i madd_scaled(__m256i acc, __m256i p, __m256i scale) {
 // sums as integers, so a whole block's products stay in one int32 accumulator and
 // become float once per block. Offsets: mins (or Q6_K's -32) times the inputs'
 // integer sums per 16, also once per block.
+// Q4_K / Q5_K's 12 scale bytes as 8 scales and 8 mins (bytes), with 32-bit word
+// operations instead of 16 six-bit extractions.
+inline void k_scales_mins(const uint8_t* s, uint64_t& scales, uint64_t& mins) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, s, 4);
+  std::memcpy(&u1, s + 4, 4);
+  std::memcpy(&u2, s + 8, 4);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t sc_hi = (u2 & k4) | (((u0 >> 6) & k2) << 4);
+  const uint32_t m_hi = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
+  scales = uint64_t(u0 & k6) | (uint64_t(sc_hi) << 32);
+  mins = uint64_t(u1 & k6) | (uint64_t(m_hi) << 32);
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
 template <int64_t T, int R>
 void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                  int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
@@ -233,26 +254,35 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
     float offset[R] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = row + b * F::kBytes;
-      int sc[16], mn[8];
+      // Per 16 values: the integer scale (offsets use them against the inputs' sums).
+      __m256i scale16;
+      uint64_t scales = 0;
       float d, dmin = 0.0f;
       if constexpr (T == kQ6_K) {
         d = half_at(blk + 208);
-        for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
+        scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       } else {
-        d = half_at(blk);
-        dmin = half_at(blk + 2);
-        for (int g = 0; g < 8; ++g) {
-          k_scale_min(blk + 4, g, sc[2 * g], mn[g]);
-          sc[2 * g + 1] = sc[2 * g];
-        }
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
+        d = _mm_cvtss_f32(dd);
+        dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        uint64_t mins;
+        k_scales_mins(blk + 4, scales, mins);
+        // Each group's min for both its halves: the offsets' integer weights per 16.
+        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
+        scale16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
       }
       __m256i iacc[R];
       for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i u = group_vector<T>(blk, g);
         // Pair sums 0-7 are the group's first 16 values, 8-15 its second.
-        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sc[2 * g + 1])),
-                                               _mm_set1_epi16(static_cast<int16_t>(sc[2 * g])));
+        __m256i scale;
+        if constexpr (T == kQ6_K) {
+          const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        } else {
+          scale = _mm256_set1_epi16(static_cast<int16_t>((scales >> (8 * g)) & 0xFF));
+        }
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(x.q_row(m0 + r) + b * 256 + g * 32));
@@ -262,15 +292,10 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const float dx = x.d[m * blocks + b];
-        const int32_t* is = x.isum_row(m) + 16 * b;
-        int32_t low = 0;  // sum of offsets' integer parts
-        if constexpr (T == kQ6_K) {
-          for (int i = 0; i < 16; ++i) low += sc[i] * is[i];
-          offset[r] -= 32.0f * d * dx * float(low);
-        } else {
-          for (int g = 0; g < 8; ++g) low += mn[g] * (is[2 * g] + is[2 * g + 1]);
-          offset[r] -= dmin * dx * float(low);
-        }
+        const __m256i is =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.isum_row(m) + 16 * b));
+        const int32_t low = hsum_epi32(_mm256_madd_epi16(scale16, is));
+        offset[r] -= (T == kQ6_K ? 32.0f * d : dmin) * dx * float(low);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(d * dx), acc[r]);
       }
     }
