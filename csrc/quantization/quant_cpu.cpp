@@ -14,6 +14,7 @@
 // AVX2; a plain loop elsewhere). Each thread takes a contiguous range of output
 // columns and streams its rows of W once per tile of input rows.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -424,20 +425,22 @@ void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows
   }
 }
 
-// Float32 results [M, N] for all rows; columns split across threads. A thread
-// runs every row tile over a strip of columns small enough for its weight bytes
-// to stay in L2 between tiles.
+// Float32 results [M, N] for all rows. Threads take strips of columns from a shared
+// counter, each running every row tile over its strip (small enough for its weight
+// bytes to stay in L2 between tiles). A fixed half each left one thread waiting for
+// the other at the end of every call on this project's VM: two single-threaded
+// processes streamed 13.6 GB/s together where one call split in halves made 9.5.
 template <int64_t T>
 void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
                   float* out, int64_t out_stride) {
   using F = Format<T>;
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
-  const int64_t strip = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1));
+  const int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
   const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(1, (N + threads - 1) / threads);
-  at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
-    for (int64_t n0 = c0; n0 < c1; n0 += strip) {
-      const int64_t n1 = std::min(c1, n0 + strip);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t n0 = next.fetch_add(strip); n0 < N; n0 = next.fetch_add(strip)) {
+      const int64_t n1 = std::min(N, n0 + strip);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         dot_tile<T>(rows, w, row_bytes, x, m0, K, out + m0 * out_stride, out_stride, n0, n1);
