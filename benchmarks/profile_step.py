@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/profile_step.py                  # bf16, batch 1 and 32
     PYTHONPATH=. python benchmarks/profile_step.py --dtype float32 --batches 8
+    PYTHONPATH=. python benchmarks/profile_step.py --model file.gguf --top 10
 
 Runs greedy generation of --tokens tokens per sequence from ~30-token prompts (the short
 prompts' prefill is included, as in compare.py) under torch.profiler and prints, per step,
@@ -23,13 +24,14 @@ from pyllm import LLM, SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model path (default: bundled SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=max(batches))
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=max(batches))
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 20000) for _ in range(30)] for _ in range(max(batches))]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

@@ -13,12 +13,20 @@
 // 32 multiply-adds (vpdpbusd with AVX512-VNNI or AVX-VNNI; vpmaddubsw + vpmaddwd on
 // AVX2; a plain loop elsewhere). Each thread takes a contiguous range of output
 // columns and streams its rows of W once per tile of input rows.
+//
+// Many rows (a prompt chunk, a large batch) go instead through float products of
+// dequantized panels of W: AMX tiles where the build targets them (from 16 rows),
+// else packed_linear's register tile (from 32 rows, where it is vectorized).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -186,6 +194,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// The weight stream runs this far ahead of the block being decoded (a strip's rows
+// are contiguous, so it runs on across rows). The hardware prefetchers alone left
+// batch-1 decode latency-bound: all of TinyLlama Q4_K_M's projections, 2 threads,
+// 10.6 GB/s; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB 17.4, 16 KiB 16.9 (the machine
+// reads 26-30 GB/s with 2 threads; benchmarks/quant_linear.py).
+constexpr int kPrefetchBytes = 8192;
+
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int line = 0; line < kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+}
+
 // Multiply-adds one group of 32 weights (integers u, scales a0, a1 of its halves)
 // into the sums of R input rows; the offsets are added per block (dot_rows).
 template <int64_t T, int R>
@@ -243,6 +264,99 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// With AVX-512 VNNI, two groups per instruction: a 64-byte vector holds groups g
+// and g + 1 (contiguous in the inputs), and the integer scales per 16 are spread
+// over 32 lanes of 16 bits once per block. The offsets gather in a vector and are
+// summed once per column. Half the instructions of the 32-byte form below, whose
+// batch-1 decode was compute-bound (a thread alone streamed half of what two did).
+template <int64_t T>
+inline __m512i group_pair(const uint8_t* blk, int g) {
+  if constexpr (T == kQ4_K) {
+    const auto* p = reinterpret_cast<const __m256i*>(Format<T>::nibble_bytes(blk, g));
+    const __m256i v = _mm256_loadu_si256(p);
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(group_vector<T>(blk, g)),
+                              group_vector<T>(blk, g + 1), 1);
+  }
+}
+
+template <int64_t T, int R>
+void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 256;
+  // 16-bit lane l of pair j takes scale word idx[j][l]: Q6_K has one per 16 values,
+  // Q4_K / Q5_K one per 32.
+  alignas(64) static const auto idx = [] {
+    std::array<std::array<int16_t, 32>, 4> v{};
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        v[j][l] = static_cast<int16_t>(T == kQ6_K ? 4 * j + l / 8 : 2 * j + l / 16);
+      }
+    }
+    return v;
+  }();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    __m256 off[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      off[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      prefetch_ahead<F::kBytes>(blk);
+      __m256i scale16;  // per 16 values, against the inputs' integer sums
+      __m512i words;    // the integer scales as 16-bit words
+      float d, dmin;
+      if constexpr (T == kQ6_K) {
+        d = half_at(blk + 208);
+        dmin = 32.0f * d;
+        const auto* sc = reinterpret_cast<const __m128i*>(blk + 192);
+        scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc));
+        words = _mm512_castsi256_si512(scale16);
+      } else {
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
+        d = _mm_cvtss_f32(dd);
+        dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        uint64_t scales, mins;
+        k_scales_mins(blk + 4, scales, mins);
+        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
+        scale16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        words = _mm512_castsi128_si512(
+            _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
+      }
+      __m512i iacc[R];
+      for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i u = group_pair<T>(blk, 2 * j);
+        const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx[j].data()), words);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_loadu_si512(x.q_row(m0 + r) + b * 256 + j * 64);
+          iacc[r] = _mm512_dpwssd_epi32(iacc[r], _mm512_maddubs_epi16(u, xv), scale);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = x.d[m * blocks + b];
+        const __m256i is =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.isum_row(m) + 16 * b));
+        off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(scale16, is)),
+                                 _mm256_set1_ps(-dmin * dx), off[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_set1_ps(d * dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(off[r]);
+    }
+  }
+}
+#else
 template <int64_t T, int R>
 void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                  int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
@@ -255,6 +369,7 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
     float offset[R] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = row + b * F::kBytes;
+      prefetch_ahead<F::kBytes>(blk);
       // Per 16 values: the integer scale (offsets use them against the inputs' sums).
       __m256i scale16;
       uint64_t scales = 0;
@@ -304,6 +419,8 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
   }
 }
 
+#endif
+
 // Output columns [n0, n1) for input rows [m0, m0 + R). Groups alternate between
 // two sets of sums, so that two multiply-add chains are in flight. The offsets
 // (b * dx * sum(qx)) go per block: one scalar per row for a block of 32, two 8-lane
@@ -330,6 +447,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
       auto block = [&](int64_t b, int set) {
         float a[2], off[2];
         const uint8_t* blk = row + b * F::kBytes;
+        prefetch_ahead<F::kBytes>(blk);
         F::scales(blk, a, off);
         group_step<T, R>(group_vector<T>(blk, 0), a[0], a[1], x, m0, b, acc[set]);
         if constexpr (!F::kSigned) {
@@ -348,6 +466,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
     } else {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* blk = row + b * F::kBytes;
+        prefetch_ahead<F::kBytes>(blk);
         alignas(32) float a[16], off[16];
         F::scales(blk, a, off);
         for (int g = 0; g < 8; g += 2) {
@@ -561,10 +680,12 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
   constexpr int NB = tile_blocks(kTileRows);
   const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // Panels from a shared counter, as quant_matmul's strips.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> row(K);
     std::vector<S> row_words(K), panel(NB * vec::kLanes * K);
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
       dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data());
@@ -579,6 +700,143 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
     }
   });
 }
+
+// ---------------------------------------------------------------------------
+// Many rows on CPUs with AMX (a build whose -march names one): the tile unit
+// multiplies bf16 at several times the vector units' rate. Its B operand must hold
+// pairs of K for 16 columns per 64-byte row, so the roles are swapped: the weight
+// (32 of its rows at a time, dequantized to bf16 in a buffer that stays in L1/L2)
+// is the A operand, as it lies; the inputs, rearranged once per call into such
+// pairs for 16 rows at a time, are B; each 16 x 16 float32 tile of sums is
+// out^T. Float32 and fp16 inputs are rounded to bf16: an error below that of the
+// int8 tiles' rounding of the same inputs (half a step of max|x| / 127).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PYLLM_QUANT_AMX 1
+
+// Input rows from which the tile unit takes over from the int8 tiles.
+constexpr int64_t kAmxMinRows = 16;
+
+// Linux hands out the tile registers' state only on request, once per process.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Tiles 0-3: four 16 x 16 float32 sums; 4, 5: 16 weight rows each; 6, 7: 16 input
+// rows each. Every tile is 16 rows of 64 bytes.
+void load_tile_config() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One weight row as bf16.
+template <int64_t T>
+void dequantize_row_bf16(const uint8_t* row, int64_t K, c10::BFloat16* y) {
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      const __m256i u = group_vector<T>(blk, g);
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+        const __m512i i = F::kSigned ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+        half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(a[2 * g + h]),
+                                  _mm512_set1_ps(off[2 * g + h]));
+      }
+      _mm512_storeu_si512(y + b * F::kBlock + g * 32,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(half[1], half[0])));
+    }
+  }
+}
+
+// Rows [0, M) of x as bf16 pairs of K for 16 rows at a time: word k / 2 of row m
+// at [m / 16][k / 2][m % 16]; rows past M are zero, up to a multiple of 32.
+template <typename S>
+std::vector<uint32_t> pair_inputs(const S* x, int64_t x_stride, int64_t M, int64_t K) {
+  const int64_t rows = (M + 31) / 32 * 32, words = K / 2;
+  std::vector<uint32_t> pairs(rows * words, 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<c10::BFloat16> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const S* src = x + m * x_stride;
+      for (int64_t k = 0; k < K; k += vec::kLanes) vec::Vec16::load(src + k).store(row.data() + k);
+      const auto* word = reinterpret_cast<const uint32_t*>(row.data());
+      uint32_t* dst = pairs.data() + (m / 16) * words * 16 + m % 16;
+      for (int64_t i = 0; i < words; ++i) dst[i * 16] = word[i];
+    }
+  });
+  return pairs;
+}
+
+// sums[n][m] (32 x 32) = weight rows [0, 32) (bf16 rows of K) . input rows [0, 32).
+inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t K, float* sums) {
+  const int64_t w_bytes = K * 2, words = K / 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, wrows + k, w_bytes);
+    _tile_loadd(5, wrows + 16 * K + k, w_bytes);
+    _tile_loadd(6, pairs + k / 2 * 16, 64);
+    _tile_loadd(7, pairs + (words + k / 2) * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 128);
+  _tile_stored(1, sums + 16, 128);
+  _tile_stored(2, sums + 16 * 32, 128);
+  _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
+// Columns [0, N / 32 * 32) of out = x . W^T (+ bias); returns how many.
+template <int64_t T, typename S>
+int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
+                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+  const int64_t panels = N / 32;
+  const std::vector<uint32_t> pairs = pair_inputs(x, x_stride, M, K);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    load_tile_config();
+    std::vector<c10::BFloat16> wrows(32 * K);
+    alignas(64) float sums[32 * 32];
+    for (int64_t p = next++; p < panels; p = next++) {
+      const int64_t n0 = p * 32;
+      for (int n = 0; n < 32; ++n) {
+        dequantize_row_bf16<T>(w + (n0 + n) * row_bytes, K, wrows.data() + n * K);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        amx_chunk(wrows.data(), pairs.data() + m0 * K / 2, K, sums);
+        for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
+          S* o = out + m * ld + n0;
+          for (int n = 0; n < 32; ++n) {
+            o[n] = static_cast<S>(sums[n * 32 + (m - m0)] +
+                                  (bias ? static_cast<float>(bias[n0 + n]) : 0.0f));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return panels * 32;
+}
+#endif
 
 int64_t block_size_of(int64_t type) {
   int64_t size = 0;
@@ -636,8 +894,16 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
     // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
     int64_t n_panel = 0;
+#ifdef PYLLM_QUANT_AMX
+    if (M >= kAmxMinRows && amx_ready()) {
+      dispatch_type(qtype, [&](auto t) {
+        n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b,
+                                                 o, ld);
+      });
+    }
+#endif
     if constexpr (kPackedLinearVectorized<scalar_t>) {
-      if (M >= kPanelMinRows) {
+      if (n_panel == 0 && M >= kPanelMinRows) {
         n_panel = N / vec::kLanes * vec::kLanes;
         dispatch_type(qtype, [&](auto t) {
           panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
