@@ -29,6 +29,9 @@
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -37,6 +40,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PYLLM_QUANT_AVX2 1
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PYLLM_QUANT_ZMM 1  // 64-byte integer dot products
+#endif
 #endif
 
 #include "../cpu_packed_tile.h"
@@ -264,7 +270,7 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef PYLLM_QUANT_ZMM
 // With AVX-512 VNNI, two groups per instruction: a 64-byte vector holds groups g
 // and g + 1 (contiguous in the inputs), and the integer scales per 16 are spread
 // over 32 lanes of 16 bits once per block. The offsets gather in a vector and are
@@ -421,6 +427,114 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
 
 #endif
 
+#ifdef PYLLM_QUANT_ZMM
+// The formats of one group per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), eight blocks
+// at a time with AVX-512 VNNI: one gather reads the eight blocks' fp16 scales (and
+// mins), two blocks share each 64-byte dot product, and the per-block scales reach
+// its lanes by one permute per pair. The one-block-at-a-time form below spent most
+// of its instructions on per-block scalars: batch-1 decode of SmolLM2 Q4_1 was
+// compute-bound (one thread 6.8 GB/s, two 10.3).
+template <int64_t T>
+inline void scales8(const uint8_t* blk, __m256& a, __m256& b) {
+  using F = Format<T>;
+  const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                        _mm256_set1_epi32(F::kBytes));
+  const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), at, 1);
+  a = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+  if constexpr (T == kQ4_1 || T == kQ5_1) {
+    b = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)));
+  } else if constexpr (T == kQ8_0) {
+    b = _mm256_setzero_ps();
+  } else {
+    b = _mm256_mul_ps(a, _mm256_set1_ps(T == kQ4_0 ? -8.0f : -16.0f));
+  }
+}
+
+// Lane i: sum of the products of bytes [4i, 4i + 4) (Q8_0's w signed, as dot_s8_s8).
+template <int64_t T>
+inline __m512i dot64(__m512i u, __m512i x) {
+  if constexpr (Format<T>::kSigned) {
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(u), _mm512_setzero_si512(), x);
+    u = _mm512_abs_epi8(u);
+  }
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+}
+
+template <int64_t T, int R>
+void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                  int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 32, whole = blocks / 8 * 8;
+  // Pair j's lanes 0-7 take block 2j's scale, lanes 8-15 block 2j + 1's.
+  alignas(64) static const auto idx = [] {
+    std::array<std::array<int32_t, 16>, 4> v{};
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 16; ++l) v[j][l] = 2 * j + l / 8;
+    }
+    return v;
+  }();
+  const __m512i pair_sums = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    __m256 off[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      off[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < whole; b0 += 8) {
+      const uint8_t* blk = row + b0 * F::kBytes;
+      prefetch_ahead<8 * F::kBytes>(blk);
+      __m256 a, b;
+      scales8<T>(blk, a, b);
+      __m512i u[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* pair = blk + 2 * j * F::kBytes;
+        u[j] = _mm512_inserti64x4(_mm512_castsi256_si512(group_vector<T>(pair, 0)),
+                                  group_vector<T>(pair + F::kBytes, 0), 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 scale =
+            _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_loadu_ps(&x.d[m * blocks + b0])));
+        const int8_t* q = x.q_row(m) + b0 * 32;
+        for (int j = 0; j < 4; ++j) {
+          const __m512i dot = dot64<T>(u[j], _mm512_loadu_si512(q + 64 * j));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_permutexvar_ps(_mm512_load_si512(idx[j].data()), scale),
+                                   acc[r]);
+        }
+        if constexpr (!F::kSigned) {
+          // The inputs' scaled sums per 16, added in pairs: one per block.
+          const __m512 s16 = _mm512_loadu_ps(x.s_row(m) + 2 * b0);
+          const __m512 s32 = _mm512_permutexvar_ps(
+              pair_sums, _mm512_add_ps(s16, _mm512_permute_ps(s16, 0xB1)));
+          off[r] = _mm256_fmadd_ps(b, _mm512_castps512_ps256(s32), off[r]);
+        }
+      }
+    }
+    // The last blocks (K not a multiple of 256) one at a time.
+    __m256 tail[R];
+    float tail_off[R] = {};
+    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+    for (int64_t b = whole; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      float sa[2], sb[2];
+      F::scales(blk, sa, sb);
+      group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, tail);
+      for (int r = 0; r < R; ++r) {
+        const float* s = x.s_row(m0 + r) + 2 * b;
+        tail_off[r] += sb[0] * (s[0] + s[1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] =
+          _mm512_reduce_add_ps(acc[r]) + hsum(off[r]) + hsum(tail[r]) + tail_off[r];
+    }
+  }
+}
+#endif
+
 // Output columns [n0, n1) for input rows [m0, m0 + R). Groups alternate between
 // two sets of sums, so that two multiply-add chains are in flight. The offsets
 // (b * dx * sum(qx)) go per block: one scalar per row for a block of 32, two 8-lane
@@ -433,6 +547,10 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
     kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
     return;
   }
+#ifdef PYLLM_QUANT_ZMM
+  block32_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  return;
+#endif
   const int64_t blocks = K / F::kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -838,6 +956,37 @@ int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, co
 }
 #endif
 
+// ---------------------------------------------------------------------------
+// Many float32 rows where neither AMX nor packed_linear's tile runs (AVX2 and
+// portable builds): W in chunks dequantized to float32 (about 2 MiB each, so that
+// a chunk stays in L2 while it is multiplied), each multiplied by ATen's matmul,
+// the GEMM that float weights take on these CPUs.
+constexpr int64_t kGemmMinRows = 64;
+
+template <int64_t T>
+void gemm_matmul(const at::Tensor& input, const uint8_t* w, int64_t row_bytes, int64_t N,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t K = input.size(1);
+  const int64_t chunk = std::clamp<int64_t>((2 << 20) / (4 * K) / 16 * 16, 16, N);
+  at::Tensor dense = at::empty({chunk, K}, input.options());
+  float* d = dense.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t c = std::min(chunk, N - n0);
+    at::parallel_for(0, c, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row_f32<T>(w + (n0 + r) * row_bytes, K, d + r * K);
+      }
+    });
+    at::Tensor part = out.narrow(1, n0, c);
+    const at::Tensor wt = dense.narrow(0, 0, c).t();
+    if (bias.has_value()) {
+      at::addmm_out(part, bias->narrow(0, n0, c), input, wt);
+    } else {
+      at::mm_out(part, input, wt);
+    }
+  }
+}
+
 int64_t block_size_of(int64_t type) {
   int64_t size = 0;
   dispatch_type(type, [&](auto t) { size = Format<decltype(t)::value>::kBlock; });
@@ -909,6 +1058,14 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
           panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
                                            ld);
         });
+      }
+    }
+    if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
+      if (n_panel == 0 && M >= kGemmMinRows) {
+        dispatch_type(qtype, [&](auto t) {
+          gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
+        });
+        return;
       }
     }
     const int64_t rest = N - n_panel;
