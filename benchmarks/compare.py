@@ -382,6 +382,17 @@ def check_greedy(pyllm_fp32, hf_fp32, workload: dict, tokens: int) -> bool:
     return ok
 
 
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    """A markdown table with its columns padded to one width."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+
+    def fmt(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
+
+
 def format_table(rows: list[dict], titles: dict[str, str]) -> str:
     header = ["engine", "dtype", *(titles[c] + " tok/s" for c in CASES), "note"]
     body = []
@@ -395,13 +406,7 @@ def format_table(rows: list[dict], titles: dict[str, str]) -> str:
                 cells.append(f"{rate:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
         cells.append(r.get("note", ""))
         body.append(cells)
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-
-    def fmt(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
+    return markdown_table(header, body)
 
 
 # ----------------------------------------------------------------------------- GGUF mode
@@ -686,13 +691,7 @@ def format_gguf_table(rows: list[dict], titles: dict[str, str]) -> str:
             f"({r['decode_b1_bandwidth_fraction']:.0%})"
         )
         body.append(cells)
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-
-    def fmt(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
+    return markdown_table(header, body)
 
 
 def gguf_rows(info: dict, runs: dict[str, list[dict]], workload: dict, bandwidth: float):
