@@ -4,6 +4,10 @@ float kernels on the same weights widened (the model's path with quantization="n
     PYTHONPATH=. python benchmarks/quant_linear.py                       # bundled SmolLM2 Q4_1
     PYTHONPATH=. python benchmarks/quant_linear.py --gguf FILE --rows 1,8,512 --dtypes bfloat16
     PYTHONPATH=. python benchmarks/quant_linear.py --device cuda
+    PYTHONPATH=. python benchmarks/quant_linear.py --shape tinyllama-1.1b --type Q4_K_M
+
+--shape and --type take random blocks of a real model's projection shapes and types
+(benchmarks/make_gguf.py's, without writing a file) instead of a GGUF file's weights.
 
 Per row count: the best of --repeats passes over every projection of the file's first
 --layers layers (each weight read once per pass, far more bytes than the caches hold, as
@@ -60,6 +64,24 @@ def load_weights(path: str, layers: int, device: str):
     return weights
 
 
+def random_weights(shape_name: str, file_type: str, layers: int | None, device: str):
+    """The same, from make_gguf.py's random blocks of a model shape's projections."""
+    import make_gguf
+    import numpy as np
+
+    shape = make_gguf.SHAPES[shape_name]
+    layers = shape.layers if layers is None else layers
+    generators, weights = {}, []
+    for index, plan in enumerate(make_gguf.plan_tensors(shape, file_type, pure=False)):
+        parts = plan.name.split(".")
+        if parts[0] != "blk" or int(parts[1]) >= layers or parts[2] not in PARTS:
+            continue
+        chunks = make_gguf.tensor_chunks(plan, index, 0, generators, 1 << 30)
+        raw = np.concatenate(list(chunks)).reshape(plan.shape[0], -1)
+        weights.append((int(plan.qtype), torch.from_numpy(raw).to(device), plan.shape[1]))
+    return weights, layers
+
+
 def float_linears(weights, dtype, device) -> list[Linear]:
     linears = []
     for type_id, qweight, k in weights:
@@ -76,6 +98,8 @@ def float_linears(weights, dtype, device) -> list[Linear]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="GGUF file (default: bundled SmolLM2)")
+    parser.add_argument("--shape", default=None, help="random blocks of this model shape")
+    parser.add_argument("--type", default="Q4_K_M", help="with --shape: Q8_0, Q4_0 or Q4_K_M")
     parser.add_argument("--layers", type=int, default=None, help="first N layers (default all)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,512")
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -83,11 +107,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-float", action="store_true", help="skip the float kernels")
     args = parser.parse_args()
-    path = args.gguf or default_model_path()
-    layers = args.layers or int(
-        next(v for k, v in open_gguf(path).metadata.items() if k.endswith(".block_count"))
-    )
-    weights = load_weights(path, layers, args.device)
+    if args.shape:
+        weights, layers = random_weights(args.shape, args.type, args.layers, args.device)
+        path = f"{args.shape}.{args.type} (random blocks)"
+    else:
+        path = args.gguf or default_model_path()
+        layers = args.layers or int(
+            next(v for k, v in open_gguf(path).metadata.items() if k.endswith(".block_count"))
+        )
+        weights = load_weights(path, layers, args.device)
     nbytes = sum(q.numel() for _, q, _ in weights)
     flops_per_row = 2 * sum(q.shape[0] * k for _, q, k in weights)
     names = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
