@@ -53,11 +53,6 @@ import time
 
 # torch is imported where it is used: a llama.cpp worker's peak RSS must not include it.
 
-# Run as a script, this folder is sys.path[0], and its kernels.py would shadow the `kernels`
-# package that transformers imports; nothing here is imported from this folder.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]
-
 WORDS = (
     "the a river mountain city quiet engine light story winter garden music paper window "
     "number small green ancient market bridge people carry under always between morning "

@@ -59,18 +59,18 @@ step "quantized linear (benchmarks/quant_linear.py --device cuda, TinyLlama-1.1B
 echo "exit $?" | tee -a "$out/summary.txt"
 tail -20 "$out/quant_linear.txt" | tee -a "$out/summary.txt"
 
-step "decode attention and the other ops (benchmarks/kernels.py --device cuda)"
-"$py" benchmarks/kernels.py --device cuda >"$out/kernels.txt" 2>&1
+step "decode attention and the other ops (benchmarks/bench_ops.py --device cuda)"
+"$py" benchmarks/bench_ops.py --device cuda >"$out/bench_ops.txt" 2>&1
 echo "exit $?" | tee -a "$out/summary.txt"
 step "the H200 target case: bf16, head 128, batch 64, context 4096"
-"$py" benchmarks/kernels.py --device cuda --batches 64 --contexts 4096 --skip-small-ops \
+"$py" benchmarks/bench_ops.py --device cuda --batches 64 --contexts 4096 --skip-small-ops \
   2>&1 | tee -a "$out/summary.txt"
 
 step "paged vs contiguous KV (benchmarks/kv_modes.py --device cuda)"
 "$py" benchmarks/kv_modes.py --device cuda >"$out/kv_modes.txt" 2>&1
 echo "exit $?" | tee -a "$out/summary.txt"
 
-step "sampler (benchmarks/sampler.py --device cuda --no-step)"
-"$py" benchmarks/sampler.py --device cuda --no-step >"$out/sampler.txt" 2>&1
+step "sampler (benchmarks/bench_sampler.py --device cuda --no-step)"
+"$py" benchmarks/bench_sampler.py --device cuda --no-step >"$out/bench_sampler.txt" 2>&1
 echo "exit $?" | tee -a "$out/summary.txt"
 step "done"

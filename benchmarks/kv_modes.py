@@ -34,7 +34,7 @@ import torch
 import pyllm.ops as ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import DTYPES, copy_bandwidth, time_call  # noqa: E402
+from bench_ops import DTYPES, copy_bandwidth, time_call  # noqa: E402
 
 
 def paged_case(args, batch: int, context: int):

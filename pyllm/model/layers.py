@@ -243,7 +243,7 @@ class Linear(nn.Module):
     no AMX, see can_pack_weight_words) W becomes
     word-packed (ops.pack_weight_words) and every batch size goes through it: it
     measured as fast as or faster than both oneDNN and small_batch_linear from 1 to
-    512 rows on SmolLM2's projections (benchmarks/linear.py). Elsewhere up to
+    512 rows on SmolLM2's projections (benchmarks/bench_linear.py). Elsewhere up to
     ops.SMALL_BATCH_MAX_ROWS rows (a decode step of a few sequences) go through
     small_batch_linear, which streams W at memory bandwidth without a GEMM library's
     per-call cost, and more rows through oneDNN with W in its blocked layout (a plain

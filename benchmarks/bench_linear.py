@@ -1,8 +1,8 @@
 """The CPU linear kernels side by side on SmolLM2-135M's 120 projections (30 layers of
 qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576), for a range of rows.
 
-    PYTHONPATH=. python benchmarks/linear.py                     # bf16 and float32
-    PYTHONPATH=. python benchmarks/linear.py --dtypes bfloat16 --rows 1,32
+    PYTHONPATH=. python benchmarks/bench_linear.py                     # bf16 and float32
+    PYTHONPATH=. python benchmarks/bench_linear.py --dtypes bfloat16 --rows 1,32
 
 Per row count and kernel: the best of --repeats passes over all 120 weights (each
 weight read once per pass; together they are far larger than the caches, as in a

@@ -1,7 +1,7 @@
 """Times pyllm's kernels and prints a table; decode attention is reported as bandwidth.
 
-    python benchmarks/kernels.py                  # CPU, all threads torch uses
-    python benchmarks/kernels.py --device cuda    # on a GPU build
+    python benchmarks/bench_ops.py                  # CPU, all threads torch uses
+    python benchmarks/bench_ops.py --device cuda    # on a GPU build
 
 Decode attention is memory bound: every step reads each sequence's whole KV cache
 once. Its figure is bytes moved (KV read once + query + output) per second, printed

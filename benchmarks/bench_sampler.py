@@ -1,10 +1,10 @@
 """Times the sampler per step and prints a table, with a naive sampler as the baseline.
 
-    python benchmarks/sampler.py                     # 64 sequences x 49152 vocab, CPU
-    python benchmarks/sampler.py --threads 1         # one core (steadier on a busy machine)
-    python benchmarks/sampler.py --logit-std 2       # flatter logits: top-p keeps ~10k tokens
-    python benchmarks/sampler.py --device cuda
-    python benchmarks/sampler.py --no-step           # skip the decode step (no model load)
+    python benchmarks/bench_sampler.py                     # 64 sequences x 49152 vocab, CPU
+    python benchmarks/bench_sampler.py --threads 1         # one core (steadier on a busy machine)
+    python benchmarks/bench_sampler.py --logit-std 2       # flatter logits: top-p keeps ~10k tokens
+    python benchmarks/bench_sampler.py --device cuda
+    python benchmarks/bench_sampler.py --no-step           # skip the decode step (no model load)
 
 The sampler's budget is a share of a decode step, so the same run also times real decode
 steps of the bundled model (SmolLM2-135M in the engine's default dtype, or --step-dtype,
