@@ -11,8 +11,9 @@ KV cache layout, one pair of tensors per layer (``x = 16 // element_size``):
 - ``key_cache``:   ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``
 - ``value_cache``: ``[num_blocks, num_kv_heads, head_size, block_size]``
 
-Contiguous KV layout (the virtual KV arena, ``KVArena``), one pair of views per layer,
-indexed by sequence slot instead of through a block table (``TOKEN_TILE = 16``):
+Contiguous KV layout (the virtual KV arena, ``pyllm.kv_cache.KVArena``), one pair of
+views per layer, indexed by sequence slot instead of through a block table
+(``TOKEN_TILE = 16``):
 
 - ``key_cache``:   ``[max_num_seqs, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x]``
 - ``value_cache``: ``[max_num_seqs, num_kv_heads, num_tiles, head_size, TOKEN_TILE]``
@@ -30,27 +31,55 @@ contiguous). Outputs must be contiguous.
 
 from __future__ import annotations
 
-import math
-import mmap
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 import pyllm._C  # noqa: F401  (loads the library, which registers torch.ops.pyllm)
+from pyllm._checks import (  # noqa: F401  (constants re-exported)
+    BUILT_WITH_CUDA,
+    PARTITION_SIZE,
+    SMALL_BATCH_MAX_ROWS,
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_SIZES,
+    TOKEN_TILE,
+    _check_attention_common,
+    _check_attention_io,
+    _check_block_mapping,
+    _check_block_tables,
+    _check_kv_cache,
+    _check_linear_bias,
+    _check_linear_input,
+    _check_linear_output,
+    _check_max_seq_len,
+    _check_norm_weight,
+    _check_query_lens,
+    _contiguous,
+    _device,
+    _finite_float,
+    _float_dtype,
+    _index_dtype,
+    _ndim,
+    _packed_rows,
+    _positive_int,
+    _query_start_loc,
+    _same_dtype,
+    _shape,
+    _supported_device,
+    _tensor,
+    kv_cache_x,
+)
+from pyllm.kv_cache import (
+    KVArena,
+    _check_committed,
+    _check_contiguous_attention,
+    _check_contiguous_kv_cache,
+    allocate_kv_cache,
+)
 
 _C = torch.ops.pyllm
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-# paged_attention_v2 reduces each partition of this many tokens separately.
-PARTITION_SIZE: int = int(_C.partition_size())
-BUILT_WITH_CUDA: bool = bool(_C.built_with_cuda())
-# Tokens per tile of the contiguous KV layout.
-TOKEN_TILE: int = int(_C.token_tile())
-# Most input rows small_batch_linear takes.
-SMALL_BATCH_MAX_ROWS: int = int(_C.small_batch_max_rows())
 
 __all__ = [
     "KVArena",
@@ -88,339 +117,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Argument checks: each raises naming the argument and the value that was wrong.
-
-
-def _tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}")
-
-
-def _supported_device(name: str, t: torch.Tensor) -> None:
-    if t.device.type == "cuda" and not BUILT_WITH_CUDA:
-        raise ValueError(
-            f"{name} is on {t.device} but pyllm was built without CUDA kernels "
-            "(rebuild with PYLLM_TARGET=cuda)"
-        )
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} is on {t.device}; pyllm ops run on cpu and cuda")
-
-
-def _float_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
-
-
-def _same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but must match the others ({dtype})")
-
-
-def _index_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-
-
-def _ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
-
-
-def _contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _packed_rows(name: str, t: torch.Tensor) -> None:
-    """Rows (dim 0) may be strided, as in a view of a wider tensor; the elements
-    inside one row must be packed."""
-    expected = 1
-    for dim in range(t.dim() - 1, 0, -1):
-        if t.shape[dim] > 1 and t.stride(dim) != expected:
-            raise ValueError(
-                f"{name} must have each row's elements packed (all dims but the first "
-                f"contiguous), got shape {tuple(t.shape)} with strides {t.stride()}"
-            )
-        expected *= t.shape[dim]
-    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {tuple(expected)} {layout}, got {tuple(t.shape)}")
-
-
-def _head_size(head_size: int) -> None:
-    if head_size not in SUPPORTED_HEAD_SIZES:
-        raise ValueError(
-            f"head_size {head_size} is not supported; supported: {SUPPORTED_HEAD_SIZES}"
-        )
-
-
-def _block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(
-            f"block_size {block_size!r} is not supported; supported: {SUPPORTED_BLOCK_SIZES}"
-        )
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _finite_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def kv_cache_x(dtype: torch.dtype) -> int:
-    """Elements per 16-byte group in the key cache's last dimension."""
-    return 16 // dtype.itemsize
-
-
-def _check_kv_cache(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int, int, int]:
-    """Validates a cache pair; returns (num_blocks, num_kv_heads, head_size, block_size)."""
-    _tensor("key_cache", key_cache)
-    _tensor("value_cache", value_cache)
-    _device("key_cache", key_cache, device)
-    _device("value_cache", value_cache, device)
-    _same_dtype("key_cache", key_cache, dtype)
-    _same_dtype("value_cache", value_cache, dtype)
-    _ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
-    _ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
-    _contiguous("key_cache", key_cache)
-    _contiguous("value_cache", value_cache)
-    num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
-    x = kv_cache_x(dtype)
-    _shape(
-        "key_cache",
-        key_cache,
-        (num_blocks, num_kv_heads, head_size // x, block_size, x),
-        f"(x = {x} for {dtype}, matching value_cache {tuple(value_cache.shape)})",
-    )
-    _head_size(head_size)
-    _block_size(block_size)
-    return num_blocks, num_kv_heads, head_size, block_size
-
-
-def _check_block_tables(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_seqs: int,
-    num_blocks: int,
-    block_size: int,
-    device: torch.device,
-) -> None:
-    _tensor("block_tables", block_tables)
-    _tensor("seq_lens", seq_lens)
-    _device("block_tables", block_tables, device)
-    _device("seq_lens", seq_lens, device)
-    _index_dtype("block_tables", block_tables, torch.int32)
-    _index_dtype("seq_lens", seq_lens, torch.int32)
-    _ndim("block_tables", block_tables, 2, "[num_seqs, max_num_blocks_per_seq]")
-    _contiguous("block_tables", block_tables)
-    _contiguous("seq_lens", seq_lens)
-    _shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} sequences"
-        )
-    if num_seqs == 0:
-        return
-    max_len = block_tables.shape[1] * block_size
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
-    if lo < 0 or hi > max_len:
-        raise ValueError(
-            f"seq_lens must lie in [0, {max_len}] (block_tables holds "
-            f"{block_tables.shape[1]} blocks of {block_size}), got values in [{lo}, {hi}]"
-        )
-    # Only the blocks that hold tokens are read; unused table entries may be anything.
-    used = torch.arange(block_tables.shape[1], device=device)[None, :] * block_size
-    used = used < seq_lens[:, None]
-    if bool(used.any()):
-        entries = block_tables[used]
-        if int(entries.min()) < 0 or int(entries.max()) >= num_blocks:
-            raise ValueError(
-                f"block_tables holds block numbers outside [0, {num_blocks}) "
-                f"(got {int(entries.min())}..{int(entries.max())})"
-            )
-
-
-def _check_attention_io(
-    out: torch.Tensor, query: torch.Tensor, num_kv_heads: int
-) -> tuple[int, int, int]:
-    """Checks out/query; returns (num_tokens, num_heads, head_size)."""
-    _tensor("query", query)
-    _tensor("out", out)
-    _supported_device("query", query)
-    _float_dtype("query", query)
-    _ndim("query", query, 3, "[num_tokens, num_heads, head_size]")
-    _packed_rows("query", query)
-    _device("out", out, query.device)
-    _same_dtype("out", out, query.dtype)
-    _shape("out", out, query.shape, "(same as query)")
-    _contiguous("out", out)
-    num_tokens, num_heads, head_size = query.shape
-    _head_size(head_size)
-    _positive_int("num_kv_heads", num_kv_heads)
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) must divide the query's num_heads ({num_heads})"
-        )
-    return num_tokens, num_heads, head_size
-
-
-def _check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
-    if alibi_slopes is None:
-        return
-    _tensor("alibi_slopes", alibi_slopes)
-    _device("alibi_slopes", alibi_slopes, device)
-    _index_dtype("alibi_slopes", alibi_slopes, torch.float32)
-    _shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
-    _contiguous("alibi_slopes", alibi_slopes)
-
-
-def _check_attention_common(
-    out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-    block_size, alibi_slopes,
-) -> tuple[int, int, int]:  # fmt: skip
-    num_tokens, num_heads, head_size = _check_attention_io(out, query, num_kv_heads)
-    num_blocks, cache_kv_heads, cache_head_size, cache_block_size = _check_kv_cache(
-        key_cache, value_cache, query.dtype, query.device
-    )
-    if cache_kv_heads != num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
-        )
-    if cache_head_size != head_size:
-        raise ValueError(
-            f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
-        )
-    _block_size(block_size)
-    if block_size != cache_block_size:
-        raise ValueError(
-            f"block_size is {block_size} but the cache's blocks hold {cache_block_size} tokens"
-        )
-    _finite_float("scale", scale)
-    _check_alibi(alibi_slopes, num_heads, query.device)
-    return num_tokens, num_heads, num_blocks
-
-
-def _check_max_seq_len(max_seq_len: int, seq_lens: torch.Tensor) -> None:
-    _positive_int("max_seq_len", max_seq_len)
-    if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
-        raise ValueError(
-            f"max_seq_len ({max_seq_len}) is smaller than the longest of seq_lens "
-            f"({int(seq_lens.max())})"
-        )
-
-
-def _query_start_loc(query_start_loc: torch.Tensor, device: torch.device) -> int:
-    """Checks query_start_loc's tensor properties; returns num_seqs."""
-    _tensor("query_start_loc", query_start_loc)
-    _device("query_start_loc", query_start_loc, device)
-    _index_dtype("query_start_loc", query_start_loc, torch.int32)
-    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    _contiguous("query_start_loc", query_start_loc)
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_seqs < 0:
-        raise ValueError("query_start_loc must hold num_seqs + 1 offsets, got an empty tensor")
-    return num_seqs
-
-
-def _check_query_lens(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, max_query_len: int
-) -> None:
-    """Prefill's query offsets against the tokens, max_query_len and seq_lens."""
-    _positive_int("max_query_len", max_query_len)
-    # Checked for zero sequences too: query tokens that no sequence covers would
-    # leave their rows of out unwritten.
-    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens ({num_tokens}), got "
-            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}"
-        )
-    if query_start_loc.shape[0] > 1:
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(q_lens.min()) < 0:
-            raise ValueError("query_start_loc must be non-decreasing")
-        if int(q_lens.max()) > max_query_len:
-            raise ValueError(
-                f"max_query_len ({max_query_len}) is smaller than the longest query "
-                f"({int(q_lens.max())})"
-            )
-        if bool((q_lens > seq_lens).any()):
-            raise ValueError("each sequence's query length must be <= its seq_lens entry")
-
-
-# ---------------------------------------------------------------------------
 # Cache ops.
-
-
-def allocate_kv_cache(
-    num_blocks: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocates one layer's (key_cache, value_cache) in the layout the kernels read.
-
-    Zero-filled, so the memory is committed here rather than page-faulted in by the
-    first writes of each new block, which would land on the step's critical path
-    (on the CPU a fault per 4 KiB page tripled reshape_and_cache's time in prefill)."""
-    _positive_int("num_blocks", num_blocks)
-    _positive_int("num_kv_heads", num_kv_heads)
-    _head_size(head_size)
-    _block_size(block_size)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
-    x = kv_cache_x(dtype)
-    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
-    if torch.device(device).type == "cpu":
-        return _zeros_on_huge_pages(key_shape, dtype), _zeros_on_huge_pages(value_shape, dtype)
-    return (
-        torch.zeros(key_shape, dtype=dtype, device=device),
-        torch.zeros(value_shape, dtype=dtype, device=device),
-    )
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor in anonymous memory marked MADV_HUGEPAGE, which Linux backs with
-    2 MiB pages where transparent huge pages are enabled ("madvise" or "always").
-
-    Attention reads a sequence's blocks scattered over the whole cache, so with 4 KiB
-    pages nearly every block is a TLB miss; measured on this project's 2-core CPU
-    (benchmarks/bench_ops.py, bf16, the same memory with THP_MEM_ALLOC_ENABLE=1 vs 0):
-    decode attention over 1 GiB of KV (32 x 8192) 11.0-11.4 -> 13.0-13.4 GB/s. Without
-    MADV_HUGEPAGE (not Linux) this is torch.zeros."""
-    numel = math.prod(shape)
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    # Anonymous pages read as zero; they are committed as blocks are first written, so
-    # the process holds only the part of the pool its sequences have used.
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 def reshape_and_cache(
@@ -473,27 +170,6 @@ def reshape_and_cache(
                 f"({num_blocks} blocks of {block_size}), got values in [{lo}, {hi}]"
             )
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
-
-
-def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
-    _tensor("block_mapping", block_mapping)
-    if block_mapping.device.type != "cpu":
-        raise ValueError("block_mapping must be a CPU tensor")
-    _index_dtype("block_mapping", block_mapping, torch.int64)
-    _ndim("block_mapping", block_mapping, 2, "[num_pairs, 2] of (src, dst) block numbers")
-    if block_mapping.shape[1] != 2:
-        raise ValueError(
-            f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}"
-        )
-    _contiguous("block_mapping", block_mapping)
-    if block_mapping.numel():
-        for column, limit, side in ((0, num_src, "source"), (1, num_dst, "destination")):
-            values = block_mapping[:, column]
-            if int(values.min()) < 0 or int(values.max()) >= limit:
-                raise ValueError(
-                    f"block_mapping {side} block numbers must lie in [0, {limit}), got "
-                    f"{int(values.min())}..{int(values.max())}"
-                )
 
 
 def copy_blocks(
@@ -772,19 +448,6 @@ def rotary_embedding(
     _C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
-def _check_norm_weight(weight: torch.Tensor, t: torch.Tensor, name: str) -> None:
-    _tensor("weight", weight)
-    _device("weight", weight, t.device)
-    _same_dtype("weight", weight, t.dtype)
-    _ndim("weight", weight, 1, "[hidden_size]")
-    _contiguous("weight", weight)
-    if t.dim() < 1 or weight.shape[0] != t.shape[-1]:
-        raise ValueError(
-            f"weight has {weight.shape[0]} elements but {name}'s last dimension is "
-            f"{t.shape[-1] if t.dim() else 'missing'}"
-        )
-
-
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out = input / sqrt(mean(input^2, -1) + eps) * weight, computed in float32.
 
@@ -845,39 +508,6 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     )
     _contiguous("out", out)
     _C.silu_and_mul(out, input)
-
-
-def _check_linear_input(
-    input: torch.Tensor, weight_name: str, weight: torch.Tensor, out: torch.Tensor
-) -> None:
-    """The linear ops' input [rows, in_features] (rows may be strided, elements packed),
-    and that the weight and out are tensors."""
-    _tensor("input", input)
-    _tensor(weight_name, weight)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _ndim("input", input, 2, "[rows, in_features]")
-    _packed_rows("input", input)
-
-
-def _check_linear_output(
-    out: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor, rows: int, features: int
-) -> None:
-    """out [rows, features] and bias [features] of the linear ops (out's dtype and device
-    are checked beside the weight's)."""
-    _shape("out", out, (rows, features), "[rows, out_features]")
-    _contiguous("out", out)
-    _check_linear_bias(bias, input, features)
-
-
-def _check_linear_bias(bias: torch.Tensor | None, input: torch.Tensor, features: int) -> None:
-    if bias is not None:
-        _tensor("bias", bias)
-        _device("bias", bias, input.device)
-        _same_dtype("bias", bias, input.dtype)
-        _shape("bias", bias, (features,), "[out_features]")
-        _contiguous("bias", bias)
 
 
 def small_batch_linear(
@@ -1088,336 +718,7 @@ def dequantize_rows(
 
 
 # ---------------------------------------------------------------------------
-# Contiguous KV layout: the virtual KV arena and its ops.
-
-# The views of every live arena, by data pointer, so the ops below can refuse to read
-# or write past a slot's committed tokens (the kernels cannot know what is committed).
-_ARENA_VIEWS: dict[int, weakref.ref[KVArena]] = {}
-
-
-def _forget_views(pointers: list[int], ref: weakref.ref) -> None:
-    for pointer in pointers:
-        if _ARENA_VIEWS.get(pointer) is ref:
-            del _ARENA_VIEWS[pointer]
-
-
-class KVArena:
-    """A virtually contiguous KV cache: every slot's K/V reserved, memory mapped on demand.
-
-    One reserved virtual range for keys and one for values hold ``max_num_seqs`` slots of
-    ``max_model_len`` tokens in every layer; physical memory is mapped under a slot only
-    by ``commit`` and given back by ``release``. Reserving far more than the machine's
-    memory is fine: only committed tokens cost memory (``committed_bytes``).
-
-    ``key_cache(layer)`` / ``value_cache(layer)`` are the views the contiguous ops read,
-    in the layout of this module's docstring; they keep the reservation alive.
-
-    Inside a slot, tiles of TOKEN_TILE tokens are outermost (then layers, then kv heads),
-    so the memory under tokens ``[0, n)`` of a slot, in every layer, is one prefix of the
-    slot's range: a commit is one mapping per reservation, rounded up to ``granularity``
-    bytes (a 4 KiB page on the CPU, a 2 MiB granule on CUDA), and no page or granule is
-    shared by two slots.
-
-    Reading or writing a slot past its committed tokens is a caller bug: the checked ops
-    below raise ValueError for it. Through ``torch.ops.pyllm`` directly it is harmless on
-    the CPU: never-committed or released memory reads as zeros (and writes there are
-    given back by the next ``release``).
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        num_kv_heads: int,
-        head_size: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("num_kv_heads", num_kv_heads),
-        ):
-            _positive_int(name, value)
-        if max_model_len > 2**31 - 1:
-            raise ValueError(f"max_model_len must fit int32, got {max_model_len}")
-        _head_size(head_size)
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"dtype {dtype} is not supported; supported: float32, float16, bfloat16"
-            )
-        device = torch.device(device)
-        if device.type == "cuda":
-            if not BUILT_WITH_CUDA:
-                raise ValueError(
-                    f"device {device}: pyllm was built without CUDA kernels "
-                    "(rebuild with PYLLM_TARGET=cuda)"
-                )
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-        elif device.type != "cpu":
-            raise ValueError(f"device {device} is not supported; pyllm runs on cpu and cuda")
-        self.num_layers, self.max_num_seqs, self.max_model_len = (
-            num_layers,
-            max_num_seqs,
-            max_model_len,
-        )
-        self.num_kv_heads, self.head_size, self.dtype, self.device = (
-            num_kv_heads,
-            head_size,
-            dtype,
-            device,
-        )
-        self._arena = torch.classes.pyllm.KVArena(
-            num_layers, max_num_seqs, max_model_len, num_kv_heads, head_size, dtype, device
-        )
-        self._key_caches = [self._arena.key_cache(layer) for layer in range(num_layers)]
-        self._value_caches = [self._arena.value_cache(layer) for layer in range(num_layers)]
-        # Committed tokens per slot, mirrored on the host for the ops' checks.
-        self._committed = torch.zeros(max_num_seqs, dtype=torch.int64)
-        ref = weakref.ref(self)
-        pointers = [t.data_ptr() for t in (*self._key_caches, *self._value_caches)]
-        for pointer in pointers:
-            _ARENA_VIEWS[pointer] = ref
-        weakref.finalize(self, _forget_views, pointers, ref)
-
-    def _slot(self, slot: object) -> int:
-        if not isinstance(slot, int) or isinstance(slot, bool):
-            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
-        if not 0 <= slot < self.max_num_seqs:
-            raise ValueError(f"slot {slot} is outside [0, {self.max_num_seqs})")
-        return slot
-
-    def _layer(self, layer: object) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
-        return layer
-
-    def key_cache(self, layer: int) -> torch.Tensor:
-        """Layer's key view ``[max_num_seqs, num_kv_heads, num_tiles, head_size // x,
-        TOKEN_TILE, x]``."""
-        return self._key_caches[self._layer(layer)]
-
-    def value_cache(self, layer: int) -> torch.Tensor:
-        """Layer's value view ``[max_num_seqs, num_kv_heads, num_tiles, head_size,
-        TOKEN_TILE]``."""
-        return self._value_caches[self._layer(layer)]
-
-    def commit(self, slot: int, num_tokens: int) -> int:
-        """Maps memory under tokens ``[0, num_tokens)`` of the slot in every layer.
-
-        Idempotent, never shrinks, and cheap when nothing new is needed (~10 us
-        here); rounded up to whole pages/granules, so it may cover more tokens
-        than asked: the return value, ``committed_tokens(slot)``, tells when the next
-        call is due. Mapping costs what first-touching the memory costs (on this CPU
-        about 1 GiB/s of page faults, so a 16-token tile of a 22-layer model, 704 KiB,
-        takes ~0.6 ms); the Python thread that calls it lets others run meanwhile
-        (measured), so an engine may commit ahead of need from a helper thread. Newly
-        mapped memory holds zeros on the CPU and unspecified values on CUDA."""
-        self._slot(slot)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        if not 0 <= num_tokens <= self.max_model_len:
-            raise ValueError(
-                f"num_tokens {num_tokens} is outside [0, max_model_len = {self.max_model_len}]"
-            )
-        committed = int(self._arena.commit(slot, num_tokens))
-        self._committed[slot] = committed
-        return committed
-
-    def release(self, slot: int, keep_tokens: int = 0) -> None:
-        """Gives back the slot's memory past its first keep_tokens tokens (rounded up to
-        whole pages/granules); 0, the default, gives back all of it (a finished or
-        preempted sequence). Cost grows with the memory freed (on the CPU about 75 ms
-        for 352 MiB): a new sequence may reuse a slot's committed memory instead, and
-        keep_tokens trims a slot to a watermark."""
-        self._slot(slot)
-        if not isinstance(keep_tokens, int) or isinstance(keep_tokens, bool):
-            raise TypeError(f"keep_tokens must be an int, got {type(keep_tokens).__name__}")
-        if not 0 <= keep_tokens <= self.max_model_len:
-            raise ValueError(
-                f"keep_tokens {keep_tokens} is outside [0, max_model_len = {self.max_model_len}]"
-            )
-        self._arena.release(slot, keep_tokens)
-        self._committed[slot] = int(self._arena.committed_tokens(slot))
-
-    def committed_tokens(self, slot: int) -> int:
-        """Tokens of the slot backed by memory in every layer (<= max_model_len)."""
-        return int(self._arena.committed_tokens(self._slot(slot)))
-
-    def bytes_for_tokens(self, num_tokens: int) -> int:
-        """Bytes (keys and values) that committing num_tokens tokens of one empty slot
-        maps: whole tiles of every layer, rounded up to the granularity."""
-        tiles = -(-num_tokens // TOKEN_TILE)
-        element = self.dtype.itemsize
-        tile_bytes = TOKEN_TILE * self.num_layers * self.num_kv_heads * self.head_size * element
-        granularity = self.granularity
-        return 2 * (-(-tiles * tile_bytes // granularity) * granularity)
-
-    @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(key_cache, value_cache) of every layer."""
-        return list(zip(self._key_caches, self._value_caches, strict=True))
-
-    @property
-    def committed_bytes(self) -> int:
-        """Bytes of memory mapped under all slots, keys and values."""
-        return int(self._arena.committed_bytes())
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of virtual address space reserved, keys and values."""
-        return int(self._arena.reserved_bytes())
-
-    @property
-    def granularity(self) -> int:
-        """Bytes per mapping unit: the page (CPU) or allocation granule (CUDA)."""
-        return int(self._arena.granularity())
-
-    def __repr__(self) -> str:
-        return (
-            f"KVArena(num_layers={self.num_layers}, max_num_seqs={self.max_num_seqs}, "
-            f"max_model_len={self.max_model_len}, num_kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, dtype={self.dtype}, device={self.device}, "
-            f"committed_bytes={self.committed_bytes}, reserved_bytes={self.reserved_bytes})"
-        )
-
-
-def _arena_of(key_cache: torch.Tensor) -> KVArena | None:
-    """The live arena whose key view key_cache is, if any."""
-    ref = _ARENA_VIEWS.get(key_cache.data_ptr())
-    arena = ref() if ref is not None else None
-    if arena is None or key_cache.stride() != arena._key_caches[0].stride():
-        return None
-    return arena
-
-
-def _check_contiguous_kv_cache(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int, int, int]:
-    """Validates a contiguous-layout view pair; returns (max_num_seqs, num_kv_heads,
-    num_tiles, head_size)."""
-    _tensor("key_cache", key_cache)
-    _tensor("value_cache", value_cache)
-    _device("key_cache", key_cache, device)
-    _device("value_cache", value_cache, device)
-    _same_dtype("key_cache", key_cache, dtype)
-    _same_dtype("value_cache", value_cache, dtype)
-    _ndim(
-        "key_cache",
-        key_cache,
-        6,
-        "[max_num_seqs, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x]",
-    )
-    _ndim(
-        "value_cache",
-        value_cache,
-        5,
-        "[max_num_seqs, num_kv_heads, num_tiles, head_size, TOKEN_TILE]",
-    )
-    num_slots, num_kv_heads, num_tiles, head_size, tile = value_cache.shape
-    if tile != TOKEN_TILE:
-        raise ValueError(f"value_cache's last dimension must be TOKEN_TILE = {TOKEN_TILE}")
-    x = kv_cache_x(dtype)
-    _shape(
-        "key_cache",
-        key_cache,
-        (num_slots, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x),
-        f"(x = {x} for {dtype}, matching value_cache {tuple(value_cache.shape)})",
-    )
-    _head_size(head_size)
-    if key_cache.stride()[3:] != (TOKEN_TILE * x, x, 1) or value_cache.stride()[3:] != (
-        TOKEN_TILE,
-        1,
-    ):
-        raise ValueError(
-            "key_cache and value_cache must be dense inside each tile, got strides "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    if key_cache.stride()[:3] != value_cache.stride()[:3] or min(key_cache.stride()[:3]) < 0:
-        raise ValueError(
-            "key_cache and value_cache must share their (slot, kv head, tile) strides, got "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    return num_slots, num_kv_heads, num_tiles, head_size
-
-
-def _check_committed(
-    key_cache: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor, what: str
-) -> None:
-    """Where key_cache is a KVArena view: every (slot, end) with slot >= 0 must have
-    end <= the slot's committed tokens."""
-    arena = _arena_of(key_cache)
-    if arena is None or slots.numel() == 0:
-        return
-    slots, ends = slots.cpu().long(), ends.cpu().long()
-    used = slots >= 0
-    committed = arena._committed[slots.clamp(min=0)]
-    bad = (used & (ends > committed)).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        raise ValueError(
-            f"{what}[{i}] reaches token {int(ends[i])} of slot {int(slots[i])}, which has "
-            f"{int(committed[i])} committed tokens (KVArena.commit the slot first)"
-        )
-
-
-def _check_seq_slots(
-    seq_slots: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_seqs: int,
-    num_slots: int,
-    capacity: int,
-    device: torch.device,
-) -> None:
-    _tensor("seq_slots", seq_slots)
-    _tensor("seq_lens", seq_lens)
-    _device("seq_slots", seq_slots, device)
-    _device("seq_lens", seq_lens, device)
-    _index_dtype("seq_slots", seq_slots, torch.int32)
-    _index_dtype("seq_lens", seq_lens, torch.int32)
-    _shape("seq_slots", seq_slots, (num_seqs,), "[num_seqs]")
-    _shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
-    _contiguous("seq_slots", seq_slots)
-    _contiguous("seq_lens", seq_lens)
-    if num_seqs == 0:
-        return
-    lo, hi = int(seq_slots.min()), int(seq_slots.max())
-    if lo < 0 or hi >= num_slots:
-        raise ValueError(f"seq_slots must lie in [0, {num_slots}), got values in [{lo}, {hi}]")
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
-    if lo < 0 or hi > capacity:
-        raise ValueError(
-            f"seq_lens must lie in [0, {capacity}] (the slots' capacity), got values in "
-            f"[{lo}, {hi}]"
-        )
-
-
-def _check_contiguous_attention(
-    out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs=None
-) -> None:
-    """Checks the arguments the contiguous decode and prefill share; num_seqs None
-    means one sequence per query token (decode)."""
-    num_tokens, _, head_size = _check_attention_io(out, query, num_kv_heads)
-    num_seqs = num_tokens if num_seqs is None else num_seqs
-    num_slots, cache_kv_heads, num_tiles, cache_head_size = _check_contiguous_kv_cache(
-        key_cache, value_cache, query.dtype, query.device
-    )
-    if cache_kv_heads != num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
-        )
-    if cache_head_size != head_size:
-        raise ValueError(
-            f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
-        )
-    _finite_float("scale", scale)
-    _check_seq_slots(seq_slots, seq_lens, num_seqs, num_slots, num_tiles * TOKEN_TILE, query.device)
-    _check_committed(key_cache, seq_slots, seq_lens, "seq_lens")
+# Contiguous KV layout: the ops over a KVArena's views (pyllm.kv_cache).
 
 
 def write_kv_contiguous(

@@ -44,7 +44,7 @@ class AttentionMetadata:
     Decode part (D sequences, one token each, the remaining T - num_prefill_tokens):
       decode_seq_lens [D] int32, decode_block_tables [D, B'] int32, max_decode_seq_len.
 
-    Contiguous KV cache (contiguous=True, see pyllm.ops.KVArena): a sequence is addressed
+    Contiguous KV cache (contiguous=True, see pyllm.kv_cache.KVArena): a sequence is addressed
     by its arena slot, so prefill_seq_slots [P] / decode_seq_slots [D] int32 replace the
     block tables, and slot_mapping holds each token's sequence slot (-1 skips); the
     token's position in the slot is its position.

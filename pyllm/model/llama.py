@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm.kv_cache import KVArena, allocate_kv_cache
 from pyllm.model.config import ModelConfig
 from pyllm.model.layers import (
     MLP,
@@ -277,11 +278,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             attn_metadata.validate(num_blocks, block_size, self.device)
 
-    def allocate_kv_arena(self, max_num_seqs: int) -> ops.KVArena:
+    def allocate_kv_arena(self, max_num_seqs: int) -> KVArena:
         """A virtual KV arena (contiguous cache) with one slot of max_model_len tokens per
         sequence; nothing is committed until a slot is."""
         config = self.config
-        return ops.KVArena(
+        return KVArena(
             config.num_hidden_layers,
             max_num_seqs,
             self.max_model_len,
@@ -300,7 +301,7 @@ def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device
 ) -> list[KVCache]:
     return [
-        ops.allocate_kv_cache(
+        allocate_kv_cache(
             num_blocks, config.num_key_value_heads, config.head_dim, block_size, dtype, device
         )
         for _ in range(config.num_hidden_layers)

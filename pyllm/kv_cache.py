@@ -1,0 +1,411 @@
+"""KV-cache memory, in the layouts of pyllm.ops's docstring: one layer's tensors of the
+paged pool (allocate_kv_cache) and the virtually contiguous arena (KVArena), with the
+checks the contiguous ops make against an arena's committed tokens."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import weakref
+
+import torch
+
+from pyllm._checks import (
+    BUILT_WITH_CUDA,
+    SUPPORTED_DTYPES,
+    TOKEN_TILE,
+    _block_size,
+    _check_attention_io,
+    _contiguous,
+    _device,
+    _finite_float,
+    _head_size,
+    _index_dtype,
+    _ndim,
+    _positive_int,
+    _same_dtype,
+    _shape,
+    _tensor,
+    kv_cache_x,
+)
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocates one layer's (key_cache, value_cache) in the layout the kernels read.
+
+    Zero-filled, so the memory is committed here rather than page-faulted in by the
+    first writes of each new block, which would land on the step's critical path
+    (on the CPU a fault per 4 KiB page tripled reshape_and_cache's time in prefill)."""
+    _positive_int("num_blocks", num_blocks)
+    _positive_int("num_kv_heads", num_kv_heads)
+    _head_size(head_size)
+    _block_size(block_size)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    x = kv_cache_x(dtype)
+    key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_shape = (num_blocks, num_kv_heads, head_size, block_size)
+    if torch.device(device).type == "cpu":
+        return _zeros_on_huge_pages(key_shape, dtype), _zeros_on_huge_pages(value_shape, dtype)
+    return (
+        torch.zeros(key_shape, dtype=dtype, device=device),
+        torch.zeros(value_shape, dtype=dtype, device=device),
+    )
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in anonymous memory marked MADV_HUGEPAGE, which Linux backs with
+    2 MiB pages where transparent huge pages are enabled ("madvise" or "always").
+
+    Attention reads a sequence's blocks scattered over the whole cache, so with 4 KiB
+    pages nearly every block is a TLB miss; measured on this project's 2-core CPU
+    (benchmarks/bench_ops.py, bf16, the same memory with THP_MEM_ALLOC_ENABLE=1 vs 0):
+    decode attention over 1 GiB of KV (32 x 8192) 11.0-11.4 -> 13.0-13.4 GB/s. Without
+    MADV_HUGEPAGE (not Linux) this is torch.zeros."""
+    numel = math.prod(shape)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor holds a reference to `memory`, which is unmapped when both are gone.
+    # Anonymous pages read as zero; they are committed as blocks are first written, so
+    # the process holds only the part of the pool its sequences have used.
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
+# The views of every live arena, by data pointer, so the ops below can refuse to read
+# or write past a slot's committed tokens (the kernels cannot know what is committed).
+_ARENA_VIEWS: dict[int, weakref.ref[KVArena]] = {}
+
+
+def _forget_views(pointers: list[int], ref: weakref.ref) -> None:
+    for pointer in pointers:
+        if _ARENA_VIEWS.get(pointer) is ref:
+            del _ARENA_VIEWS[pointer]
+
+
+class KVArena:
+    """A virtually contiguous KV cache: every slot's K/V reserved, memory mapped on demand.
+
+    One reserved virtual range for keys and one for values hold ``max_num_seqs`` slots of
+    ``max_model_len`` tokens in every layer; physical memory is mapped under a slot only
+    by ``commit`` and given back by ``release``. Reserving far more than the machine's
+    memory is fine: only committed tokens cost memory (``committed_bytes``).
+
+    ``key_cache(layer)`` / ``value_cache(layer)`` are the views the contiguous ops read,
+    in the layout of this module's docstring; they keep the reservation alive.
+
+    Inside a slot, tiles of TOKEN_TILE tokens are outermost (then layers, then kv heads),
+    so the memory under tokens ``[0, n)`` of a slot, in every layer, is one prefix of the
+    slot's range: a commit is one mapping per reservation, rounded up to ``granularity``
+    bytes (a 4 KiB page on the CPU, a 2 MiB granule on CUDA), and no page or granule is
+    shared by two slots.
+
+    Reading or writing a slot past its committed tokens is a caller bug: the checked ops
+    below raise ValueError for it. Through ``torch.ops.pyllm`` directly it is harmless on
+    the CPU: never-committed or released memory reads as zeros (and writes there are
+    given back by the next ``release``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("num_kv_heads", num_kv_heads),
+        ):
+            _positive_int(name, value)
+        if max_model_len > 2**31 - 1:
+            raise ValueError(f"max_model_len must fit int32, got {max_model_len}")
+        _head_size(head_size)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"dtype {dtype} is not supported; supported: float32, float16, bfloat16"
+            )
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not BUILT_WITH_CUDA:
+                raise ValueError(
+                    f"device {device}: pyllm was built without CUDA kernels "
+                    "(rebuild with PYLLM_TARGET=cuda)"
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise ValueError(f"device {device} is not supported; pyllm runs on cpu and cuda")
+        self.num_layers, self.max_num_seqs, self.max_model_len = (
+            num_layers,
+            max_num_seqs,
+            max_model_len,
+        )
+        self.num_kv_heads, self.head_size, self.dtype, self.device = (
+            num_kv_heads,
+            head_size,
+            dtype,
+            device,
+        )
+        self._arena = torch.classes.pyllm.KVArena(
+            num_layers, max_num_seqs, max_model_len, num_kv_heads, head_size, dtype, device
+        )
+        self._key_caches = [self._arena.key_cache(layer) for layer in range(num_layers)]
+        self._value_caches = [self._arena.value_cache(layer) for layer in range(num_layers)]
+        # Committed tokens per slot, mirrored on the host for the ops' checks.
+        self._committed = torch.zeros(max_num_seqs, dtype=torch.int64)
+        ref = weakref.ref(self)
+        pointers = [t.data_ptr() for t in (*self._key_caches, *self._value_caches)]
+        for pointer in pointers:
+            _ARENA_VIEWS[pointer] = ref
+        weakref.finalize(self, _forget_views, pointers, ref)
+
+    def _slot(self, slot: object) -> int:
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_num_seqs:
+            raise ValueError(f"slot {slot} is outside [0, {self.max_num_seqs})")
+        return slot
+
+    def _layer(self, layer: object) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
+        return layer
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """Layer's key view ``[max_num_seqs, num_kv_heads, num_tiles, head_size // x,
+        TOKEN_TILE, x]``."""
+        return self._key_caches[self._layer(layer)]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """Layer's value view ``[max_num_seqs, num_kv_heads, num_tiles, head_size,
+        TOKEN_TILE]``."""
+        return self._value_caches[self._layer(layer)]
+
+    def commit(self, slot: int, num_tokens: int) -> int:
+        """Maps memory under tokens ``[0, num_tokens)`` of the slot in every layer.
+
+        Idempotent, never shrinks, and cheap when nothing new is needed (~10 us
+        here); rounded up to whole pages/granules, so it may cover more tokens
+        than asked: the return value, ``committed_tokens(slot)``, tells when the next
+        call is due. Mapping costs what first-touching the memory costs (on this CPU
+        about 1 GiB/s of page faults, so a 16-token tile of a 22-layer model, 704 KiB,
+        takes ~0.6 ms); the Python thread that calls it lets others run meanwhile
+        (measured), so an engine may commit ahead of need from a helper thread. Newly
+        mapped memory holds zeros on the CPU and unspecified values on CUDA."""
+        self._slot(slot)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if not 0 <= num_tokens <= self.max_model_len:
+            raise ValueError(
+                f"num_tokens {num_tokens} is outside [0, max_model_len = {self.max_model_len}]"
+            )
+        committed = int(self._arena.commit(slot, num_tokens))
+        self._committed[slot] = committed
+        return committed
+
+    def release(self, slot: int, keep_tokens: int = 0) -> None:
+        """Gives back the slot's memory past its first keep_tokens tokens (rounded up to
+        whole pages/granules); 0, the default, gives back all of it (a finished or
+        preempted sequence). Cost grows with the memory freed (on the CPU about 75 ms
+        for 352 MiB): a new sequence may reuse a slot's committed memory instead, and
+        keep_tokens trims a slot to a watermark."""
+        self._slot(slot)
+        if not isinstance(keep_tokens, int) or isinstance(keep_tokens, bool):
+            raise TypeError(f"keep_tokens must be an int, got {type(keep_tokens).__name__}")
+        if not 0 <= keep_tokens <= self.max_model_len:
+            raise ValueError(
+                f"keep_tokens {keep_tokens} is outside [0, max_model_len = {self.max_model_len}]"
+            )
+        self._arena.release(slot, keep_tokens)
+        self._committed[slot] = int(self._arena.committed_tokens(slot))
+
+    def committed_tokens(self, slot: int) -> int:
+        """Tokens of the slot backed by memory in every layer (<= max_model_len)."""
+        return int(self._arena.committed_tokens(self._slot(slot)))
+
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        """Bytes (keys and values) that committing num_tokens tokens of one empty slot
+        maps: whole tiles of every layer, rounded up to the granularity."""
+        tiles = -(-num_tokens // TOKEN_TILE)
+        element = self.dtype.itemsize
+        tile_bytes = TOKEN_TILE * self.num_layers * self.num_kv_heads * self.head_size * element
+        granularity = self.granularity
+        return 2 * (-(-tiles * tile_bytes // granularity) * granularity)
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(key_cache, value_cache) of every layer."""
+        return list(zip(self._key_caches, self._value_caches, strict=True))
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of memory mapped under all slots, keys and values."""
+        return int(self._arena.committed_bytes())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of virtual address space reserved, keys and values."""
+        return int(self._arena.reserved_bytes())
+
+    @property
+    def granularity(self) -> int:
+        """Bytes per mapping unit: the page (CPU) or allocation granule (CUDA)."""
+        return int(self._arena.granularity())
+
+    def __repr__(self) -> str:
+        return (
+            f"KVArena(num_layers={self.num_layers}, max_num_seqs={self.max_num_seqs}, "
+            f"max_model_len={self.max_model_len}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, dtype={self.dtype}, device={self.device}, "
+            f"committed_bytes={self.committed_bytes}, reserved_bytes={self.reserved_bytes})"
+        )
+
+
+def _arena_of(key_cache: torch.Tensor) -> KVArena | None:
+    """The live arena whose key view key_cache is, if any."""
+    ref = _ARENA_VIEWS.get(key_cache.data_ptr())
+    arena = ref() if ref is not None else None
+    if arena is None or key_cache.stride() != arena._key_caches[0].stride():
+        return None
+    return arena
+
+
+def _check_contiguous_kv_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, int, int]:
+    """Validates a contiguous-layout view pair; returns (max_num_seqs, num_kv_heads,
+    num_tiles, head_size)."""
+    _tensor("key_cache", key_cache)
+    _tensor("value_cache", value_cache)
+    _device("key_cache", key_cache, device)
+    _device("value_cache", value_cache, device)
+    _same_dtype("key_cache", key_cache, dtype)
+    _same_dtype("value_cache", value_cache, dtype)
+    _ndim(
+        "key_cache",
+        key_cache,
+        6,
+        "[max_num_seqs, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x]",
+    )
+    _ndim(
+        "value_cache",
+        value_cache,
+        5,
+        "[max_num_seqs, num_kv_heads, num_tiles, head_size, TOKEN_TILE]",
+    )
+    num_slots, num_kv_heads, num_tiles, head_size, tile = value_cache.shape
+    if tile != TOKEN_TILE:
+        raise ValueError(f"value_cache's last dimension must be TOKEN_TILE = {TOKEN_TILE}")
+    x = kv_cache_x(dtype)
+    _shape(
+        "key_cache",
+        key_cache,
+        (num_slots, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x),
+        f"(x = {x} for {dtype}, matching value_cache {tuple(value_cache.shape)})",
+    )
+    _head_size(head_size)
+    if key_cache.stride()[3:] != (TOKEN_TILE * x, x, 1) or value_cache.stride()[3:] != (
+        TOKEN_TILE,
+        1,
+    ):
+        raise ValueError(
+            "key_cache and value_cache must be dense inside each tile, got strides "
+            f"{key_cache.stride()} and {value_cache.stride()}"
+        )
+    if key_cache.stride()[:3] != value_cache.stride()[:3] or min(key_cache.stride()[:3]) < 0:
+        raise ValueError(
+            "key_cache and value_cache must share their (slot, kv head, tile) strides, got "
+            f"{key_cache.stride()} and {value_cache.stride()}"
+        )
+    return num_slots, num_kv_heads, num_tiles, head_size
+
+
+def _check_committed(
+    key_cache: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor, what: str
+) -> None:
+    """Where key_cache is a KVArena view: every (slot, end) with slot >= 0 must have
+    end <= the slot's committed tokens."""
+    arena = _arena_of(key_cache)
+    if arena is None or slots.numel() == 0:
+        return
+    slots, ends = slots.cpu().long(), ends.cpu().long()
+    used = slots >= 0
+    committed = arena._committed[slots.clamp(min=0)]
+    bad = (used & (ends > committed)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"{what}[{i}] reaches token {int(ends[i])} of slot {int(slots[i])}, which has "
+            f"{int(committed[i])} committed tokens (KVArena.commit the slot first)"
+        )
+
+
+def _check_seq_slots(
+    seq_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+    num_slots: int,
+    capacity: int,
+    device: torch.device,
+) -> None:
+    _tensor("seq_slots", seq_slots)
+    _tensor("seq_lens", seq_lens)
+    _device("seq_slots", seq_slots, device)
+    _device("seq_lens", seq_lens, device)
+    _index_dtype("seq_slots", seq_slots, torch.int32)
+    _index_dtype("seq_lens", seq_lens, torch.int32)
+    _shape("seq_slots", seq_slots, (num_seqs,), "[num_seqs]")
+    _shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
+    _contiguous("seq_slots", seq_slots)
+    _contiguous("seq_lens", seq_lens)
+    if num_seqs == 0:
+        return
+    lo, hi = int(seq_slots.min()), int(seq_slots.max())
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"seq_slots must lie in [0, {num_slots}), got values in [{lo}, {hi}]")
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 0 or hi > capacity:
+        raise ValueError(
+            f"seq_lens must lie in [0, {capacity}] (the slots' capacity), got values in "
+            f"[{lo}, {hi}]"
+        )
+
+
+def _check_contiguous_attention(
+    out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs=None
+) -> None:
+    """Checks the arguments the contiguous decode and prefill share; num_seqs None
+    means one sequence per query token (decode)."""
+    num_tokens, _, head_size = _check_attention_io(out, query, num_kv_heads)
+    num_seqs = num_tokens if num_seqs is None else num_seqs
+    num_slots, cache_kv_heads, num_tiles, cache_head_size = _check_contiguous_kv_cache(
+        key_cache, value_cache, query.dtype, query.device
+    )
+    if cache_kv_heads != num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
+        )
+    if cache_head_size != head_size:
+        raise ValueError(
+            f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
+        )
+    _finite_float("scale", scale)
+    _check_seq_slots(seq_slots, seq_lens, num_seqs, num_slots, num_tiles * TOKEN_TILE, query.device)
+    _check_committed(key_cache, seq_slots, seq_lens, "seq_lens")
