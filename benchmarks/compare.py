@@ -29,8 +29,8 @@ cannot hold its estimated need, and killed when its anonymous RSS passes --max-r
 MemAvailable falls under a floor). --pyllm-arg key=value goes into pyllm's LLM(...) options.
 
 In the default mode llama.cpp runs in this process: a llama-cpp-python built with its
-default native flags on a CPU with AMX (Sapphire Rapids, in this project's KVM machine) died
-with a general protection fault in libggml-cpu's AMX code and took the run with it. Built
+default native flags on a CPU with AMX (a Sapphire Rapids-class KVM guest) died with a
+general protection fault in libggml-cpu's AMX code and took the run with it. Built
 without AMX it runs:
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --force-reinstall --no-deps \

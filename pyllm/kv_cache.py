@@ -65,7 +65,7 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     2 MiB pages where transparent huge pages are enabled ("madvise" or "always").
 
     Attention reads a sequence's blocks scattered over the whole cache, so with 4 KiB
-    pages nearly every block is a TLB miss; measured on this project's 2-core CPU
+    pages nearly every block is a TLB miss; measured with 2 threads
     (benchmarks/bench_ops.py, bf16, the same memory with THP_MEM_ALLOC_ENABLE=1 vs 0):
     decode attention over 1 GiB of KV (32 x 8192) 11.0-11.4 -> 13.0-13.4 GB/s. Without
     MADV_HUGEPAGE (not Linux) this is torch.zeros."""

@@ -234,10 +234,9 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* input, const Rows& rows) {
 // bandwidth (a decode step at batch 1 reads every weight once). Each weight row
 // is read once and meets all M input rows (which stay in L1). Each thread takes
 // one contiguous range of rows and reads it front to back, one row at a time: a
-// single sequential stream, which the hardware prefetcher follows best. (Reading
-// 4 rows side by side, as this kernel first did, halved the stream on Zen 4:
-// 15.5 vs 28 GB/s in bf16, 22 vs 39 GB/s in float32, 2 threads, a 49152 x 576
-// weight.) Within a row, U independent accumulators per input row hide the
+// single sequential stream, which the hardware prefetcher follows best (reading
+// 4 rows side by side halved the stream: 15.5 vs 28 GB/s in bf16, 22 vs 39 GB/s
+// in float32, 2 threads, a 49152 x 576 weight). Within a row, U independent accumulators per input row hide the
 // multiply-add latency. A general GEMM library pays a fixed cost per call (tens
 // of microseconds here) that this path does not, and streams the weight more
 // slowly at M = 1 (measured on SmolLM2's 30 layers, float32, AVX2: 23.6 GB/s vs
@@ -252,9 +251,9 @@ constexpr int accumulators_per_row(int m) {
 // One multiply-add step of small_batch_rows: acc gains w[0, kStep) . x[0, kStep)
 // spread over its lanes. Where vec::WordOps has the dtype, 16 words as stored:
 // float32, and bfloat16 pairs by vdpbf16ps on CPUs with AVX512-BF16 (exact
-// products, float32 sums, no widening; measured on SmolLM2's 30 layers, batch 1,
-// Sapphire Rapids: widening streamed the weights at 15.5 GB/s, slower than
-// oneDNN's packed bf16 at 17.6). Otherwise 16 elements widened to float32.
+// products, float32 sums, no widening; on SmolLM2's 30 layers at batch 1,
+// widening streamed the weights at 15.5 GB/s, slower than oneDNN's packed bf16
+// at 17.6). Otherwise 16 elements widened to float32.
 template <typename scalar_t, bool kWords = vec::WordOps<scalar_t>::kVectorized>
 struct DotStep : vec::WordOps<scalar_t> {
   static constexpr int64_t kStep = vec::kLanes * vec::WordOps<scalar_t>::kElems;

@@ -21,11 +21,11 @@ def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
 
     CUDA: bfloat16 where the GPU supports it, else float16.
     CPU: bfloat16 where the cores multiply bf16 natively (AVX512-BF16 or AMX), else
-    float32. Measured on the project's 2-core Zen 5 (AVX512-BF16) with SmolLM2-135M,
-    one decode step at context 64 with oneDNN-packed weights: bf16 took 27 ms vs 37-72
-    ms for f32 at batch 1 (half the bytes to stream) and 57-93 ms vs 103-250 ms at
-    batch 32 (native bf16 dot products); runs were noisy, bf16 won every pair. Without
-    those instructions bf16 is emulated and slower than f32.
+    float32. Measured on 2 cores with AVX512-BF16, SmolLM2-135M, one decode step at
+    context 64 with oneDNN-packed weights: bf16 took 27 ms vs 37-72 ms for f32 at
+    batch 1 (half the bytes to stream) and 57-93 ms vs 103-250 ms at batch 32 (native
+    bf16 dot products); runs were noisy, bf16 won every pair. Without those
+    instructions bf16 is emulated and slower than f32.
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -23,7 +23,7 @@ _C = torch.ops.pyllm
 
 # Decode attention switches from paged_attention_v1 (one pass per sequence and head)
 # to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) past this context
-# length. Measured on the 2-core Zen 5 CPU with SmolLM2's 9/3 heads, 1-32 sequences,
+# length. Measured on 2 CPU cores with SmolLM2's 9/3 heads, 1-32 sequences,
 # contexts 128-16384: v1 and v2 within noise of each other (v1 already spreads
 # sequences x heads over the cores), so the CPU switches only for very long contexts.
 V2_MIN_SEQ_LEN = 8192
@@ -313,9 +313,8 @@ def can_pack_weight_words(weight: torch.Tensor) -> bool:
     """Whether packed_linear runs weight fast: a CPU weight of a dtype it has a vector
     kernel for in this build, with [N, K] that the word layout takes. Not bf16 on CPUs
     with AMX: oneDNN multiplies bf16 there with AMX tiles, several times vdpbf16ps's
-    rate (on this project's Sapphire Rapids, oneDNN took 75 ms for a 512-token bf16
-    prefill's projections; packed_linear takes about 285 ms for them on the Zen 4,
-    without AMX). Not measured on an AMX machine; oneDNN is the path measured there."""
+    rate (oneDNN took 75 ms for a 512-token bf16 prefill's projections with AMX;
+    packed_linear about 285 ms for them on a CPU without it)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     if weight.dtype not in (torch.float32, torch.bfloat16):
