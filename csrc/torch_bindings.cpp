@@ -6,6 +6,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "attention/sizes.h"
 #include "cache/kv_arena.h"
 #include "ops.h"
 
@@ -88,6 +89,9 @@ TORCH_LIBRARY(pyllm, m) {
 
   // Build facts Python reads back.
   m.def("partition_size() -> int", []() -> int64_t { return pyllm::kPartitionSize; });
+  m.def("supported_head_sizes() -> int[]", []() { return pyllm::as_vector(pyllm::kHeadSizes); });
+  m.def("supported_block_sizes() -> int[]",
+        []() { return pyllm::as_vector(pyllm::kBlockSizes); });
   m.def("small_batch_max_rows() -> int", []() -> int64_t { return pyllm::kSmallBatchMaxRows; });
   m.def("packed_linear_vectorized(ScalarType dtype) -> bool", [](at::ScalarType dtype) -> bool {
     return pyllm::cpu::packed_linear_vectorized_for(dtype);

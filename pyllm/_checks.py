@@ -20,8 +20,9 @@ TOKEN_TILE: int = int(_C.token_tile())
 # Most input rows small_batch_linear takes.
 SMALL_BATCH_MAX_ROWS: int = int(_C.small_batch_max_rows())
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# The attention kernels' head sizes and KV block sizes (csrc/attention/sizes.h).
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = tuple(_C.supported_head_sizes())
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = tuple(_C.supported_block_sizes())
 
 
 def _tensor(name: str, value: object) -> torch.Tensor:

@@ -50,6 +50,7 @@
 #include "../cpu_vec.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "sizes.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -666,11 +667,10 @@ AttentionShape check_attention(const char* op, const at::Tensor& out, const at::
   TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
                   value_cache.scalar_type() == dtype,
               op, ": out, key_cache and value_cache must have the query's dtype ", dtype);
-  TORCH_CHECK(head_size == 64 || head_size == 80 || head_size == 96 || head_size == 112 ||
-                  head_size == 128 || head_size == 256,
-              op, ": unsupported head_size ", head_size);
-  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, op,
-              ": unsupported block_size ", block_size);
+  TORCH_CHECK(is_listed(kHeadSizes, head_size), op, ": unsupported head_size ", head_size,
+              " (supported: ", list_text(kHeadSizes), ")");
+  TORCH_CHECK(is_listed(kBlockSizes, block_size), op, ": unsupported block_size ", block_size,
+              " (supported: ", list_text(kBlockSizes), ")");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
               num_kv_heads, " must divide num_heads ", num_heads);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
@@ -838,9 +838,8 @@ AttentionShape check_contiguous_attention(const char* op, const at::Tensor& out,
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), op,
               ": out must be contiguous with the query's shape ", query.sizes());
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out must have the query's dtype");
-  TORCH_CHECK(head_size == 64 || head_size == 80 || head_size == 96 || head_size == 112 ||
-                  head_size == 128 || head_size == 256,
-              op, ": unsupported head_size ", head_size);
+  TORCH_CHECK(is_listed(kHeadSizes, head_size), op, ": unsupported head_size ", head_size,
+              " (supported: ", list_text(kHeadSizes), ")");
   TORCH_CHECK(head_size % x == 0, op, ": head_size must be a multiple of x = ", x);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
               num_kv_heads, " must divide num_heads ", num_heads);

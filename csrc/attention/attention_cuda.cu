@@ -19,6 +19,7 @@
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "decode_kernels.cuh"
+#include "sizes.h"
 #include "prefill_kernel.cuh"
 
 namespace pyllm::cuda {
@@ -27,28 +28,14 @@ namespace {
 // Calls f(std::integral_constant<int, head_size>) for a supported head size.
 template <typename F>
 void dispatch_head_size(int64_t head_size, F&& f) {
-  switch (head_size) {
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 80: f(std::integral_constant<int, 80>{}); break;
-    case 96: f(std::integral_constant<int, 96>{}); break;
-    case 112: f(std::integral_constant<int, 112>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    case 256: f(std::integral_constant<int, 256>{}); break;
-    default:
-      TORCH_CHECK(false, "head_size ", head_size,
-                  " is not supported; supported: 64, 80, 96, 112, 128, 256");
-  }
+  TORCH_CHECK(pyllm::dispatch_head_size(head_size, f), "head_size ", head_size,
+              " is not supported; supported: ", list_text(kHeadSizes));
 }
 
 template <typename F>
 void dispatch_block_size(int64_t block_size, F&& f) {
-  switch (block_size) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 16: f(std::integral_constant<int, 16>{}); break;
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    default:
-      TORCH_CHECK(false, "block_size ", block_size, " is not supported; supported: 8, 16, 32");
-  }
+  TORCH_CHECK(pyllm::dispatch_block_size(block_size, f), "block_size ", block_size,
+              " is not supported; supported: ", list_text(kBlockSizes));
 }
 
 // The shape facts every attention op needs, checked once.
