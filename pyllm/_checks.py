@@ -229,14 +229,10 @@ def _check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int, device: torc
     _contiguous("alibi_slopes", alibi_slopes)
 
 
-def _check_attention_common(
-    out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-    block_size, alibi_slopes,
-) -> tuple[int, int, int]:  # fmt: skip
-    num_tokens, num_heads, head_size = _check_attention_io(out, query, num_kv_heads)
-    num_blocks, cache_kv_heads, cache_head_size, cache_block_size = _check_kv_cache(
-        key_cache, value_cache, query.dtype, query.device
-    )
+def _check_cache_heads(
+    num_kv_heads: int, cache_kv_heads: int, head_size: int, cache_head_size: int
+) -> None:
+    """The query's head size and the caller's num_kv_heads against the cache's."""
     if cache_kv_heads != num_kv_heads:
         raise ValueError(
             f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
@@ -245,6 +241,17 @@ def _check_attention_common(
         raise ValueError(
             f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
         )
+
+
+def _check_attention_common(
+    out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+    block_size, alibi_slopes,
+) -> tuple[int, int, int]:  # fmt: skip
+    num_tokens, num_heads, head_size = _check_attention_io(out, query, num_kv_heads)
+    num_blocks, cache_kv_heads, cache_head_size, cache_block_size = _check_kv_cache(
+        key_cache, value_cache, query.dtype, query.device
+    )
+    _check_cache_heads(num_kv_heads, cache_kv_heads, head_size, cache_head_size)
     _block_size(block_size)
     if block_size != cache_block_size:
         raise ValueError(
@@ -321,6 +328,11 @@ def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int
                     f"block_mapping {side} block numbers must lie in [0, {limit}), got "
                     f"{int(values.min())}..{int(values.max())}"
                 )
+
+
+def _check_eps(eps: object) -> None:
+    if _finite_float("eps", eps) <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
 
 
 def _check_norm_weight(weight: torch.Tensor, t: torch.Tensor, name: str) -> None:

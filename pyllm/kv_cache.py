@@ -16,6 +16,7 @@ from pyllm._checks import (
     TOKEN_TILE,
     _block_size,
     _check_attention_io,
+    _check_cache_heads,
     _contiguous,
     _device,
     _finite_float,
@@ -398,14 +399,7 @@ def _check_contiguous_attention(
     num_slots, cache_kv_heads, num_tiles, cache_head_size = _check_contiguous_kv_cache(
         key_cache, value_cache, query.dtype, query.device
     )
-    if cache_kv_heads != num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads is {num_kv_heads} but the cache holds {cache_kv_heads} kv heads"
-        )
-    if cache_head_size != head_size:
-        raise ValueError(
-            f"query head_size {head_size} does not match the cache's head_size {cache_head_size}"
-        )
+    _check_cache_heads(num_kv_heads, cache_kv_heads, head_size, cache_head_size)
     _finite_float("scale", scale)
     _check_seq_slots(seq_slots, seq_lens, num_seqs, num_slots, num_tiles * TOKEN_TILE, query.device)
     _check_committed(key_cache, seq_slots, seq_lens, "seq_lens")

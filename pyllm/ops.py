@@ -48,6 +48,7 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     _check_attention_io,
     _check_block_mapping,
     _check_block_tables,
+    _check_eps,
     _check_kv_cache,
     _check_linear_bias,
     _check_linear_input,
@@ -463,8 +464,7 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: 
     _shape("out", out, input.shape, "(same as input)")
     _contiguous("out", out)
     _check_norm_weight(weight, input, "input")
-    if _finite_float("eps", eps) <= 0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    _check_eps(eps)
     _C.rms_norm(out, input, weight, float(eps))
 
 
@@ -485,8 +485,7 @@ def fused_add_rms_norm(
     _shape("residual", residual, input.shape, "(same as input)")
     _contiguous("residual", residual)
     _check_norm_weight(weight, input, "input")
-    if _finite_float("eps", eps) <= 0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    _check_eps(eps)
     _C.fused_add_rms_norm(input, residual, weight, float(eps))
 
 
