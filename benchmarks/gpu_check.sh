@@ -22,14 +22,24 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 py=${PYTHON:-python3}
 start=$SECONDS
 step() { echo "== [$((SECONDS - start))s] $*" | tee -a "$out/summary.txt"; }
+# run LOG SECONDS COMMAND...: the command's output to $out/LOG, its exit status and
+# the log's tail to the summary; each step has its own time limit, so that one stuck
+# step leaves the others their time. At most 8 files come back: keep the logs few.
+run() {
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" >>"$out/$log" 2>&1
+  echo "exit $? (limit ${limit}s)" | tee -a "$out/summary.txt"
+  tail -12 "$out/$log" | tee -a "$out/summary.txt"
+}
 
 step "machine"
-{ nvidia-smi; "$py" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
-  >"$out/machine.txt" 2>&1
-cat "$out/machine.txt" | tee -a "$out/summary.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$py" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+} 2>&1 | tee -a "$out/summary.txt"
 
 step "build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
-if ! "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1; then
+if ! timeout 300 "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log" | tee -a "$out/summary.txt"
   step "build FAILED"
   exit 1
@@ -38,39 +48,29 @@ fi
   2>&1 | tee -a "$out/summary.txt"
 
 step "kernel tests on CUDA (tests/kernels -k cuda, quantization apart)"
-"$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf \
-  --ignore=tests/kernels/test_quant.py >"$out/tests.log" 2>&1
-echo "pytest exit $?" | tee -a "$out/summary.txt"
-tail -15 "$out/tests.log" | tee -a "$out/summary.txt"
+run tests.log 150 "$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf \
+  --ignore=tests/kernels/test_quant.py
 
 step "quantization kernel tests on CUDA (tests/kernels/test_quant.py -k cuda)"
 # Without gguf those tests would be skipped, not run: say so instead.
 "$py" -c "import gguf" 2>&1 | tee -a "$out/summary.txt" ||
   echo "gguf missing: the quantization tests below are skipped (see the top of this file)" |
   tee -a "$out/summary.txt"
-"$py" -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py -k cuda -rf \
-  >"$out/tests_quant.log" 2>&1
-echo "pytest exit $?" | tee -a "$out/summary.txt"
-tail -15 "$out/tests_quant.log" | tee -a "$out/summary.txt"
+run tests.log 100 "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py -k cuda -rf
 
 step "quantized linear (benchmarks/quant_linear.py --device cuda, TinyLlama-1.1B Q4_K_M shapes)"
-"$py" benchmarks/quant_linear.py --device cuda --shape tinyllama-1.1b --type Q4_K_M \
-  >"$out/quant_linear.txt" 2>&1
-echo "exit $?" | tee -a "$out/summary.txt"
-tail -20 "$out/quant_linear.txt" | tee -a "$out/summary.txt"
+run bench.log 60 "$py" benchmarks/quant_linear.py --device cuda --shape tinyllama-1.1b \
+  --type Q4_K_M --layers 4
 
 step "decode attention and the other ops (benchmarks/bench_ops.py --device cuda)"
-"$py" benchmarks/bench_ops.py --device cuda >"$out/bench_ops.txt" 2>&1
-echo "exit $?" | tee -a "$out/summary.txt"
+run bench.log 45 "$py" benchmarks/bench_ops.py --device cuda
 step "the H200 target case: bf16, head 128, batch 64, context 4096"
-"$py" benchmarks/bench_ops.py --device cuda --batches 64 --contexts 4096 --skip-small-ops \
-  2>&1 | tee -a "$out/summary.txt"
+run bench.log 30 "$py" benchmarks/bench_ops.py --device cuda --batches 64 --contexts 4096 \
+  --skip-small-ops
 
 step "paged vs contiguous KV (benchmarks/kv_modes.py --device cuda)"
-"$py" benchmarks/kv_modes.py --device cuda >"$out/kv_modes.txt" 2>&1
-echo "exit $?" | tee -a "$out/summary.txt"
+run bench.log 30 "$py" benchmarks/kv_modes.py --device cuda
 
 step "sampler (benchmarks/bench_sampler.py --device cuda --no-step)"
-"$py" benchmarks/bench_sampler.py --device cuda --no-step >"$out/bench_sampler.txt" 2>&1
-echo "exit $?" | tee -a "$out/summary.txt"
+run bench.log 30 "$py" benchmarks/bench_sampler.py --device cuda --no-step
 step "done"
