@@ -105,6 +105,7 @@ cxx_flags = [
     "-fopenmp",  # without it at::parallel_for silently runs on one thread
     f"-march={os.environ.get('PYLLM_CPU_ARCH', 'native')}",
     "-Wno-unused-function",
+    "-std=c++20",  # the sources use C++20 (std::bit_cast); torch before 2.13 asks C++17
 ]
 link_flags = ["-fopenmp"]
 sources = _sources("csrc/**/*.cpp")
