@@ -117,6 +117,7 @@ if TARGET == "cuda":
     cxx_flags.append("-DPYLLM_WITH_CUDA")
     nvcc_flags = [
         "-O3",
+        "-std=c++20",  # as the C++ sources: inline code shared by both must agree
         "-DPYLLM_WITH_CUDA",
         "--use_fast_math",
         "-U__CUDA_NO_HALF_OPERATORS__",

@@ -264,17 +264,17 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
   TORCH_CHECK(block_tables.size(0) == shape.num_tokens, "block_tables has ",
               block_tables.size(0), " rows but query has ", shape.num_tokens, " sequences");
   DecodeOutputs outputs{&out, exp_sums, max_logits, tmp_out};
+  at::Tensor scratch_sums, scratch_maxes, scratch_out;
   if (exp_sums != nullptr) {
     TORCH_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
     const int num_partitions =
         static_cast<int>((max_seq_len + kPartitionSize - 1) / kPartitionSize);
-    const int max_partitions = static_cast<int>(tmp_out->size(2));
     for (const at::Tensor* t : {exp_sums, max_logits}) {
       TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
                       t->size(0) == shape.num_tokens && t->size(1) == shape.num_heads &&
-                      t->size(2) == max_partitions && t->device() == query.device(),
+                      t->size(2) >= num_partitions && t->device() == query.device(),
                   "exp_sums/max_logits must be contiguous float32 [num_seqs, num_heads, "
-                  "num_partitions] matching tmp_out, got ", t->sizes());
+                  ">= ", num_partitions, " partitions], got ", t->sizes());
     }
     TORCH_CHECK(tmp_out->dim() == 4 && tmp_out->is_contiguous() &&
                     tmp_out->scalar_type() == query.scalar_type() &&
@@ -282,10 +282,25 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
                     tmp_out->size(3) == shape.head_size && tmp_out->device() == query.device(),
                 "tmp_out must be contiguous [num_seqs, num_heads, num_partitions, head_size] "
                 "in the query's dtype, got ", tmp_out->sizes());
-    TORCH_CHECK(max_partitions >= num_partitions, "the v2 workspace holds ", max_partitions,
-                " partitions but max_seq_len ", max_seq_len, " needs ", num_partitions);
+    TORCH_CHECK(tmp_out->size(2) >= num_partitions, "the v2 workspace holds ",
+                tmp_out->size(2), " partitions but max_seq_len ", max_seq_len, " needs ",
+                num_partitions);
     outputs.num_partitions = num_partitions;
-    outputs.max_partitions = max_partitions;
+    outputs.max_partitions = static_cast<int>(tmp_out->size(2));
+    // The kernels index the three workspaces with one partition stride; where the
+    // caller's differ (each may hold spare partitions), the call takes scratch ones.
+    if (exp_sums->size(2) != tmp_out->size(2) || max_logits->size(2) != tmp_out->size(2)) {
+      scratch_sums = at::empty({shape.num_tokens, shape.num_heads, num_partitions},
+                               exp_sums->options());
+      scratch_maxes = at::empty({shape.num_tokens, shape.num_heads, num_partitions},
+                                exp_sums->options());
+      scratch_out = at::empty({shape.num_tokens, shape.num_heads, num_partitions,
+                               shape.head_size}, tmp_out->options());
+      outputs.exp_sums = &scratch_sums;
+      outputs.max_logits = &scratch_maxes;
+      outputs.tmp_out = &scratch_out;
+      outputs.max_partitions = num_partitions;
+    }
   }
   PagedKV kv{};
   kv.block_tables = block_tables.data_ptr<int>();

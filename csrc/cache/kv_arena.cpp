@@ -79,13 +79,22 @@ at::Tensor KVArena::view(const std::shared_ptr<VirtualMemory>& memory, int64_t l
   // The deleter owns a reference: the reservation outlives every view of it.
   auto keep_alive = [memory](void*) {};
   const auto options = at::TensorOptions().dtype(dtype_).device(device_);
+  // The device is given, not read off the pointer: nothing is mapped under a fresh
+  // reservation, and CUDA reports such an address as unregistered host memory.
+  auto make = [&](at::IntArrayRef sizes, at::IntArrayRef strides) {
+    return at::for_blob(base, sizes)
+        .strides(strides)
+        .deleter(keep_alive)
+        .options(options)
+        .target_device(device_)
+        .make_tensor();
+  };
   if (keys) {
-    return at::from_blob(
-        base, {max_num_seqs_, num_kv_heads_, max_tiles, head_size_ / x, kTokenTile, x},
-        {slot_stride, block, tile_stride, kTokenTile * x, x, 1}, keep_alive, options);
+    return make({max_num_seqs_, num_kv_heads_, max_tiles, head_size_ / x, kTokenTile, x},
+                {slot_stride, block, tile_stride, kTokenTile * x, x, 1});
   }
-  return at::from_blob(base, {max_num_seqs_, num_kv_heads_, max_tiles, head_size_, kTokenTile},
-                       {slot_stride, block, tile_stride, kTokenTile, 1}, keep_alive, options);
+  return make({max_num_seqs_, num_kv_heads_, max_tiles, head_size_, kTokenTile},
+              {slot_stride, block, tile_stride, kTokenTile, 1});
 }
 
 void KVArena::check_slot(const char* what, int64_t slot) const {

@@ -186,7 +186,10 @@ def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len
     )
     assert_close(out, expected, dtype)
     # The paged kernel with blocks of one tile runs the same arithmetic: bit-identical.
-    assert torch.equal(out, paged_decode(kv, query, num_kv_heads, scale))
+    # Not on CUDA, where contiguous decode splits long sequences into partitions when
+    # the (sequence, head) pairs leave SMs idle, and paged v1 never splits.
+    if device == "cpu":
+        assert torch.equal(out, paged_decode(kv, query, num_kv_heads, scale))
 
 
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")

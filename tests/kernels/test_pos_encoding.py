@@ -30,7 +30,7 @@ def rotary_reference(
     """x [T, H * head_size] rotated in float64, returned as [T, H, head_size] float64."""
     rot_dim = cos_sin_cache.shape[1]
     half = rot_dim // 2
-    cos_sin = cos_sin_cache.double()[positions.cpu()]
+    cos_sin = cos_sin_cache.double().cpu()[positions.cpu()]
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
     x = x.cpu().double().reshape(x.shape[0], -1, head_size).clone()
     rot = x[..., :rot_dim]
