@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import tokenizers
+
 from pyllm.model.tokenizer.backends import FastBackend, SentencePieceBackend, TokenizerParts
 from pyllm.model.tokenizer.chat import (
     CHAT_ROLES,
@@ -119,6 +121,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids, added tokens included (the rows the embedding must have at least)."""
         return self._backend.vocab_size
+
+    @property
+    def fast_tokenizer(self) -> tokenizers.Tokenizer | None:
+        """The `tokenizers.Tokenizer` behind this one (for its DecodeStream); None for a
+        SentencePiece `tokenizer.model`."""
+        backend = self._backend
+        return backend.tokenizer if isinstance(backend, FastBackend) else None
 
     @property
     def special_token_ids(self) -> frozenset[int]:
