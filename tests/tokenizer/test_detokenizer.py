@@ -161,3 +161,59 @@ def test_truncated_character_is_flushed_at_the_end(sentencepiece_tokenizer):
     assert "\ufffd" not in "".join(deltas)
     assert final.endswith("\ufffd")
     assert "".join(deltas) + final == tok.decode(ids, skip_special_tokens=True)
+
+
+# ----- DecodeStream path -----
+
+
+class DecodeOnly:
+    """A decoder with only decode(): the detokenizer's Python path."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_stream_gives_the_python_path_deltas():
+    """A pyllm Tokenizer steps through tokenizers' DecodeStream; delta for delta, it says what the
+    decode()-only path says, invalid byte sequences and special tokens included."""
+    tok = pyllm_smollm()
+    assert IncrementalDetokenizer(tok, [])._stream is not None
+    rng = random.Random(2)
+    texts = [tok.encode(text) for text in MULTILINGUAL + MIXED_TEXTS]
+    randoms = [[rng.randrange(tok.vocab_size) for _ in range(40)] for _ in range(50)]
+    for ids in texts + randoms:
+        for skip in (True, False):
+            assert stream(tok, [1, 2], ids, skip) == stream(DecodeOnly(tok), [1, 2], ids, skip)
+
+
+def test_decode_stream_falls_back_when_emitted_text_changes():
+    """DecodeStream refuses a decoder whose text for more tokens does not extend the text for
+    fewer (here: reversed); the Python path then takes over and emits what it always did."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    from pyllm.model.tokenizer.backends import FastBackend
+
+    class Reverse:
+        def decode_chain(self, tokens):
+            return ["".join(tokens)[::-1]]
+
+    fast = tokenizers.Tokenizer(models.WordLevel({c: i for i, c in enumerate("abcdef")}, "a"))
+    fast.decoder = decoders.Decoder.custom(Reverse())
+    tok = Tokenizer(FastBackend(fast), bos_token_id=None, eos_token_id=None)
+    ids = [0, 1, 2, 3, 4, 5, 0, 1]
+    assert stream(tok, [], ids) == stream(DecodeOnly(tok), [], ids)
+    detok = IncrementalDetokenizer(tok, [])
+    for token_id in ids:
+        detok.add(token_id)
+    assert detok._stream is None
+
+
+def test_out_of_range_id_raises_as_decode_does():
+    detok = IncrementalDetokenizer(pyllm_smollm(), [])
+    detok.add(42)
+    with pytest.raises(ValueError, match="out of range"):
+        detok.add(pyllm_smollm().vocab_size)

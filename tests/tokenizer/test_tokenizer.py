@@ -11,11 +11,8 @@ import os
 
 import pytest
 
-from pyllm.model.tokenizer import (
-    Tokenizer,
-    _sentencepiece_piece_types,
-    read_gguf_tokenizer_metadata,
-)
+from pyllm.model.tokenizer import Tokenizer, read_gguf_tokenizer_metadata
+from pyllm.model.tokenizer.sentencepiece_proto import sentencepiece_piece_types
 from tests.tokenizer import (
     DIGIT_AFTER_SPACES_TEXTS,
     MIXED_TEXTS,
@@ -250,7 +247,7 @@ def sentencepiece_model(request, tmp_path_factory):
 
 def test_sentencepiece_piece_types_match_sentencepiece(sentencepiece_model):
     sp, _, _, dummy_prefix = sentencepiece_model
-    types, add_dummy_prefix = _sentencepiece_piece_types(sp.serialized_model_proto())
+    types, add_dummy_prefix = sentencepiece_piece_types(sp.serialized_model_proto())
     assert add_dummy_prefix == dummy_prefix
     assert len(types) == sp.get_piece_size()
     for i, kind in enumerate(types):
