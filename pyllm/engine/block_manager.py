@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling.params import ParamError
 
 
 @dataclass(slots=True)
@@ -63,9 +64,10 @@ class BlockManager:
         """Raises ValueError if one sequence of num_tokens could never be held."""
         blocks = -(-num_tokens // self.block_size)
         if blocks > self.num_blocks:
-            raise ValueError(
+            raise ParamError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.num_blocks}; raise kv_cache_memory"
+                f"{self.num_blocks}; raise kv_cache_memory",
+                "prompt",
             )
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

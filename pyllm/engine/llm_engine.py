@@ -30,7 +30,7 @@ from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
-from pyllm.sampling.params import SamplingParams
+from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger("pyllm")
@@ -149,7 +149,8 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (naming the field) if it cannot run."""
+        """Queues a request; raises ValueError (a ParamError naming the field) if it cannot
+        run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -193,16 +194,17 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt is empty: at least one token is needed", "prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab})")
+            raise ParamError(f"prompt_token_ids must be token ids in [0, {vocab})", "prompt")
         self.sampler.check_params(params)
         budget = len(prompt_token_ids) + (params.max_tokens or 1)
         if budget > self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
+                f"exceeds the model's context length of {self.max_model_len} tokens",
+                "prompt",
             )
         self.kv_manager.check_fits(budget)
 

@@ -15,6 +15,7 @@ offered: a slot belongs to one sequence, and sharing a prefix would mean copying
 from __future__ import annotations
 
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling.params import ParamError
 
 # Slots are committed this many tokens ahead of need, so mapping memory happens once
 # every COMMIT_AHEAD decode steps of a sequence, not on every step.
@@ -48,10 +49,11 @@ class SlotManager:
         """Raises ValueError if one sequence of num_tokens could never be held."""
         need = self.arena.bytes_for_tokens(num_tokens)
         if need > self.budget_bytes:
-            raise ValueError(
+            raise ParamError(
                 f"prompt + max_tokens ({num_tokens} tokens) needs {need / 2**20:.1f} MiB of "
                 f"KV memory but the budget is {self.budget_bytes / 2**20:.1f} MiB; raise "
-                "kv_cache_memory"
+                "kv_cache_memory",
+                "prompt",
             )
 
     def _target(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pyllm.sampling.params import SamplingParams
+from pyllm.sampling.params import ParamError, SamplingParams
 
 if TYPE_CHECKING:
     from pyllm.engine.sequence import Sequence
@@ -105,10 +105,15 @@ class Sampler:
         """What SamplingParams cannot validate alone: token ids against the vocabulary."""
         bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
         if bad:
-            raise ValueError(f"logit_bias token ids {bad} out of range for vocab {self.vocab_size}")
+            raise ParamError(
+                f"logit_bias token ids {bad} out of range for vocab {self.vocab_size}",
+                "logit_bias",
+            )
         bad = sorted(t for t in params.stop_token_ids if t >= self.vocab_size)
         if bad:
-            raise ValueError(f"stop_token_ids {bad} out of range for vocab {self.vocab_size}")
+            raise ParamError(
+                f"stop_token_ids {bad} out of range for vocab {self.vocab_size}", "stop_token_ids"
+            )
 
     def forget(self, seq: Sequence) -> None:
         """Drop the sequence's state (its generator); call when it finishes or is aborted."""
