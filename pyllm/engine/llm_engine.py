@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
+from pyllm.engine.kv_manager import KVCacheManager
 from pyllm.engine.model_runner import ModelRunner
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
@@ -84,26 +85,13 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
         self.stats = EngineStats()
-        if isinstance(self.kv_manager, BlockManager):
-            kv = (
-                f"kv_cache=paged block_size={config.block_size} "
-                f"kv_blocks={self.kv_manager.num_blocks} "
-                f"({self.kv_manager.num_blocks * config.block_size} tokens, "
-                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
-            )
-        else:
-            kv = (
-                f"kv_cache=contiguous slots={self.kv_manager.num_slots} (virtual "
-                f"{self.kv_manager.arena.reserved_bytes / 2**30:.2f} GiB, committed at most "
-                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
-            )
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
             "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             self.device,
-            kv,
+            self.kv_manager.describe(),
             self.max_model_len,
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -113,14 +101,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _allocate_kv_cache(self):
+    def _allocate_kv_cache(self) -> tuple[list, KVCacheManager]:
         """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         if cfg.kv_cache == "contiguous":
             # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
             # of it are ever committed at once (SlotManager keeps to that).
-            self.kv_cache_bytes = budget
             arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
             return arena.kv_caches, SlotManager(arena, budget)
         per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
@@ -129,16 +116,11 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
             )
-        self.kv_cache_bytes = num_blocks * per_block
         kv_caches = self.model.allocate_kv_caches(num_blocks, cfg.block_size)
-        return kv_caches, BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-
-    @property
-    def block_manager(self) -> BlockManager:
-        """The paged cache's block manager (kv_cache="paged" only)."""
-        if not isinstance(self.kv_manager, BlockManager):
-            raise AttributeError("block_manager: this engine runs kv_cache='contiguous'")
-        return self.kv_manager
+        manager = BlockManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, block_bytes=per_block
+        )
+        return kv_caches, manager
 
     # --------------------------------------------------------------- requests
 
@@ -337,8 +319,6 @@ class LLMEngine:
     def kv_cache_committed_bytes(self) -> int:
         """Physical KV memory held now: the whole cache when paged (committed at start),
         what the arena has mapped when contiguous."""
-        if isinstance(self.kv_manager, BlockManager):
-            return self.kv_cache_bytes
         return self.kv_manager.committed_bytes()
 
 

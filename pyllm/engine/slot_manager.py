@@ -7,9 +7,9 @@ there are no block tables: a sequence is addressed by its slot number, and this 
 only hands out slots and decides how much of each to commit, within the engine's KV
 memory budget (the same budget that sizes the paged cache).
 
-It answers the scheduler the way BlockManager does (can_append / append_slots /
-free), so scheduling and preemption are the same in both modes. Prefix caching is not
-offered: a slot belongs to one sequence, and sharing a prefix would mean copying it.
+It implements KVCacheManager as BlockManager does, so scheduling and preemption are
+the same in both modes. Prefix caching is not offered: a slot belongs to one sequence,
+and sharing a prefix would mean copying it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ COMMIT_AHEAD = 64
 
 
 class SlotManager:
-    enable_prefix_caching = False
-
     def __init__(self, arena, budget_bytes: int):
         self.arena = arena
         self.budget_bytes = budget_bytes
@@ -37,6 +35,13 @@ class SlotManager:
     @property
     def num_slots(self) -> int:
         return self.arena.max_num_seqs
+
+    def describe(self) -> str:
+        return (
+            f"kv_cache=contiguous slots={self.num_slots} (virtual "
+            f"{self.arena.reserved_bytes / 2**30:.2f} GiB, committed at most "
+            f"{self.budget_bytes / 2**30:.2f} GiB)"
+        )
 
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
@@ -99,7 +104,7 @@ class SlotManager:
         self.free_slots.append(seq.kv_slot)
         seq.kv_slot = None
 
-    # Prefix caching is a paged-cache feature; the scheduler's calls are no-ops here.
+    # Prefix caching is a paged-cache feature: nothing to match or register here.
     def match_prefix(self, seq: Sequence) -> None:
         pass
 

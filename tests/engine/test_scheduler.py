@@ -30,7 +30,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[int
                 if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                     scheduler.finish(seq, "length")
                     continue
-            scheduler.block_manager.register_computed_blocks(seq)
+            scheduler.kv_manager.register_computed_blocks(seq)
     raise AssertionError("did not finish")
 
 
