@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager
-from pyllm.engine.model_runner import ModelRunner
+from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
@@ -79,6 +79,7 @@ class LLMEngine:
             config.block_size,
             self.device,
             contiguous=config.kv_cache == "contiguous",
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
@@ -217,7 +218,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         logits, sampled, prompt_logits = self.runner.run(batch)
-        self._prompt_logprobs(batch, prompt_logits)
+        _fill_prompt_logprobs(prompt_logits)
         self.stats.steps += 1
         for seq, n in batch.all():
             seq.num_computed_tokens += n
@@ -236,25 +237,6 @@ class LLMEngine:
             if not seq.is_finished:
                 self.kv_manager.register_computed_blocks(seq)
         return [self._output(r) for r in touched.values()]
-
-    def _prompt_logprobs(self, batch, prompt_logits) -> None:
-        """Fills seq.prompt_logprobs from this step's prompt logits. Positions served from
-        the prefix cache were never run: they are computed once, apart, in a scratch KV
-        cache (the shared cached blocks are left as they are)."""
-        for seq, _ in batch.prefills:
-            cached = seq.num_cached_prompt_tokens
-            if seq.prompt_logprobs is not None and cached and seq.prompt_logprobs[cached] is None:
-                prompt_logits += [
-                    (seq, first, logits)
-                    for first, logits in self.runner.prompt_logits_uncached(
-                        seq.prompt_token_ids, cached, self.config.max_num_batched_tokens
-                    )
-                ]
-        for seq, first, logits in prompt_logits:
-            next_ids = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
-            k = seq.sampling_params.prompt_logprobs
-            for offset, entry in enumerate(prompt_logprobs(logits, next_ids, k)):
-                seq.prompt_logprobs[first + 1 + offset] = entry
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token)
@@ -320,6 +302,16 @@ class LLMEngine:
         """Physical KV memory held now: the whole cache when paged (committed at start),
         what the arena has mapped when contiguous."""
         return self.kv_manager.committed_bytes()
+
+
+def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:
+    """Fills seq.prompt_logprobs from the step's prompt logits: the entry at position
+    p + 1 comes from the logits at position p."""
+    for seq, first, logits in prompt_logits:
+        next_ids = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+        k = seq.sampling_params.prompt_logprobs
+        for offset, entry in enumerate(prompt_logprobs(logits, next_ids, k)):
+            seq.prompt_logprobs[first + 1 + offset] = entry
 
 
 def _returned_samples(seqs: list[Sequence], finished: bool) -> list[Sequence]:
