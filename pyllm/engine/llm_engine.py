@@ -31,8 +31,9 @@ from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
+from pyllm.sampling.logprobs import prompt_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
-from pyllm.sampling.sampler import Sampler, prompt_logprobs
+from pyllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("pyllm")
 
@@ -199,7 +200,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                self.sampler.forget(seq)
+                self.sampler.forget(seq.arrival)
         self._forget(request)
 
     def _forget(self, request: _Request) -> None:
@@ -226,7 +227,7 @@ class LLMEngine:
                 self.stats.prompt_tokens_computed += n
         touched: dict[str, _Request] = {}
         if sampled:
-            result = self.sampler(logits, sampled)
+            result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
             now = time.time()
             for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
                 request = self._request_of[id(seq)]
@@ -251,7 +252,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             reason = seq.finish_reason
             self.scheduler.finish(seq, reason)
-            self.sampler.forget(seq)
+            self.sampler.forget(seq.arrival)
         if request.waiting_siblings and seq is request.seqs[0]:
             # The prompt's full blocks are now cached: siblings reuse them.
             for sibling in request.waiting_siblings:
