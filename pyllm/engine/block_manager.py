@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling.params import ParamError
 
 
 @dataclass(slots=True)
@@ -32,10 +33,17 @@ def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        block_bytes: int = 0,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
+        self.block_bytes = block_bytes  # KV memory of one block, all layers
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in the order they were freed: allocation takes the oldest, so
@@ -46,6 +54,9 @@ class BlockManager:
         self._num_hashed: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens admitted with caching on
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        # Per sequence matched but not yet admitted: (prompt tokens, cache hits). A prompt
+        # counts once, on its first append_slots; one given back before does not.
+        self._uncounted: dict[int, tuple[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -55,17 +66,29 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def describe(self) -> str:
+        tokens = self.num_blocks * self.block_size
+        return (
+            f"kv_cache=paged block_size={self.block_size} kv_blocks={self.num_blocks} "
+            f"({tokens} tokens, {self.committed_bytes() / 2**30:.2f} GiB)"
+        )
+
     def usage(self) -> float:
         """Share of the blocks in use (0 to 1)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def committed_bytes(self) -> int:
+        """The whole cache: it is allocated at start."""
+        return self.num_blocks * self.block_bytes
 
     def check_fits(self, num_tokens: int) -> None:
         """Raises ValueError if one sequence of num_tokens could never be held."""
         blocks = -(-num_tokens // self.block_size)
         if blocks > self.num_blocks:
-            raise ValueError(
+            raise ParamError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.num_blocks}; raise kv_cache_memory"
+                f"{self.num_blocks}; raise kv_cache_memory",
+                "prompt",
             )
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -83,6 +106,10 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
+        counted = self._uncounted.pop(id(seq), None)
+        if counted is not None:
+            self.prefix_cache_queries += counted[0]
+            self.prefix_cache_hits += counted[1]
 
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
@@ -113,6 +140,7 @@ class BlockManager:
         self._num_hashed[id(seq)] = num_hit
         seq.num_computed_tokens = num_hit * self.block_size
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: make seq's newly filled blocks findable by later prompts."""
@@ -144,6 +172,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_hashed.pop(id(seq), None)
+        self._uncounted.pop(id(seq), None)
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)

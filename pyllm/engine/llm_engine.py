@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
-from pyllm.engine.model_runner import ModelRunner
+from pyllm.engine.kv_manager import KVCacheManager
+from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
@@ -30,8 +31,9 @@ from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
 from pyllm.sampling.detokenizer import IncrementalDetokenizer
-from pyllm.sampling.params import SamplingParams
-from pyllm.sampling.sampler import Sampler, prompt_logprobs
+from pyllm.sampling.logprobs import prompt_logprobs
+from pyllm.sampling.params import ParamError, SamplingParams
+from pyllm.sampling.sampler import Sampler
 
 logger = logging.getLogger("pyllm")
 
@@ -78,32 +80,20 @@ class LLMEngine:
             config.block_size,
             self.device,
             contiguous=config.kv_cache == "contiguous",
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
         self.stats = EngineStats()
-        if isinstance(self.kv_manager, BlockManager):
-            kv = (
-                f"kv_cache=paged block_size={config.block_size} "
-                f"kv_blocks={self.kv_manager.num_blocks} "
-                f"({self.kv_manager.num_blocks * config.block_size} tokens, "
-                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
-            )
-        else:
-            kv = (
-                f"kv_cache=contiguous slots={self.kv_manager.num_slots} (virtual "
-                f"{self.kv_manager.arena.reserved_bytes / 2**30:.2f} GiB, committed at most "
-                f"{self.kv_cache_bytes / 2**30:.2f} GiB)"
-            )
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
             "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             self.device,
-            kv,
+            self.kv_manager.describe(),
             self.max_model_len,
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -113,14 +103,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _allocate_kv_cache(self):
+    def _allocate_kv_cache(self) -> tuple[list, KVCacheManager]:
         """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         if cfg.kv_cache == "contiguous":
             # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
             # of it are ever committed at once (SlotManager keeps to that).
-            self.kv_cache_bytes = budget
             arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
             return arena.kv_caches, SlotManager(arena, budget)
         per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
@@ -129,16 +118,11 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
             )
-        self.kv_cache_bytes = num_blocks * per_block
         kv_caches = self.model.allocate_kv_caches(num_blocks, cfg.block_size)
-        return kv_caches, BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-
-    @property
-    def block_manager(self) -> BlockManager:
-        """The paged cache's block manager (kv_cache="paged" only)."""
-        if not isinstance(self.kv_manager, BlockManager):
-            raise AttributeError("block_manager: this engine runs kv_cache='contiguous'")
-        return self.kv_manager
+        manager = BlockManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, block_bytes=per_block
+        )
+        return kv_caches, manager
 
     # --------------------------------------------------------------- requests
 
@@ -149,7 +133,8 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (naming the field) if it cannot run."""
+        """Queues a request; raises ValueError (a ParamError naming the field) if it cannot
+        run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -193,16 +178,17 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt is empty: at least one token is needed", "prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {vocab})")
+            raise ParamError(f"prompt_token_ids must be token ids in [0, {vocab})", "prompt")
         self.sampler.check_params(params)
         budget = len(prompt_token_ids) + (params.max_tokens or 1)
         if budget > self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
+                f"exceeds the model's context length of {self.max_model_len} tokens",
+                "prompt",
             )
         self.kv_manager.check_fits(budget)
 
@@ -214,7 +200,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                self.sampler.forget(seq)
+                self.sampler.forget(seq.arrival)
         self._forget(request)
 
     def _forget(self, request: _Request) -> None:
@@ -233,7 +219,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         logits, sampled, prompt_logits = self.runner.run(batch)
-        self._prompt_logprobs(batch, prompt_logits)
+        _fill_prompt_logprobs(prompt_logits)
         self.stats.steps += 1
         for seq, n in batch.all():
             seq.num_computed_tokens += n
@@ -241,7 +227,7 @@ class LLMEngine:
                 self.stats.prompt_tokens_computed += n
         touched: dict[str, _Request] = {}
         if sampled:
-            result = self.sampler(logits, sampled)
+            result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
             now = time.time()
             for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
                 request = self._request_of[id(seq)]
@@ -252,25 +238,6 @@ class LLMEngine:
             if not seq.is_finished:
                 self.kv_manager.register_computed_blocks(seq)
         return [self._output(r) for r in touched.values()]
-
-    def _prompt_logprobs(self, batch, prompt_logits) -> None:
-        """Fills seq.prompt_logprobs from this step's prompt logits. Positions served from
-        the prefix cache were never run: they are computed once, apart, in a scratch KV
-        cache (the shared cached blocks are left as they are)."""
-        for seq, _ in batch.prefills:
-            cached = seq.num_cached_prompt_tokens
-            if seq.prompt_logprobs is not None and cached and seq.prompt_logprobs[cached] is None:
-                prompt_logits += [
-                    (seq, first, logits)
-                    for first, logits in self.runner.prompt_logits_uncached(
-                        seq.prompt_token_ids, cached, self.config.max_num_batched_tokens
-                    )
-                ]
-        for seq, first, logits in prompt_logits:
-            next_ids = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
-            k = seq.sampling_params.prompt_logprobs
-            for offset, entry in enumerate(prompt_logprobs(logits, next_ids, k)):
-                seq.prompt_logprobs[first + 1 + offset] = entry
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token)
@@ -285,7 +252,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             reason = seq.finish_reason
             self.scheduler.finish(seq, reason)
-            self.sampler.forget(seq)
+            self.sampler.forget(seq.arrival)
         if request.waiting_siblings and seq is request.seqs[0]:
             # The prompt's full blocks are now cached: siblings reuse them.
             for sibling in request.waiting_siblings:
@@ -335,9 +302,17 @@ class LLMEngine:
     def kv_cache_committed_bytes(self) -> int:
         """Physical KV memory held now: the whole cache when paged (committed at start),
         what the arena has mapped when contiguous."""
-        if isinstance(self.kv_manager, BlockManager):
-            return self.kv_cache_bytes
         return self.kv_manager.committed_bytes()
+
+
+def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:
+    """Fills seq.prompt_logprobs from the step's prompt logits: the entry at position
+    p + 1 comes from the logits at position p."""
+    for seq, first, logits in prompt_logits:
+        next_ids = seq.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+        k = seq.sampling_params.prompt_logprobs
+        for offset, entry in enumerate(prompt_logprobs(logits, next_ids, k)):
+            seq.prompt_logprobs[first + 1 + offset] = entry
 
 
 def _returned_samples(seqs: list[Sequence], finished: bool) -> list[Sequence]:

@@ -7,7 +7,9 @@ with the contiguous cache, the sequence's arena slot, the position being the off
 Logits are computed only where a token will be sampled: the last token of each
 sequence whose pending tokens are all computed by this step; and, for a sequence that
 asks for prompt logprobs (seq.prompt_logprobs is not None), at each prompt position of
-its chunk whose next token is in the prompt (every position but the last).
+its chunk whose next token is in the prompt (every position but the last). Positions
+served from the prefix cache were never run: the same step computes their logits apart,
+in a throwaway KV cache.
 """
 
 from __future__ import annotations
@@ -30,15 +32,27 @@ def _seq_slots(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     return torch.tensor([s.kv_slot for s in seqs], dtype=torch.int32, device=device)
 
 
+# (sequence, first prompt position p0, float32 logits [positions, vocab] of positions
+# p0, p0 + 1, ...): what a sequence's prompt logprobs are computed from.
+PromptLogits = tuple[Sequence, int, torch.Tensor]
+
+
 class ModelRunner:
     def __init__(
-        self, model, kv_caches, block_size: int, device: torch.device, contiguous: bool = False
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        contiguous: bool = False,
+        max_num_batched_tokens: int = 512,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.contiguous = contiguous  # kv_caches are views of a KVArena (SlotManager)
+        self.max_num_batched_tokens = max_num_batched_tokens  # chunk of a cached prompt pass
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
@@ -107,12 +121,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, int, torch.Tensor]]]:
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
         """Runs one step; returns float32 logits [len(sampled), vocab], those sequences, and
-        per sequence asking for prompt logprobs (seq, first position p0, float32 logits
-        [positions, vocab] of prompt positions p0, p0 + 1, ...) for this step's chunk."""
+        the prompt logits of the sequences asking for prompt logprobs: this step's chunk,
+        and on a prompt's first step the positions the prefix cache served."""
+        logits, sampled, prompt_logits = self._forward(batch)
+        for seq, _ in batch.prefills:
+            cached = seq.num_cached_prompt_tokens
+            if seq.prompt_logprobs is not None and cached and seq.prompt_logprobs[cached] is None:
+                prompt_logits += self._prompt_logits_uncached(seq, cached)
+        return logits, sampled, prompt_logits
+
+    def _forward(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
         input_ids, positions, metadata, logits_indices, sampled, prompt_rows = self.prepare(batch)
         # The metadata is built here from the scheduler's own state: skip re-validating it.
         hidden = self.model(input_ids, positions, metadata, self.kv_caches, validate=False)
@@ -124,14 +146,13 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt_logits
         return self.model.compute_logits(hidden, logits_indices), sampled, prompt_logits
 
-    def prompt_logits_uncached(
-        self, prompt_token_ids: list[int], num_positions: int, chunk_size: int
-    ) -> list[tuple[int, torch.Tensor]]:
-        """(first position, logits) chunks of prompt positions [0, num_positions), computed
-        in a throwaway KV cache: for a prompt whose first blocks came from the prefix cache
-        (never recomputed, and shared, so they are not written again)."""
+    def _prompt_logits_uncached(self, owner: Sequence, num_positions: int) -> list[PromptLogits]:
+        """Prompt logits of owner's positions [0, num_positions), computed in a throwaway
+        KV cache: its first blocks came from the prefix cache (never recomputed, and
+        shared, so they are not written again)."""
         bs = self.block_size
-        tokens = list(prompt_token_ids[: num_positions + 1])
+        chunk_size = self.max_num_batched_tokens
+        tokens = list(owner.prompt_token_ids[: num_positions + 1])
         num_blocks = -(-len(tokens) // bs)
         scratch = ModelRunner(
             self.model, self.model.allocate_kv_caches(num_blocks, bs), bs, self.device
@@ -143,6 +164,6 @@ class ModelRunner:
         for start in range(0, num_positions, chunk_size):
             seq.num_computed_tokens = start
             n = min(chunk_size, num_positions - start)
-            _, _, found = scratch.run(ScheduledBatch(prefills=[(seq, n)]))
-            chunks += [(first, logits) for _, first, logits in found]
+            _, _, found = scratch._forward(ScheduledBatch(prefills=[(seq, n)]))
+            chunks += [(owner, first, logits) for _, first, logits in found]
         return chunks

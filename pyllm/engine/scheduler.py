@@ -4,7 +4,7 @@ Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`). Running sequences go first, oldest first: a decode costs one token,
 an unfinished prompt its next chunk. What is left of the budget goes to waiting
 prompts, first come first served, so a long prompt is prefilled over several steps
-while the others keep decoding. When KV blocks run out, the newest running sequence
+while the others keep decoding. When KV memory runs out, the newest running sequence
 is preempted: its blocks are freed and it waits to be recomputed, ahead of newer
 arrivals. Nothing is dropped.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pyllm.engine.block_manager import BlockManager
+from pyllm.engine.kv_manager import KVCacheManager
 from pyllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -41,7 +41,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        kv_manager: KVCacheManager,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 256,
     ):
@@ -49,7 +49,7 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.block_manager = block_manager
+        self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -72,7 +72,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_pending_tokens, budget)
-            while not self.block_manager.can_append(seq, num_new):
+            while not self.kv_manager.can_append(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -80,7 +80,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing newer is left to run
-            self.block_manager.append_slots(seq, num_new)
+            self.kv_manager.append_slots(seq, num_new)
             self._add_to_batch(batch, seq, num_new)
             budget -= num_new
             i += 1
@@ -95,17 +95,14 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             if not seq.block_table:
-                self.block_manager.match_prefix(seq)
+                self.kv_manager.match_prefix(seq)
             num_new = min(seq.num_pending_tokens, budget)
-            if not self.block_manager.can_append(seq, num_new):
+            if not self.kv_manager.can_append(seq, num_new):
                 # Give back the prefix blocks it took; it tries again next step.
-                self.block_manager.free(seq)
+                self.kv_manager.free(seq)
                 break
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching:
-                self.block_manager.prefix_cache_queries += seq.num_tokens
-                self.block_manager.prefix_cache_hits += seq.num_computed_tokens
-            self.block_manager.append_slots(seq, num_new)
+            self.kv_manager.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, num_new)
@@ -123,7 +120,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -139,6 +136,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

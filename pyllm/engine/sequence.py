@@ -7,6 +7,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pyllm.sampling.batch import SamplingRow
 from pyllm.sampling.params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Order of arrival; unique, so it is also the sequence's key in the sampler.
     arrival: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -83,3 +85,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler needs of this sequence for this step."""
+        return SamplingRow(
+            self.sampling_params, self.token_ids, self.num_output_tokens, self.arrival
+        )

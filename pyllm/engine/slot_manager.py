@@ -7,14 +7,15 @@ there are no block tables: a sequence is addressed by its slot number, and this 
 only hands out slots and decides how much of each to commit, within the engine's KV
 memory budget (the same budget that sizes the paged cache).
 
-It answers the scheduler the way BlockManager does (can_append / append_slots /
-free), so scheduling and preemption are the same in both modes. Prefix caching is not
-offered: a slot belongs to one sequence, and sharing a prefix would mean copying it.
+It implements KVCacheManager as BlockManager does, so scheduling and preemption are
+the same in both modes. Prefix caching is not offered: a slot belongs to one sequence,
+and sharing a prefix would mean copying it.
 """
 
 from __future__ import annotations
 
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling.params import ParamError
 
 # Slots are committed this many tokens ahead of need, so mapping memory happens once
 # every COMMIT_AHEAD decode steps of a sequence, not on every step.
@@ -22,8 +23,6 @@ COMMIT_AHEAD = 64
 
 
 class SlotManager:
-    enable_prefix_caching = False
-
     def __init__(self, arena, budget_bytes: int):
         self.arena = arena
         self.budget_bytes = budget_bytes
@@ -37,6 +36,13 @@ class SlotManager:
     def num_slots(self) -> int:
         return self.arena.max_num_seqs
 
+    def describe(self) -> str:
+        return (
+            f"kv_cache=contiguous slots={self.num_slots} (virtual "
+            f"{self.arena.reserved_bytes / 2**30:.2f} GiB, committed at most "
+            f"{self.budget_bytes / 2**30:.2f} GiB)"
+        )
+
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
 
@@ -48,10 +54,11 @@ class SlotManager:
         """Raises ValueError if one sequence of num_tokens could never be held."""
         need = self.arena.bytes_for_tokens(num_tokens)
         if need > self.budget_bytes:
-            raise ValueError(
+            raise ParamError(
                 f"prompt + max_tokens ({num_tokens} tokens) needs {need / 2**20:.1f} MiB of "
                 f"KV memory but the budget is {self.budget_bytes / 2**20:.1f} MiB; raise "
-                "kv_cache_memory"
+                "kv_cache_memory",
+                "prompt",
             )
 
     def _target(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -97,7 +104,7 @@ class SlotManager:
         self.free_slots.append(seq.kv_slot)
         seq.kv_slot = None
 
-    # Prefix caching is a paged-cache feature; the scheduler's calls are no-ops here.
+    # Prefix caching is a paged-cache feature: nothing to match or register here.
     def match_prefix(self, seq: Sequence) -> None:
         pass
 

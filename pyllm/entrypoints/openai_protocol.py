@@ -192,15 +192,14 @@ class _SamplingRequest(_Strict):
             return SamplingParams(**fields)
         except ValueError as error:
             message = str(error)
-            param = self._param_of(message, max_tokens_name)
-            name = message.split(" ", 1)[0]
-            if param is not None and name != param:  # say it in the request's own terms
-                message = param + message[len(name) :]
+            name = getattr(error, "param", None)  # a ParamError names its field
+            param = self._param_of(name, max_tokens_name)
+            if param is not None and name != param and message.startswith(name):
+                message = param + message[len(name) :]  # say it in the request's own terms
             raise RequestError(message, param) from None
 
-    def _param_of(self, message: str, max_tokens_name: str) -> str | None:
-        """The request field a SamplingParams error message is about (it starts with it)."""
-        name = message.split(" ", 1)[0]
+    def _param_of(self, name: str | None, max_tokens_name: str) -> str | None:
+        """The request field that a SamplingParams field (a ParamError's param) comes from."""
         if name == "max_tokens":
             return max_tokens_name
         if name == "logprobs":

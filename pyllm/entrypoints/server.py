@@ -230,7 +230,7 @@ class OpenAIServing:
         except ValueError as error:
             message = str(error)
             max_tokens_name, max_tokens = body._max_tokens_field()
-            param = body._param_of(message, max_tokens_name) or prompt_field
+            param = body._param_of(getattr(error, "param", None), max_tokens_name) or prompt_field
             code = None
             if "context length" in message:
                 code = "context_length_exceeded"

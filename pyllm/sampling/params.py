@@ -2,7 +2,7 @@
 
 Field names and meanings follow the OpenAI API and vLLM, so a request body maps onto
 this class field by field. Every value is validated here, once, and a bad one raises
-ValueError naming the field.
+ParamError naming the field.
 """
 
 from __future__ import annotations
@@ -10,6 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+
+
+class ParamError(ValueError):
+    """A bad value of one SamplingParams field (or "prompt"), named by `param`, so that a
+    caller can point at it without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -70,58 +79,64 @@ class SamplingParams:
         return self.num_samples > self.n
 
     def validate(self) -> None:
-        def integer(name: str, value: object, low: int | None = None) -> None:
+        def integer(name: str, value: object, low: int | None = None, param: str = "") -> None:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+                raise ParamError(f"{name} must be an integer, got {value!r}", param or name)
             if low is not None and value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+                raise ParamError(f"{name} must be >= {low}, got {value}", param or name)
 
-        def number(name: str, value: object) -> float:
+        def number(name: str, value: object, param: str = "") -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ParamError(f"{name} must be a number, got {value!r}", param or name)
             if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError(f"{name} must be finite, got {value}")
+                raise ParamError(f"{name} must be finite, got {value}", param or name)
             return float(value)
 
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens, 1)
         integer("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise ParamError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                "min_tokens",
             )
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
+            raise ParamError("stop must be a list of non-empty strings", "stop")
         for token_id in self.stop_token_ids:
             integer("stop_token_ids", token_id, 0)
         if number("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ParamError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         integer("top_k", self.top_k, -1)
         top_p = number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0.0 <= number("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise ParamError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
         integer("repeat_last_n", self.repeat_last_n, 0)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise ParamError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         for token_id, bias in self.logit_bias.items():
-            integer("logit_bias key", token_id, 0)
-            if not -100.0 <= number("logit_bias value", bias) <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+            integer("logit_bias key", token_id, 0, "logit_bias")
+            if not -100.0 <= number("logit_bias value", bias, "logit_bias") <= 100.0:
+                raise ParamError(
+                    f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias"
+                )
         if self.seed is not None:
             integer("seed", self.seed)
         integer("n", self.n, 1)
         if self.best_of is not None:
             integer("best_of", self.best_of, 1)
             if self.best_of < self.n:
-                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+                raise ParamError(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 integer(name, value, 0)
                 if value > MAX_TOP_LOGPROBS:
-                    raise ValueError(f"{name} must be <= {MAX_TOP_LOGPROBS}, got {value}")
+                    raise ParamError(f"{name} must be <= {MAX_TOP_LOGPROBS}, got {value}", name)

@@ -45,7 +45,7 @@ def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def _assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
+    bm = llm.engine.kv_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.engine.scheduler.has_unfinished
@@ -69,7 +69,7 @@ def test_preemption_loses_nothing(tiny_model_dir, alone_outputs):
     # 16 prompts of up to 182 tokens each, in a cache of 40 blocks of 16 tokens:
     # the engine must preempt and recompute to finish them all.
     llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=40 * 16 * 2 * 2 * 2 * 64 * 4 / 2**30)
-    assert llm.engine.block_manager.num_blocks == 40
+    assert llm.engine.kv_manager.num_blocks == 40
     assert _generate(llm, _prompts(16)) == alone_outputs
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_blocks_free(llm)
@@ -124,7 +124,7 @@ def test_n_samples_share_the_prompt(tiny_model_dir):
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     # The siblings reused the first sequence's full prompt blocks.
     full_blocks = (len(prompt) - 1) // 16
-    assert llm.engine.block_manager.prefix_cache_hits >= 2 * full_blocks * 16
+    assert llm.engine.kv_manager.prefix_cache_hits >= 2 * full_blocks * 16
     _assert_all_blocks_free(llm)
 
 

@@ -3,13 +3,16 @@ fixed token: checks the bookkeeping invariants without running any kernel."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
 
 from pyllm.engine.block_manager import BlockManager
+from pyllm.engine.kv_manager import KVCacheManager
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence, SequenceStatus
+from pyllm.engine.slot_manager import SlotManager
 from pyllm.sampling.params import SamplingParams
 
 
@@ -30,7 +33,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[int
                 if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                     scheduler.finish(seq, "length")
                     continue
-            scheduler.block_manager.register_computed_blocks(seq)
+            scheduler.kv_manager.register_computed_blocks(seq)
     raise AssertionError("did not finish")
 
 
@@ -113,3 +116,18 @@ def test_fully_cached_prompt_still_computes_last_token():
         assert n >= 1 and scheduled.num_computed_tokens + n == len(prompt)
         run_to_completion(scheduler)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_managers_implement_the_protocol():
+    """Both managers have every method of KVCacheManager, with the same parameters, and
+    the prefix-cache counters (the scheduler relies on nothing else)."""
+    methods = [n for n, v in vars(KVCacheManager).items() if inspect.isfunction(v) and n[0] != "_"]
+    assert "append_slots" in methods and "describe" in methods
+    for cls in (BlockManager, SlotManager):
+        for name in methods:
+            want = inspect.signature(getattr(KVCacheManager, name)).parameters
+            got = inspect.signature(getattr(cls, name)).parameters
+            assert list(got) == list(want), (cls.__name__, name)
+    bm = BlockManager(num_blocks=4, block_size=4)
+    for name in KVCacheManager.__annotations__:
+        assert isinstance(getattr(bm, name), int)

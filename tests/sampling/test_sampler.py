@@ -14,23 +14,24 @@ import torch
 
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling import sampler as sampler_module
+from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
+from pyllm.sampling.cuts import candidate_pass, sampling_weights
+from pyllm.sampling.draw import CHUNK, inverse_cdf, inverse_cdf_exact
+from pyllm.sampling.logprobs import prompt_logprobs
 from pyllm.sampling.params import SamplingParams
-from pyllm.sampling.sampler import (
-    _CHUNK,
-    GREEDY_TEMPERATURE,
-    Sampler,
-    _inverse_cdf,
-    apply_penalties,
-    first_argmax,
-    prompt_logprobs,
-    sampling_weights,
-    small_topk,
-)
+from pyllm.sampling.penalties import apply_penalties
+from pyllm.sampling.sampler import Sampler
+from pyllm.sampling.select import first_argmax, small_topk
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EOS = {0}
 # Chi-square tests reject at this significance; the seeds are fixed, so a pass is stable.
 ALPHA = 1e-3
+
+
+def batch_of(seqs: list[Sequence]) -> list[SamplingRow]:
+    """The sampler's input for these sequences' next step."""
+    return [seq.sampling_row() for seq in seqs]
 
 
 def make_seq(prompt, params, output=(), request_id="r"):
@@ -94,7 +95,7 @@ def reference_distribution(row: torch.Tensor, seq: Sequence, eos: set[int]) -> l
 
 
 def check_distribution(sampler, logits, seqs, atol=1e-6):
-    got = sampler.distribution(logits, seqs).double().cpu()
+    got = sampler.distribution(logits, batch_of(seqs)).double().cpu()
     for i, seq in enumerate(seqs):
         want = reference_distribution(logits[i].cpu(), seq, set(sampler.eos_token_ids))
         want = torch.tensor(want, dtype=torch.float64)
@@ -125,7 +126,7 @@ def test_penalties_match_reference(device):
     seqs = [make_seq([5, 6, 7, 5, 8], p, output=[9, 5, 9, 9]) for p in cases]
     logits = torch.randn(len(seqs), vocab, generator=gen).to(device) * 3
     original = logits.clone()
-    processed = apply_penalties(logits, seqs, frozenset(EOS)).cpu()
+    processed = apply_penalties(logits, batch_of(seqs), frozenset(EOS)).cpu()
     assert torch.equal(logits, original), "the caller's logits were modified"
     for i, seq in enumerate(seqs):
         want = torch.tensor(reference_logits(logits[i].cpu(), seq, EOS), dtype=torch.float64)
@@ -199,7 +200,7 @@ def test_top_p_on_flat_distribution_grows_past_first_k():
     seqs = [make_seq([1], SamplingParams(top_p=p, top_k=k)) for p, k in [(0.9, -1), (0.3, 2000)]]
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4)) * 0.1
     check_distribution(sampler, logits, seqs)
-    kept = (sampler.distribution(logits, seqs) > 0).sum(-1)
+    kept = (sampler.distribution(logits, batch_of(seqs)) > 0).sum(-1)
     assert kept[0] > 4000 and 500 < kept[1] < 2000
 
 
@@ -217,7 +218,7 @@ def test_ties_at_the_boundary_are_all_kept(device):
     ]
     check_distribution(sampler, logits, seqs)
     # top_k=1 keeps every token tied for the maximum.
-    dist = sampler.distribution(logits, seqs).cpu()
+    dist = sampler.distribution(logits, batch_of(seqs)).cpu()
     assert (dist[0] > 0).sum() == (logits[0] == logits[0].max()).sum().cpu()
 
 
@@ -237,9 +238,9 @@ def test_strided_logits():
     with torch.inference_mode():  # as the model runner makes them
         contiguous = logits.contiguous()
     original = contiguous.clone()
-    want = Sampler(vocab, EOS)(contiguous, fresh)
+    want = Sampler(vocab, EOS)(contiguous, batch_of(fresh))
     assert torch.equal(contiguous, original), "the caller's logits were left modified"
-    assert sampler(logits, seqs).token_ids == want.token_ids
+    assert sampler(logits, batch_of(seqs)).token_ids == want.token_ids
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
@@ -250,7 +251,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=[6], temperature=0)
     for n_out, masked in [(0, True), (2, True), (3, False)]:
         seq = make_seq([4], params, output=[5] * n_out)
-        token = sampler(logits, [seq]).token_ids[0]
+        token = sampler(logits, batch_of([seq])).token_ids[0]
         assert (token not in (0, 1, 6)) == masked, (n_out, token)
 
 
@@ -271,7 +272,7 @@ def test_greedy_picks_argmax_and_logprobs_are_raw_log_softmax():
     ]
     seqs.insert(3, make_seq([1], SamplingParams(temperature=0.0)))  # no logprobs asked
     logits = torch.cat([logits[:3], logits[:1] + 1, logits[3:]])
-    out = sampler(logits, seqs)
+    out = sampler(logits, batch_of(seqs))
     want_lp = torch.log_softmax(logits.double(), -1)
     for i, seq in enumerate(seqs):
         token = out.token_ids[i]
@@ -325,14 +326,44 @@ def test_small_top_k_path_matches_reference(monkeypatch):
     check_distribution(sampler, logits, seqs)
     assert full_rows == [2], "rows 5 (ties) and 7 (no top_k) alone take the full path"
     original = logits.clone()
-    sampler(logits, seqs)
+    sampler(logits, batch_of(seqs))
     assert torch.equal(logits, original), "the caller's logits were left modified"
-    assert int((sampler.distribution(logits, seqs)[8] > 0).sum()) == 7
+    assert int((sampler.distribution(logits, batch_of(seqs))[8] > 0).sum()) == 7
     # Draws come from the kept tokens only.
-    dist = sampler.distribution(logits, seqs)
+    dist = sampler.distribution(logits, batch_of(seqs))
     for _ in range(5):
-        tokens = torch.tensor(sampler(logits, seqs).token_ids)
+        tokens = torch.tensor(sampler(logits, batch_of(seqs)).token_ids)
         assert (dist.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_candidate_pass_and_full_path_agree():
+    """The cuts are computed twice: on a row's top-k candidates (candidate_pass) and on the
+    whole row (sampling_weights). Over random batches both keep the same tokens and, given
+    the same uniforms, draw the same ones."""
+    vocab, num_rows = 32 * 1024 + 77, 16
+    gen = torch.Generator().manual_seed(31)
+    rng = random.Random(31)
+    for _ in range(6):
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.3, 1.0, 1.7]),
+                top_k=rng.choice([1, 3, 8, 20, 40]),
+                top_p=rng.choice([1.0, 0.9, 0.5]),
+                min_p=rng.choice([0.0, 0.05]),
+            )
+            for _ in range(num_rows)
+        ]
+        batch = batch_of([make_seq([1], p) for p in params])
+        logits = torch.randn(num_rows, vocab, generator=gen) * rng.choice([1.0, 3.0])
+        found, full = candidate_pass(logits, batch, list(range(num_rows)))
+        assert found is not None and full == [], "no ties: every row takes the fast path"
+        rows, columns, weights = found
+        exact = sampling_weights(logits[rows], [batch[i] for i in rows.tolist()])
+        for i in range(len(rows)):
+            assert columns[i][weights[i] > 0].tolist() == exact[i].nonzero().squeeze(1).tolist()
+        uniforms = torch.rand(len(rows), generator=gen, dtype=torch.float64)
+        fast = columns.gather(1, inverse_cdf_exact(weights, uniforms)).squeeze(1)
+        assert fast.tolist() == inverse_cdf(exact, uniforms).tolist()
 
 
 def test_small_top_k_path_draws_follow_the_distribution():
@@ -363,7 +394,7 @@ def test_small_top_k_path_is_independent_of_the_batch():
         sampler = Sampler(vocab, EOS)
         row = []
         for _ in range(30):
-            row.append(sampler(logits[: len(seqs)], seqs).token_ids[0])
+            row.append(sampler(logits[: len(seqs)], batch_of(seqs)).token_ids[0])
         tokens.append(row)
     assert tokens[0] == tokens[1] and len(set(tokens[0])) > 1
 
@@ -413,9 +444,9 @@ def test_check_params_and_input_errors():
         Sampler(10, {10})
     seq = make_seq([1], SamplingParams())
     with pytest.raises(ValueError, match="shape"):
-        sampler(torch.zeros(1, 99), [seq])
+        sampler(torch.zeros(1, 99), batch_of([seq]))
     with pytest.raises(ValueError, match="float32"):
-        sampler(torch.zeros(1, 100, dtype=torch.bfloat16), [seq])
+        sampler(torch.zeros(1, 100, dtype=torch.bfloat16), batch_of([seq]))
 
 
 # ----------------------------------------------------------------------------- the draw
@@ -440,8 +471,8 @@ def draw_counts(sampler, logits_row, params, num_draws, vocab, seeded=False):
         for i in range(num_draws)
     ]
     logits = logits_row.expand(num_draws, vocab).contiguous()
-    tokens = torch.tensor(sampler(logits, seqs).token_ids)
-    probs = sampler.distribution(logits[:1], seqs[:1])[0].cpu()
+    tokens = torch.tensor(sampler(logits, batch_of(seqs)).token_ids)
+    probs = sampler.distribution(logits[:1], batch_of(seqs[:1]))[0].cpu()
     return torch.bincount(tokens, minlength=vocab), probs
 
 
@@ -473,9 +504,9 @@ def test_draws_follow_the_distribution(params, seeded):
 def test_draws_across_chunk_boundaries():
     """Two whole inverse-CDF chunks and a partial one, with the mass on tokens at chunk
     edges."""
-    vocab, num_draws = 2 * _CHUNK + _CHUNK * 15 // 16, 20_000
+    vocab, num_draws = 2 * CHUNK + CHUNK * 15 // 16, 20_000
     logits = torch.full((vocab,), -1e4)
-    hot = [0, _CHUNK - 1, _CHUNK, _CHUNK + 1, 2 * _CHUNK - 1, 2 * _CHUNK, vocab - 2, vocab - 1]
+    hot = [0, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, vocab - 2, vocab - 1]
     logits[hot] = torch.tensor([0.5, 1.0, 0.2, -0.3, 0.9, 0.0, 0.7, 0.4])
     sampler = Sampler(vocab, {5}, seed=99)
     counts, probs = draw_counts(sampler, logits, dict(temperature=1.0), num_draws, vocab)
@@ -486,7 +517,7 @@ def test_draws_across_chunk_boundaries():
 def test_inverse_cdf_never_picks_a_zero_weight():
     """Uniforms at both extremes, and weights with zero runs at the starts and ends of
     chunks: the pick always has a positive weight, at the right end of the range."""
-    c = _CHUNK
+    c = CHUNK
     vocab = 2 * c + c // 2  # two whole chunks and a partial one
     weights = torch.zeros(5, vocab)
     weights[0, 5] = 1.0
@@ -498,7 +529,7 @@ def test_inverse_cdf_never_picks_a_zero_weight():
     highest = [5, vocab - 1, c, c + c // 2 - 1, c + c // 2]
     for u, want in [(0.0, lowest), (1.0 - 2.0**-53, highest)]:
         uniforms = torch.full((5,), u, dtype=torch.float64)
-        assert _inverse_cdf(weights, uniforms).tolist() == want
+        assert inverse_cdf(weights, uniforms).tolist() == want
     # A partial last chunk whose float32 mass rounds above the float64 sum of its weights:
     # the largest uniform must still land on a real token, not past the vocabulary.
     weights = torch.zeros(1, vocab)
@@ -508,7 +539,7 @@ def test_inverse_cdf_never_picks_a_zero_weight():
             break
     else:
         raise AssertionError("no weight found whose float32 chunk sum rounds up")
-    assert _inverse_cdf(weights, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)) == vocab - 1
+    assert inverse_cdf(weights, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)) == vocab - 1
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -517,7 +548,7 @@ def test_inverse_cdf_never_picks_a_zero_weight():
 def run_steps(sampler, batch, logits_per_step, steps):
     """Samples `steps` steps for the batch, appending each token to its sequence."""
     for step in range(steps):
-        out = sampler(logits_per_step(step, batch), batch)
+        out = sampler(logits_per_step(step, batch), batch_of(batch))
         for seq, token in zip(batch, out.token_ids, strict=True):
             seq.append_token(token)
 
@@ -580,8 +611,8 @@ def test_unseeded_requests_differ_across_runs():
 
 def test_forget_drops_the_generator():
     sampler = Sampler(10, EOS)
-    seq = make_seq([1], SamplingParams(seed=5))
-    sampler(torch.zeros(1, 10), [seq])
-    assert seq in sampler._generators
-    sampler.forget(seq)
-    assert seq not in sampler._generators
+    row = make_seq([1], SamplingParams(seed=5)).sampling_row()
+    sampler(torch.zeros(1, 10), [row])
+    assert row.key in sampler._generators.seeded
+    sampler.forget(row.key)
+    assert row.key not in sampler._generators.seeded

@@ -1,0 +1,55 @@
+"""KVCacheManager: what the scheduler and the engine ask of the KV cache's bookkeeping.
+
+Two implementations: BlockManager (the paged cache: block tables, prefix caching) and
+SlotManager (the contiguous cache: one arena slot per sequence, no prefix caching).
+Scheduling and preemption only go through these methods, so they are the same in both
+modes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pyllm.engine.sequence import Sequence
+
+
+class KVCacheManager(Protocol):
+    # Prompt tokens admitted with prefix caching on, and of those, the tokens served from
+    # the cache (both stay 0 without it). The manager counts them itself.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    def describe(self) -> str:
+        """The cache's layout and size, for the engine's start-up log line."""
+        ...
+
+    def usage(self) -> float:
+        """Share of the cache in use (0 to 1)."""
+        ...
+
+    def committed_bytes(self) -> int:
+        """Physical KV memory held now."""
+        ...
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raises ParamError if one sequence of num_tokens could never be held."""
+        ...
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """On a sequence's first schedule: reuse what the cache already holds of its
+        prompt (seq.num_computed_tokens moves past it)."""
+        ...
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool: ...
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Makes room for num_new_tokens more of seq's tokens (can_append must hold)."""
+        ...
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: offers seq's newly computed tokens to later prompts."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Releases seq's memory (finished, aborted or preempted)."""
+        ...
