@@ -25,7 +25,7 @@ from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
-from pyllm.model.loader import WeightFiller
+from pyllm.model.weights import WeightFiller
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
 SUPPORTED_TYPES = (
