@@ -15,24 +15,14 @@ SMALL_BATCH_MAX_ROWS rows).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_timing import best_of
 
 import pyllm.ops as ops
 from pyllm.model.layers import can_pack_linear_weights, pack_linear_weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) features
-
-
-def best_of(repeats: int, fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def packed_linear(x, weight, out):

@@ -16,10 +16,10 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+from bench_timing import call_times
 
 import pyllm.ops as ops
 
@@ -28,28 +28,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 H200_PEAK_GBS = 4800.0
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_call(fn: Callable[[], None], device: str, min_time: float = 0.3, warmup: int = 2) -> float:
     """Median seconds per call over enough repeats to fill min_time."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-6)
-    repeats = max(3, min(200, int(min_time / once)))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(call_times(fn, device, min_time, warmup=warmup))
 
 
 def copy_bandwidth(device: str, megabytes: int = 512) -> float:

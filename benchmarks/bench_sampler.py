@@ -33,32 +33,17 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_timing import call_times, sync
 
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.sampler import Sampler
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_call(fn: Callable[[], object], device: str, min_time: float = 1.0) -> tuple[float, float]:
     """(median, min) seconds per call over enough repeats to fill min_time (at least 5).
     The min is what the code costs on a quiet machine; the median what it cost here."""
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-6)
-    samples = []
-    for _ in range(max(5, min(200, int(min_time / once)))):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
+    samples = call_times(fn, device, min_time, min_repeats=5)
     return statistics.median(samples), min(samples)
 
 
@@ -85,10 +70,10 @@ def decode_step_time(args) -> tuple[float, float, str]:
     samples = []
     for i in range(steps):
         before = engine.stats.generation_tokens
-        _sync(args.device)
+        sync(args.device)
         start = time.perf_counter()
         engine.step()
-        _sync(args.device)
+        sync(args.device)
         if i >= args.step_warmup:
             samples.append(time.perf_counter() - start)
         # Every timed step decodes every sequence, one token each.

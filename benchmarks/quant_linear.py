@@ -22,11 +22,12 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_timing import best_of  # noqa: E402
 
 import pyllm.ops as ops  # noqa: E402
 from pyllm.model.default_model import default_model_path  # noqa: E402
@@ -34,18 +35,6 @@ from pyllm.model.gguf_file import open_gguf  # noqa: E402
 from pyllm.model.layers import Linear, can_pack_weight_words  # noqa: E402
 
 PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def best_of(repeats: int, fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def load_weights(path: str, layers: int, device: str):
@@ -137,7 +126,7 @@ def main() -> None:
                 for (type_id, q, _), x, out in zip(weights, xs, outs, strict=True):
                     torch.ops.pyllm.quant_linear(out, x, q, type_id, None)
 
-            seconds = best_of(args.repeats, quant)
+            seconds = best_of(args.repeats, quant, args.device)
             line = (
                 f"{str(dtype).removeprefix('torch.'):9} rows {rows:4}: quant_linear "
                 f"{seconds * 1e3:8.2f} ms {nbytes / seconds / 1e9:6.1f} GB/s "
@@ -149,7 +138,7 @@ def main() -> None:
                     for module, x in zip(linears, xs, strict=True):
                         module(x)
 
-                dense_seconds = best_of(args.repeats, dense)
+                dense_seconds = best_of(args.repeats, dense, args.device)
                 line += (
                     f" | float weights {dense_seconds * 1e3:8.2f} ms "
                     f"{flops_per_row * rows / dense_seconds / 1e9:6.0f} GFLOP/s "
