@@ -75,7 +75,7 @@ namespace pyllm {
 // layout ([layer][slot][tokens]) would need one granule per layer (and per head, with
 // heads outermost) per slot. What it costs: one head's consecutive tiles are
 // tile_stride apart instead of adjacent, which the kernels read exactly like paged
-// blocks (prefetched one block at a time, see attention_cpu.cpp).
+// blocks (prefetched one block at a time, see attention_cpu_kernels.h).
 class KVArena : public torch::CustomClassHolder {
  public:
   KVArena(int64_t num_layers, int64_t max_num_seqs, int64_t max_model_len, int64_t num_kv_heads,
