@@ -4,6 +4,7 @@
 // that translation unit (anonymous namespace), as when it was one file.
 #pragma once
 
+#include "../cache/contiguous_views.h"
 #include "attention_cpu_kernels.h"
 
 namespace pyllm::cpu {
@@ -162,24 +163,11 @@ SlotAddressing check_contiguous_cache(const char* op, const at::Tensor& key_cach
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, op,
               ": key_cache and value_cache must have dtype ", dtype);
   const int64_t x = 16 / int64_t(c10::elementSize(dtype));
-  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
-                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
-              op, ": value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ",
-              head_size, ", ", kTokenTile, "], got ", value_cache.sizes());
-  const int64_t num_slots = value_cache.size(0), num_tiles = value_cache.size(2);
-  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
-                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
-                  key_cache.size(3) == head_size / x && key_cache.size(4) == kTokenTile &&
-                  key_cache.size(5) == x,
-              op, ": key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
-              head_size / x, ", ", kTokenTile, ", ", x, "], got ", key_cache.sizes());
-  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
-                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
-                  value_cache.stride(3) == kTokenTile,
-              op, ": each tile of key_cache and value_cache must be dense, got strides ",
-              key_cache.strides(), " and ", value_cache.strides());
+  const auto [num_slots, num_tiles] =
+      check_contiguous_views(op, key_cache, value_cache, num_kv_heads, head_size, x);
+  // The kernels address both caches with one set of outer strides.
   for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(key_cache.stride(d) == value_cache.stride(d) && key_cache.stride(d) >= 0, op,
+    TORCH_CHECK(key_cache.stride(d) == value_cache.stride(d), op,
                 ": key_cache and value_cache must share their (slot, kv head, tile) strides, got ",
                 key_cache.strides(), " and ", value_cache.strides());
   }

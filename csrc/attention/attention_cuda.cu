@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "../dispatch_utils.h"
+#include "../cache/contiguous_views.h"
 #include "../ops.h"
 #include "decode_kernels.cuh"
 #include "sizes.h"
@@ -128,24 +129,8 @@ ContiguousKV check_contiguous(const at::Tensor& query, const at::Tensor& key_cac
               "key_cache/value_cache must have the query's dtype ", query.scalar_type());
   TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
               "key_cache/value_cache must be on the query's device ", query.device());
-  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
-                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
-              "value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ", head_size,
-              ", ", kTokenTile, "], got ", value_cache.sizes());
-  const int64_t num_slots = value_cache.size(0);
-  const int64_t num_tiles = value_cache.size(2);
-  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
-                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
-                  key_cache.size(3) * x == head_size && key_cache.size(4) == kTokenTile &&
-                  key_cache.size(5) == x,
-              "key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
-              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
-              key_cache.sizes());
-  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
-                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
-                  value_cache.stride(3) == kTokenTile,
-              "each tile of key_cache/value_cache must be dense, got strides ",
-              key_cache.strides(), " and ", value_cache.strides());
+  const auto [num_slots, num_tiles] = check_contiguous_views(
+      "contiguous attention", key_cache, value_cache, num_kv_heads, head_size, x);
   for (int d = 0; d < 3; ++d) {
     for (const at::Tensor* t : {&key_cache, &value_cache}) {
       TORCH_CHECK(t->stride(d) >= 0 && (t->stride(d) * t->element_size()) % 16 == 0,

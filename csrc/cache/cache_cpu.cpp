@@ -20,6 +20,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
+#include "contiguous_views.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -302,21 +303,7 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
                 num_tiles = value_cache.size(2), head_size = value_cache.size(3);
   const int64_t x = 16 / static_cast<int64_t>(key.element_size());
   TORCH_CHECK(head_size % x == 0, op, ": head_size ", head_size, " must be a multiple of x = ", x);
-  TORCH_CHECK(key_cache.sizes() == at::IntArrayRef({num_slots, num_kv_heads, num_tiles,
-                                                    head_size / x, kTokenTile, x}),
-              op, ": key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
-              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
-              key_cache.sizes());
-  // Inside a tile both caches are dense; the (slot, kv head, tile) strides are free.
-  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
-                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
-                  value_cache.stride(3) == kTokenTile,
-              op, ": each tile of key_cache and value_cache must be dense, got strides ",
-              key_cache.strides(), " and ", value_cache.strides());
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(key_cache.stride(d) >= 0 && value_cache.stride(d) >= 0, op,
-                ": negative cache strides are not supported");
-  }
+  check_contiguous_views(op, key_cache, value_cache, num_kv_heads, head_size, x);
   check_token_rows(key, "key", num_kv_heads, head_size);
   check_token_rows(value, "value", num_kv_heads, head_size);
   const int64_t num_tokens = key.size(0);

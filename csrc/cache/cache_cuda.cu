@@ -13,6 +13,7 @@
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "contiguous_views.h"
 
 namespace pyllm::cuda {
 namespace {
@@ -147,29 +148,8 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
                   value_cache.scalar_type() == key.scalar_type(),
               "key_cache/value_cache must be on the key's device (", key.device(),
               ") with its dtype (", key.scalar_type(), ")");
-  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(1) == num_kv_heads &&
-                  value_cache.size(3) == head_size && value_cache.size(4) == kTokenTile,
-              "value_cache must be [max_num_seqs, ", num_kv_heads, ", num_tiles, ", head_size,
-              ", ", kTokenTile, "], got ", value_cache.sizes());
-  const int64_t num_slots = value_cache.size(0);
-  const int64_t num_tiles = value_cache.size(2);
-  TORCH_CHECK(key_cache.dim() == 6 && key_cache.size(0) == num_slots &&
-                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == num_tiles &&
-                  key_cache.size(3) * x == head_size && key_cache.size(4) == kTokenTile &&
-                  key_cache.size(5) == x,
-              "key_cache must be [", num_slots, ", ", num_kv_heads, ", ", num_tiles, ", ",
-              head_size / x, ", ", kTokenTile, ", ", x, "] to match value_cache, got ",
-              key_cache.sizes());
-  TORCH_CHECK(key_cache.stride(5) == 1 && key_cache.stride(4) == x &&
-                  key_cache.stride(3) == kTokenTile * x && value_cache.stride(4) == 1 &&
-                  value_cache.stride(3) == kTokenTile,
-              "each tile of key_cache/value_cache must be dense, got strides ",
-              key_cache.strides(), " and ", value_cache.strides());
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(key_cache.stride(d) >= 0 && value_cache.stride(d) >= 0,
-                "negative key_cache/value_cache strides are not supported, got ",
-                key_cache.strides(), " and ", value_cache.strides());
-  }
+  const auto [num_slots, num_tiles] = check_contiguous_views(
+      "write_kv_contiguous", key_cache, value_cache, num_kv_heads, head_size, x);
   for (const at::Tensor* t : {&token_slots, &positions}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == num_tokens && t->scalar_type() == at::kLong &&
                     t->is_contiguous() && t->device() == key.device(),
