@@ -75,8 +75,9 @@ def case_titles(workload: dict) -> dict[str, str]:
 # ----------------------------------------------------------------------------- workload
 
 
-def build_workload(tokenizer_encode, quick: bool, seed: int = 0) -> dict:
-    """Token ids for every case. tokenizer_encode(text) -> list[int]."""
+def build_workload(tokenizer_encode, quick: bool, seed: int = 0, prefill_tokens: int = 512) -> dict:
+    """Token ids for every case. tokenizer_encode(text) -> list[int]; prefill_tokens is
+    less than 512 only for a model whose context is shorter."""
     rng = random.Random(seed)
 
     def prompt_ids(length: int) -> list[int]:
@@ -87,7 +88,7 @@ def build_workload(tokenizer_encode, quick: bool, seed: int = 0) -> dict:
 
     short = [prompt_ids(rng.randint(26, 34)) for _ in range(32)]
     return {
-        "prefill": {"prompts": [prompt_ids(512)], "max_tokens": 1},
+        "prefill": {"prompts": [prompt_ids(prefill_tokens)], "max_tokens": 1},
         "decode_b1": {"prompts": [short[0]], "max_tokens": 32 if quick else 128},
         "batch8": {"prompts": short[:8], "max_tokens": 16 if quick else 64},
         "batch32": {"prompts": short, "max_tokens": 16 if quick else 64},
@@ -738,6 +739,14 @@ def describe_run(record: dict, titles: dict[str, str]) -> str:
     )
 
 
+def pyllm_context(path: str) -> int:
+    """The longest sequence pyllm runs this model with by default (its max_model_len)."""
+    from pyllm.model.config import resolve_max_model_len
+    from pyllm.model.loader import load_config
+
+    return resolve_max_model_len(load_config(path), None)
+
+
 def gguf_mode(args, files: list[str]) -> int:
     import importlib.util
 
@@ -778,7 +787,9 @@ def gguf_mode(args, files: list[str]) -> int:
             )
             tokenizer = Tokenizer.from_pretrained(path)
             workload = build_workload(
-                lambda text, t=tokenizer: t.encode(text, add_special_tokens=False), args.quick
+                lambda text, t=tokenizer: t.encode(text, add_special_tokens=False),
+                args.quick,
+                prefill_tokens=min(512, pyllm_context(path) - 1),
             )
             titles = case_titles(workload)
             workload_path = os.path.join(scratch, "workload.json")
@@ -869,6 +880,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the rows to this file")
     parser.add_argument(
         "--gguf",
+        "--model",
+        dest="gguf",
         action="append",
         default=[],
         metavar="FILE",

@@ -1,9 +1,12 @@
-"""One description of a Llama-family model, read from an HF config.json or from GGUF metadata.
+"""One description of a decoder-only model, read from an HF config.json or from GGUF metadata.
 
-The Llama family here means: token embedding, N pre-norm decoder layers (RMSNorm,
-grouped-query attention with neox-style rotary embeddings, RMSNorm, SiLU-gated MLP), a
-final RMSNorm and an LM head (optionally tied to the embedding). Llama 2/3, Mistral,
-SmolLM2 and Qwen2 differ only in the fields below.
+Every family pyllm runs (pyllm.model.registry) is this block with switches: token
+embedding (optionally scaled), N pre-norm decoder layers (RMSNorm, grouped-query
+attention with neox-style rotary embeddings and optional per-head q/k RMSNorm,
+RMSNorm, gated MLP), a final RMSNorm and an LM head (optionally tied to the
+embedding). Llama 2/3, Mistral, SmolLM2, Qwen2 and Qwen3 differ only in the fields
+below; Gemma 3 adds norms after attention and MLP, GELU gating and layers of two kinds
+(sliding window and global, each with its rope base).
 """
 
 from __future__ import annotations
@@ -11,24 +14,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-# HF `model_type` -> the bias layout of that family's projections.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_HF_CLASS_TO_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from pyllm.model import registry
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # a name of registry.FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,6 +51,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""  # the file this config came from, for error messages
+    hidden_act: str = "silu"  # the MLP's gate: silu or gelu_tanh (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # Layers marked "sliding_attention" attend to the last sliding_window positions
+    # only and use rope_local_theta, unscaled; () means every layer is global. A window
+    # with no layer types applies to every layer (Mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    # Added to every RMSNorm weight at load: HF's Gemma stores w for a scale of 1 + w.
+    norm_weight_offset: float = 0.0
 
     @property
     def q_size(self) -> int:
@@ -63,10 +74,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         where = f" in {self.source}" if self.source else ""
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        registry.family_of_gguf(self.architecture, self.source or "the config")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {SUPPORTED_ACTIVATIONS}{where}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}{where}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"layer_types has {len(self.layer_types)} entries{where}; expected one per "
+                f"layer ({self.num_hidden_layers})"
             )
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -115,9 +129,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        arch = _hf_architecture(raw, source)
-        _check_activation(raw.get("hidden_act", "silu"), source)
-        _check_sliding_window(raw, arch, source)
+        family = registry.family_of_hf(raw, source)
+        arch = family.name
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -127,10 +140,13 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         hidden_size = need("hidden_size")
         rope_theta, rope_scaling = _hf_rope(raw, source)
-        attention_bias = bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        try:
+            fields = family.hf_fields(raw)
+        except NotImplementedError as error:
+            raise NotImplementedError(f"{source}: {error}") from None
+        base = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden_size,
@@ -144,13 +160,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch != "qwen2" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             source=source,
         )
+        return cls(**{**base, **fields})
 
     # -- GGUF metadata --------------------------------------------------------------
 
@@ -165,12 +180,8 @@ class ModelConfig:
         """metadata: the file's key/value pairs (``llama.block_count`` ...);
         tensor_names: the names of its tensors (a missing ``output.weight`` means the
         LM head is tied to ``token_embd.weight``)."""
-        arch = metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} in {source} (general.architecture); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = registry.family_of_gguf(metadata.get("general.architecture"), source)
+        arch = family.name
 
         def key(name: str, default: Any = None) -> Any:
             full = f"{arch}.{name}"
@@ -185,7 +196,7 @@ class ModelConfig:
         tokens = metadata.get("tokenizer.ggml.tokens")
         vocab_size = len(tokens) if tokens is not None else int(key("vocab_size"))
         eos = metadata.get("tokenizer.ggml.eos_token_id")
-        return cls(
+        base = dict(
             architecture=arch,
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -207,45 +218,16 @@ class ModelConfig:
             eos_token_ids=() if eos is None else (int(eos),),
             source=source,
         )
-
-
-def _hf_architecture(raw: dict[str, Any], source: str) -> str:
-    classes = raw.get("architectures") or []
-    for name in classes:
-        if name in _HF_CLASS_TO_ARCH:
-            return _HF_CLASS_TO_ARCH[name]
-    model_type = raw.get("model_type")
-    if not classes and model_type in SUPPORTED_ARCHITECTURES:
-        return model_type
-    found = ", ".join(classes) if classes else repr(model_type)
-    raise ValueError(
-        f"unsupported architecture {found} in {source}; supported: {', '.join(_HF_CLASS_TO_ARCH)}"
-    )
-
-
-def _check_activation(act: str, source: str) -> None:
-    if act != "silu":
-        raise NotImplementedError(f"hidden_act {act!r} in {source} is not supported (only 'silu')")
-
-
-def _check_sliding_window(raw: dict[str, Any], arch: str, source: str) -> None:
-    """Sliding-window attention is not implemented; a window at least as long as the
-    model's context never limits attention, so such configs load."""
-    window = raw.get("sliding_window")
-    if arch == "qwen2" and not raw.get("use_sliding_window", False):
-        return
-    max_positions = raw.get("max_position_embeddings", 2048)
-    if window is not None and window < max_positions:
-        raise NotImplementedError(
-            f"{source} sets sliding_window={window} (< max_position_embeddings={max_positions}); "
-            "sliding-window attention is not implemented"
-        )
+        return cls(**{**base, **family.gguf_fields(key, metadata)})
 
 
 def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """transformers 5 writes ``rope_parameters`` (theta inside); older files write
     ``rope_theta`` and ``rope_scaling`` (with ``type`` or ``rope_type``)."""
     params = dict(raw.get("rope_parameters") or {})
+    # Models with layers of two kinds (Gemma 3) keep one entry per kind: the global
+    # layers' is the model's rope; the family reads the other.
+    params = dict(params.get("full_attention", params))
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -276,6 +258,37 @@ def _gguf_rope_scaling(metadata: dict[str, Any], arch: str, source: str) -> dict
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
     raise NotImplementedError(
         f"rope scaling type {rope_type!r} in {source} ({arch}.rope.scaling.type) is not supported"
+    )
+
+
+def resolve_max_model_len(config: ModelConfig, asked: int | None) -> int:
+    """asked, or the model's context by default. The attention kernels have no window
+    yet, so a model with sliding-window layers runs within its window, where every
+    layer sees the whole sequence and the result is exact."""
+    limit = config.max_position_embeddings
+    if asked is not None and not 1 <= asked <= limit:
+        raise ValueError(
+            f"max_model_len must lie in [1, {limit}] (max_position_embeddings), got {asked}"
+        )
+    window = config.sliding_window
+    windowed = window is not None and (
+        not config.layer_types or "sliding_attention" in config.layer_types
+    )
+    if not windowed or window >= limit:
+        return asked or limit
+    if asked is not None and asked > window:
+        raise NotImplementedError(
+            f"max_model_len {asked} exceeds sliding_window={window} ({config.source}); "
+            "sliding-window attention is not implemented, so such a model runs with "
+            f"max_model_len <= {window}"
+        )
+    return asked or window
+
+
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config whose rope the sliding-window layers use: their own base, unscaled."""
+    return replace(
+        config, rope_theta=config.rope_local_theta, rope_scaling=None, rope_freq_factors=None
     )
 
 

@@ -434,11 +434,16 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attn_scale or self.head_dim**-0.5
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -454,6 +459,8 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size]
         k = qkv[:, self.q_size : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :]
+        if self.q_norm is not None:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
         key_cache, value_cache = kv_cache
         q = q.view(T, self.num_heads, self.head_dim)
@@ -490,6 +497,11 @@ class Attention(nn.Module):
                 )  # fmt: skip
         return self.o_proj(out.view(T, self.q_size))
 
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head of x [T, H * D] (a row view of qkv): a new [T, H * D]."""
+        heads = x.reshape(-1, self.head_dim)
+        return norm(heads).view(x.shape[0], -1)
+
     def _contiguous_attention(self, out, q, k, v, positions, key_cache, value_cache, meta):
         """The same attention over the contiguous KV arena: slots instead of block tables."""
         _C.write_kv_contiguous(k, v, key_cache, value_cache, meta.slot_mapping, positions)
@@ -508,11 +520,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection; act is
+    SiLU or (Gemma) the tanh approximation of GELU."""
 
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
         )
@@ -522,6 +536,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         act = torch.empty(x.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
         _C.silu_and_mul(act, gate_up)
         return self.down_proj(act)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2) over pyllm's paged-attention ops.
+"""The Llama block (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) over pyllm's attention ops;
+other families subclass it (gemma3.py).
 
 ``LlamaForCausalLM(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden
 [T, hidden_size]`` runs one step of a flat batch (see layers.AttentionMetadata), and
@@ -13,7 +14,7 @@ from torch import nn
 
 import pyllm.ops as ops
 from pyllm.kv_cache import KVArena, allocate_kv_cache
-from pyllm.model.config import ModelConfig
+from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
 from pyllm.model.layers import (
     MLP,
     Attention,
@@ -63,7 +64,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, dtype, device, layer_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(
@@ -72,12 +73,14 @@ class LlamaModel(nn.Module):
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
         self.embed_tokens.qpart: QuantPart | None = None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+            layer_cls(config, dtype, device) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[nn.Module] = DecoderLayer
+
     def __init__(
         self,
         config: ModelConfig,
@@ -95,17 +98,11 @@ class LlamaForCausalLM(nn.Module):
                 f"head_dim {config.head_dim} ({config.source}) is not supported by pyllm's "
                 f"attention kernels; supported: {ops.SUPPORTED_HEAD_SIZES}"
             )
-        limit = config.max_position_embeddings
-        if max_model_len is not None and not 1 <= max_model_len <= limit:
-            raise ValueError(
-                f"max_model_len must lie in [1, {limit}] (max_position_embeddings), "
-                f"got {max_model_len}"
-            )
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.max_model_len = max_model_len or limit
-        self.model = LlamaModel(config, dtype, device)
+        self.max_model_len = resolve_max_model_len(config, max_model_len)
+        self.model = LlamaModel(config, dtype, device, self.layer_cls)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
@@ -118,6 +115,15 @@ class LlamaForCausalLM(nn.Module):
             rotary_cos_sin_cache(config, self.max_model_len, device),
             persistent=False,
         )
+        # Sliding-window layers of a model with two kinds (Gemma 3) rotate by their own base.
+        local = None
+        if "sliding_attention" in config.layer_types and config.rope_local_theta:
+            local = rotary_cos_sin_cache(local_rope_config(config), self.max_model_len, device)
+        self.register_buffer("local_cos_sin_cache", local, persistent=False)
+        self.embed_scale = None
+        if config.embed_scale is not None:
+            # Rounded to the model's dtype first, as HF does.
+            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -138,11 +144,14 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         part = self.model.embed_tokens.qpart
         if part is None:
-            return F.embedding(input_ids, self.model.embed_tokens.weight)
-        out = torch.empty(
-            input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device
-        )
-        _C.dequantize_rows(out, part.qweight, part.qtype, input_ids)
+            out = F.embedding(input_ids, self.model.embed_tokens.weight)
+        else:
+            out = torch.empty(
+                input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device
+            )
+            _C.dequantize_rows(out, part.qweight, part.qtype, input_ids)
+        if self.embed_scale is not None:
+            out.mul_(self.embed_scale)
         return out
 
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
@@ -198,11 +207,17 @@ class LlamaForCausalLM(nn.Module):
         )
         hidden = self.embed(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             hidden, residual = layer(
-                positions, hidden, residual, self.cos_sin_cache, kv_cache, attn_metadata, workspace
-            )
+                positions, hidden, residual, self.layer_cos_sin(i), kv_cache, attn_metadata,
+                workspace,
+            )  # fmt: skip
         return self.model.norm(hidden, residual)
+
+    def layer_cos_sin(self, i: int) -> torch.Tensor:
+        if self.local_cos_sin_cache is not None and self.config.layer_types[i] != "full_attention":
+            return self.local_cos_sin_cache
+        return self.cos_sin_cache
 
     @torch.inference_mode()
     def compute_logits(

@@ -20,6 +20,7 @@ import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.registry import model_class
 from pyllm.model.weights import WeightFiller
 
 logger = logging.getLogger("pyllm")
@@ -46,7 +47,8 @@ def load_model(
         model = load_gguf(path, dtype, device, max_model_len, keep_quantized=quantization == "auto")
     elif os.path.isdir(path):
         config = ModelConfig.from_hf_dir(path)
-        model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
+        model_cls = model_class(config.architecture)
+        model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len)
         load_safetensors(model, path)
         if quantization not in ("auto", "none"):
             quantize_linears(model, quantization)
@@ -172,7 +174,7 @@ def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
                 # plus one tensor instead of twice the model's size.
                 with safe_open(file, framework="pt") as f:
                     tensor = f.get_tensor(name)
-                filler.fill(name, tensor, where=file)
+                filler.fill(name, tensor, where=file, hf=True)
                 del tensor
         except SafetensorError as error:
             raise ValueError(f"{file} is not a valid safetensors file: {error}") from None

@@ -14,7 +14,6 @@ blocks alike, so the neox-style rotary kernel sees HF's layout.
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 
 import numpy as np
@@ -25,6 +24,7 @@ from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.registry import model_class
 from pyllm.model.weights import WeightFiller
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
@@ -32,23 +32,6 @@ SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that are not weights of ours: rope_freqs goes into the config.
 _NOT_WEIGHTS = ("rope_freqs.weight",)
 
@@ -111,15 +94,20 @@ def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF name, None for names we do not know."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        return None
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+def hf_names(config: ModelConfig, slots: dict[str, torch.Tensor]) -> dict[str, str]:
+    """llama.cpp tensor name -> HF name for this model, from gguf's own tables
+    (gguf.get_tensor_name_map): of the HF names gguf lists for a tensor of the
+    architecture, the one that is a slot of the model."""
+    import gguf
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.architecture)
+    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for hf_base, (_, gguf_base) in table.mapping.items():
+        for kind in ("weight", "bias"):
+            if f"{hf_base}.{kind}" in slots:
+                names[f"{gguf_base}.{kind}"] = f"{hf_base}.{kind}"
+    return names
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -144,9 +132,11 @@ def load_gguf(
     False, are dequantized to the model's dtype as before."""
     gguf_file = _open(path)
     config = _config(gguf_file, path)
-    model = LlamaForCausalLM(config, resolve_dtype(dtype, device), device, max_model_len)
+    model_cls = model_class(config.architecture)
+    model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len)
     filler = WeightFiller(model, path)
-    quantized = _load_quantized(model, gguf_file, filler) if keep_quantized else set()
+    names = hf_names(config, filler.slots)
+    quantized = _load_quantized(model, gguf_file, filler, names) if keep_quantized else set()
     widened = sorted(
         {
             t.type_name
@@ -163,8 +153,8 @@ def load_gguf(
     for tensor in gguf_file.tensors.values():
         if tensor.name in _NOT_WEIGHTS or tensor.name in quantized:
             continue
-        name = hf_name(tensor.name)
-        if name is None or not filler.wants(name):
+        name = names.get(tensor.name)
+        if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} (not part of this model)")
         values = dequantize(tensor, path)
         rows_per_head = _permuted_heads(config, tensor.name)
@@ -216,7 +206,9 @@ def _quantizable(tensor: GGUFTensor | None, in_features: int) -> bool:
     return in_features % ops.QUANT_TYPES[tensor.type_name][1] == 0
 
 
-def _load_quantized(model: LlamaForCausalLM, gguf_file: GGUFFile, filler: WeightFiller) -> set:
+def _load_quantized(
+    model: LlamaForCausalLM, gguf_file: GGUFFile, filler: WeightFiller, hf_of: dict[str, str]
+) -> set:
     """Gives every projection (and the token table) whose GGUF tensors are all of a
     quantized type pyllm multiplies its blocks as they are; returns the names of the
     tensors used. Parts of one fused projection that share a type share one tensor."""
@@ -234,7 +226,7 @@ def _load_quantized(model: LlamaForCausalLM, gguf_file: GGUFFile, filler: Weight
             module.set_quantized(_read_parts(file, config, parts, module.in_features, model.device))
             for t in parts:
                 used.add(t.name)
-                filler.filled.add(hf_name(t.name))
+                filler.filled.add(hf_of[t.name])
         embedding = tensors.get("token_embd.weight")
         if _quantizable(embedding, config.hidden_size):
             (part,) = _read_parts(file, config, [embedding], config.hidden_size, model.device)

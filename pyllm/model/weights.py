@@ -14,33 +14,25 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 def weight_slots(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the view of the model's parameter it fills."""
+    """HF tensor name -> the view of the model's parameter it fills. The model's module
+    names are HF's, except the fused projections: q/k/v are row ranges of qkv_proj,
+    gate/up of gate_up_proj."""
     config = model.config
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    slots = {
-        "model.embed_tokens.weight": model.model.embed_tokens.weight,
-        "model.norm.weight": model.model.norm.weight,
-    }
-    if not config.tie_word_embeddings:
-        slots["lm_head.weight"] = model.lm_head.weight  # (before pack_weights)
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        slots[prefix + "input_layernorm.weight"] = layer.input_layernorm.weight
-        slots[prefix + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        kinds = ["weight"] + (["bias"] if config.qkv_bias else [])
-        for kind in kinds:
-            fused = getattr(attn.qkv_proj, kind)
-            slots[prefix + f"self_attn.q_proj.{kind}"] = fused[:q]
-            slots[prefix + f"self_attn.k_proj.{kind}"] = fused[q : q + kv]
-            slots[prefix + f"self_attn.v_proj.{kind}"] = fused[q + kv :]
-        for kind in ["weight"] + (["bias"] if config.o_bias else []):
-            slots[prefix + f"self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind)
-        for kind in ["weight"] + (["bias"] if config.mlp_bias else []):
-            fused = getattr(mlp.gate_up_proj, kind)
-            slots[prefix + f"mlp.gate_proj.{kind}"] = fused[:inter]
-            slots[prefix + f"mlp.up_proj.{kind}"] = fused[inter:]
-            slots[prefix + f"mlp.down_proj.{kind}"] = getattr(mlp.down_proj, kind)
+    slots = {}
+    for name, param in model.named_parameters():
+        prefix, _, kind = name.rpartition(".")
+        if prefix.endswith(".qkv_proj"):
+            base = prefix.removesuffix("qkv_proj")
+            slots[f"{base}q_proj.{kind}"] = param[:q]
+            slots[f"{base}k_proj.{kind}"] = param[q : q + kv]
+            slots[f"{base}v_proj.{kind}"] = param[q + kv :]
+        elif prefix.endswith(".gate_up_proj"):
+            base = prefix.removesuffix("gate_up_proj")
+            slots[f"{base}gate_proj.{kind}"] = param[:inter]
+            slots[f"{base}up_proj.{kind}"] = param[inter:]
+        else:
+            slots[name] = param
     return slots
 
 
@@ -52,11 +44,13 @@ class WeightFiller:
         self.filled: set[str] = set()
         self.source = source
         self.tied = model.config.tie_word_embeddings
+        self.norm_offset = model.config.norm_weight_offset
 
-    def wants(self, name: str) -> bool:
-        return name in self.slots
-
-    def fill(self, name: str, tensor: torch.Tensor, where: str | None = None) -> None:
+    def fill(
+        self, name: str, tensor: torch.Tensor, where: str | None = None, hf: bool = False
+    ) -> None:
+        """hf: the tensor comes from an HF checkpoint, whose norm weights some families
+        store offset (ModelConfig.norm_weight_offset)."""
         where = where or self.source
         if name not in self.slots:
             if _IGNORED.fullmatch(name) or (self.tied and name == "lm_head.weight"):
@@ -72,6 +66,8 @@ class WeightFiller:
             raise ValueError(
                 f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected a float type"
             )
+        if hf and self.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor.float() + self.norm_offset
         with torch.no_grad():
             slot.copy_(tensor)
         self.filled.add(name)

@@ -188,7 +188,15 @@ _GGUF_PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
+# Gemma's norms around attention and MLP (llama.cpp's names differ from Llama's).
+_GEMMA_PARTS = {
+    **_GGUF_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def write_hf_as_gguf(hf_model, path, arch: str) -> None:
@@ -201,12 +209,19 @@ def write_hf_as_gguf(hf_model, path, arch: str) -> None:
         f"{arch}.attention.head_count": cfg.num_attention_heads,
         f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        f"{arch}.rope.freq_base": float(_global_rope(cfg)["rope_theta"]),
+        f"{arch}.attention.key_length": cfg.head_dim,
         "tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)],
     }
+    parts = _GGUF_PARTS
+    if arch == "gemma3":
+        metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+        parts = _GEMMA_PARTS
     tensors = {}
     for name, value in hf_model.state_dict().items():
         value = value.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if name == "model.embed_tokens.weight":
             tensors["token_embd.weight"] = value
         elif name == "model.norm.weight":
@@ -221,21 +236,43 @@ def write_hf_as_gguf(hf_model, path, arch: str) -> None:
                 value = llama_cpp_permute(value, cfg.num_attention_heads)
             elif arch == "llama" and part == "self_attn.k_proj":
                 value = llama_cpp_permute(value, cfg.num_key_value_heads)
-            tensors[f"blk.{layer}.{_GGUF_PARTS[part]}.{kind}"] = value
+            tensors[f"blk.{layer}.{parts[part]}.{kind}"] = value
     write_gguf(path, arch, metadata, tensors)
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2"])
+def _global_rope(cfg) -> dict:
+    rope = cfg.rope_parameters
+    return rope.get("full_attention", rope)
+
+
+# variant -> (family, HF config overrides). Gemma 3 from GGUF: llama.cpp's layer pattern
+# (every sixth layer global) and query scale (1 / sqrt(head_dim)); its window holds the
+# test sequences.
+GGUF_VARIANTS = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 64,
+                          "query_pre_attn_scalar": 64}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
 def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
-    arch = "qwen2" if variant == "qwen2" else "llama"
-    overrides = {"tie_word_embeddings": True} if variant == "llama_tied" else {}
+    arch, overrides = GGUF_VARIANTS[variant]
     hf = make_hf_model(arch, tmp_path / "hf", **overrides)
     write_hf_as_gguf(hf, tmp_path / "tiny.gguf", arch)
     model, config = load_model(tmp_path / "tiny.gguf", dtype="float32")
-    assert config.tie_word_embeddings == (variant == "llama_tied")
+    assert config.architecture == arch
+    assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert config.qkv_bias == (variant == "qwen2")
-    # The weights come back exactly (F32), q/k rows in HF's order ...
-    assert_params_equal(model, expected_params(hf, config))
+    # The weights come back exactly (F32; Gemma's norms as the 1 + w it stores), q/k rows
+    # in HF's order ...
+    expected = expected_params(hf, config)
+    if arch == "gemma3":
+        expected = {k: v + 1 if k.endswith("norm.weight") else v for k, v in expected.items()}
+    assert_params_equal(model, expected)
     # ... and so do the logits.
     tokens = [list(range(5, 30)), list(range(200, 209))]
     result = run_sequences(model, tokens, [20, 4], chunk_size=8)

@@ -40,6 +40,24 @@ FAMILIES = {
     "mistral": ("mistral", {"hidden_size": 192, "num_key_value_heads": 1}),
     # Qwen2: biases on q, k, v.
     "qwen2": ("qwen2", {}),
+    # Qwen3: per-head q/k RMSNorm, untied and tied LM heads.
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    # Gemma 3: a sliding-window layer and a global one (each its rope base), softmax
+    # scale from query_pre_attn_scalar, GELU gate, sandwich norms of (1 + w). The
+    # window (64) holds every test sequence: pyllm runs such models within it.
+    "gemma3": (
+        "gemma3",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 64,
+            "query_pre_attn_scalar": 48,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        },
+    ),
 }
 
 SEQ_LENS = [41, 23, 18]

@@ -49,8 +49,8 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
             [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
         )
         out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[p + f"{norm}.weight"] = sd[p + f"{norm}.weight"]
+    # Every norm (the layers' two, q/k norms, Gemma's four) keeps HF's name.
+    out.update({name: t for name, t in sd.items() if name.endswith("norm.weight")})
     return out
 
 
@@ -173,9 +173,6 @@ def _hf_config(**changes) -> dict:
 def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel"):
         ModelConfig.from_hf_dict(_hf_config(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(NotImplementedError, match="sliding_window=64"):
-        mistral = _hf_config(architectures=["MistralForCausalLM"], sliding_window=64)
-        ModelConfig.from_hf_dict(mistral)
     with pytest.raises(NotImplementedError, match="'yarn'"):
         ModelConfig.from_hf_dict(
             _hf_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
@@ -184,6 +181,25 @@ def test_config_errors_name_the_problem():
         ModelConfig.from_hf_dict(_hf_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelConfig.from_hf_dict(_hf_config(num_key_value_heads=3))
+
+
+def test_sliding_window_bounds_max_model_len():
+    """Without a window in the kernels, a windowed model runs within its window (where
+    the result is exact) and refuses a longer context by name."""
+    from pyllm.model.config import resolve_max_model_len
+
+    mistral = ModelConfig.from_hf_dict(
+        _hf_config(architectures=["MistralForCausalLM"], sliding_window=64)
+    )
+    assert resolve_max_model_len(mistral, None) == 64
+    assert resolve_max_model_len(mistral, 32) == 32
+    with pytest.raises(NotImplementedError, match="sliding_window=64"):
+        resolve_max_model_len(mistral, 65)
+    # A window as long as the context limits nothing.
+    wide = ModelConfig.from_hf_dict(
+        _hf_config(architectures=["MistralForCausalLM"], sliding_window=256)
+    )
+    assert resolve_max_model_len(wide, None) == 256
 
 
 def test_config_variants_that_load():

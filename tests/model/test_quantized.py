@@ -50,14 +50,17 @@ def test_weights_stay_quantized(smollm2):
 
 
 def test_greedy_tokens_follow_the_widened_model(smollm2):
-    """32 greedy tokens of the quantized model per prompt, and the widened model fed the
-    same tokens: per prompt, either every greedy choice is the same, or, up to the step
+    _, quantized, widened, tokenizer = smollm2
+    assert_greedy_follows(quantized, widened, [tokenizer.encode(p) for p in PROMPTS], tokenizer)
+
+
+def assert_greedy_follows(quantized, widened, prompts, tokenizer, new_tokens: int = 32) -> None:
+    """new_tokens greedy tokens of the quantized model per prompt, and the widened model fed
+    the same tokens: per prompt, either every greedy choice is the same, or, up to the step
     where the two part, the logits correlate >= 0.999 at every step. (The quantized path
     multiplies int8-rounded inputs, as llama.cpp does; the widened one float32 inputs.)
     Over all steps of all prompts the mean correlation stays >= 0.999 too."""
-    _, quantized, widened, tokenizer = smollm2
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    run = run_sequences(quantized, prompts, max_new_tokens=32)
+    run = run_sequences(quantized, prompts, max_new_tokens=new_tokens)
     all_corrs = []
     for prompt, generated, q_logits in zip(prompts, run.generated, run.logits, strict=True):
         forced = run_sequences(widened, [prompt + generated])

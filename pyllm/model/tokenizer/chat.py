@@ -19,6 +19,26 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
 )
 
+# Gemma's turn format, for GGUF files of the family that carry no template: turns of
+# "<start_of_turn>{user|model}\n...<end_of_turn>\n"; a system message has no turn of its
+# own and opens the first user turn, followed by a blank line; the reply is cued with
+# "<start_of_turn>model\n".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] ~ '\n\n' if messages and "
+    "messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' ~ role ~ '\n' ~ (system if loop.first else '') "
+    "~ message['content'] | trim ~ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# general.architecture -> the template a GGUF file of that family gets when it has none.
+BUILTIN_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+# Token texts that end a turn, used as stop tokens when a GGUF file names no EOT id.
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
+
 
 def validate_messages(messages: Sequence[dict[str, Any]]) -> None:
     """Raise ValueError unless `messages` is a list of {"role": <known role>, "content": str}."""

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from pyllm.model.gguf_file import open_gguf
 from pyllm.model.tokenizer.backends import SPM_SPACE, FastBackend, TokenizerParts
+from pyllm.model.tokenizer.chat import BUILTIN_CHAT_TEMPLATES, END_OF_TURN_TOKENS
 from pyllm.model.tokenizer.sentencepiece_proto import CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
 # Pre-tokenizer regexes, keyed by tokenizer.ggml.pre. GPT-2's own split is built into
@@ -71,6 +72,8 @@ def load_gguf(path: str | os.PathLike) -> TokenizerParts:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
 
+    if ids["eot"] is None:
+        ids["eot"] = next((tokens.index(t) for t in END_OF_TURN_TOKENS if t in tokens), None)
     backend = FastBackend(_build(path, meta, kind, tokens, token_types, ids["unknown"]))
     backend.force_bos_eos(ids["bos"], ids["eos"], add_bos, add_eos)
     return TokenizerParts(
@@ -80,7 +83,8 @@ def load_gguf(path: str | os.PathLike) -> TokenizerParts:
         pad_token_id=ids["padding"],
         unk_token_id=ids["unknown"],
         extra_eos_token_ids=[i for i in (ids["eot"], ids["eom"]) if i is not None],
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.get("tokenizer.chat_template")
+        or BUILTIN_CHAT_TEMPLATES.get(meta.get("general.architecture")),
     )
 
 
