@@ -21,7 +21,7 @@ import torch
 
 from pyllm.model import registry
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -100,6 +100,10 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
+            if rope_type == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    if len(self.rope_scaling[key]) != self.head_dim // 2:
+                        raise ValueError(f"longrope {key} needs head_dim / 2 values{where}")
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise NotImplementedError(
                     f"rope scaling type {rope_type!r}{where} is not supported; supported: "
@@ -175,11 +179,13 @@ class ModelConfig:
         metadata: dict[str, Any],
         tensor_names: set[str],
         source: str,
-        rope_freq_factors: tuple[float, ...] | None = None,
+        rope_factors: dict[str, tuple[float, ...]] | None = None,
     ) -> ModelConfig:
         """metadata: the file's key/value pairs (``llama.block_count`` ...);
         tensor_names: the names of its tensors (a missing ``output.weight`` means the
-        LM head is tied to ``token_embd.weight``)."""
+        LM head is tied to ``token_embd.weight``); rope_factors: the values of the
+        file's rope_freqs / rope_factors_short / rope_factors_long tensors."""
+        rope_factors = rope_factors or {}
         family = registry.family_of_gguf(metadata.get("general.architecture"), source)
         arch = family.name
 
@@ -208,8 +214,8 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(metadata, arch, source),
-            rope_freq_factors=rope_freq_factors,
+            rope_scaling=_gguf_rope_scaling(metadata, arch, source, rope_factors),
+            rope_freq_factors=rope_factors.get("rope_freqs"),
             tie_word_embeddings="output.weight" not in tensor_names,
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             o_bias="blk.0.attn_output.bias" in tensor_names,
@@ -233,8 +239,14 @@ def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | 
     theta = float(merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
+    if merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError(
+            f"partial_rotary_factor in {source} is not supported (rope over the whole head only)"
+        )
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _longrope(merged, raw, source)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
             f"rope scaling type {rope_type!r} in {source} is not supported; supported: "
@@ -250,7 +262,44 @@ def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _gguf_rope_scaling(metadata: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+def _longrope(params: dict[str, Any], raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE: per-frequency divisors for positions within the pretraining
+    context (short_factor) and past it (long_factor), and cos/sin scaled by an attention
+    factor, by default sqrt(1 + ln(f) / ln(original)) for f = context / original."""
+    original = params.get(
+        "original_max_position_embeddings", raw.get("original_max_position_embeddings")
+    )
+    missing = [k for k in ("short_factor", "long_factor") if k not in params]
+    if original is None or missing:
+        missing += [] if original else ["original_max_position_embeddings"]
+        raise ValueError(f"{source}: longrope rope scaling lacks {', '.join(missing)}")
+    factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {
+        "rope_type": "longrope",
+        "short_factor": tuple(float(x) for x in params["short_factor"]),
+        "long_factor": tuple(float(x) for x in params["long_factor"]),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention),
+    }
+
+
+def _gguf_rope_scaling(
+    metadata: dict[str, Any], arch: str, source: str, factors: dict[str, tuple[float, ...]]
+) -> dict[str, Any] | None:
+    if "rope_factors_short" in factors and "rope_factors_long" in factors:
+        params = {
+            "short_factor": factors["rope_factors_short"],
+            "long_factor": factors["rope_factors_long"],
+            "original_max_position_embeddings": metadata.get(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+            "attention_factor": metadata.get(f"{arch}.rope.scaling.attn_factor"),
+        }
+        context = {"max_position_embeddings": metadata.get(f"{arch}.context_length")}
+        return _longrope(params, context, source)
     rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if rope_type == "none":
         return None
@@ -292,10 +341,15 @@ def local_rope_config(config: ModelConfig) -> ModelConfig:
     )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """The rotary inverse frequencies [head_dim / 2] in float32, scaled as the config asks."""
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] in float32, scaled as the config asks
+    (long: LongRoPE's frequencies for positions past the pretraining context)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)

@@ -414,11 +414,19 @@ class RMSNorm(nn.Module):
 
 def rotary_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of every (position, frequency) in the first
-    half, sin in the second (the layout rotary_embedding reads)."""
-    inv_freq = rope_inv_freq(config)
+    half, sin in the second (the layout rotary_embedding reads). LongRoPE: positions past
+    the pretraining context take the long factors (as vLLM does; HF switches a whole
+    sequence once it grows past it), and cos/sin carry the attention factor."""
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous().to(device)
+    freqs = torch.outer(positions, rope_inv_freq(config))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        freqs[original:] = torch.outer(positions[original:], rope_inv_freq(config, long=True))
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if scaling.get("attention_factor", 1.0) != 1.0:
+        cache = cache * scaling["attention_factor"]
+    return cache.contiguous().to(device)
 
 
 class Attention(nn.Module):

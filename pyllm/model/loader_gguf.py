@@ -32,8 +32,8 @@ SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
 
-# Tensors that are not weights of ours: rope_freqs goes into the config.
-_NOT_WEIGHTS = ("rope_freqs.weight",)
+# Tensors that are not weights of ours: rope factors go into the config.
+_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 
 logger = logging.getLogger("pyllm")
 
@@ -61,13 +61,15 @@ def _metadata(gguf_file: GGUFFile) -> dict:
 
 
 def _config(gguf_file: GGUFFile, path: str) -> ModelConfig:
+    """Rope factors some files keep as tensors: Llama 3.1's per-frequency divisors and
+    Phi-3's LongRoPE factors."""
     tensors = gguf_file.tensors
-    freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        freq_factors = tuple(
-            float(x) for x in dequantize(tensors["rope_freqs.weight"], path).reshape(-1)
-        )
-    return ModelConfig.from_gguf_metadata(_metadata(gguf_file), set(tensors), path, freq_factors)
+    factors = {
+        name: tuple(float(x) for x in dequantize(tensors[name + ".weight"], path).reshape(-1))
+        for name in ("rope_freqs", "rope_factors_short", "rope_factors_long")
+        if name + ".weight" in tensors
+    }
+    return ModelConfig.from_gguf_metadata(_metadata(gguf_file), set(tensors), path, factors)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -94,10 +96,13 @@ def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def hf_names(config: ModelConfig, slots: dict[str, torch.Tensor]) -> dict[str, str]:
+def hf_names(
+    config: ModelConfig, slots: dict[str, torch.Tensor], tensors: dict[str, GGUFTensor]
+) -> dict[str, str]:
     """llama.cpp tensor name -> HF name for this model, from gguf's own tables
     (gguf.get_tensor_name_map): of the HF names gguf lists for a tensor of the
-    architecture, the one that is a slot of the model."""
+    architecture, the slot of the model with the tensor's shape (Phi-3's ffn_up is
+    gate_up_proj, Llama's is up_proj)."""
     import gguf
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.architecture)
@@ -105,8 +110,12 @@ def hf_names(config: ModelConfig, slots: dict[str, torch.Tensor]) -> dict[str, s
     names = {}
     for hf_base, (_, gguf_base) in table.mapping.items():
         for kind in ("weight", "bias"):
-            if f"{hf_base}.{kind}" in slots:
-                names[f"{gguf_base}.{kind}"] = f"{hf_base}.{kind}"
+            hf, name = f"{hf_base}.{kind}", f"{gguf_base}.{kind}"
+            if hf not in slots:
+                continue
+            tensor = tensors.get(name)
+            if name not in names or (tensor and tuple(slots[hf].shape) == tensor.shape):
+                names[name] = hf
     return names
 
 
@@ -135,7 +144,7 @@ def load_gguf(
     model_cls = model_class(config.architecture)
     model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len)
     filler = WeightFiller(model, path)
-    names = hf_names(config, filler.slots)
+    names = hf_names(config, filler.slots, gguf_file.tensors)
     quantized = _load_quantized(model, gguf_file, filler, names) if keep_quantized else set()
     widened = sorted(
         {
@@ -184,15 +193,18 @@ def _permuted_heads(config: ModelConfig, gguf_name: str) -> int:
 
 
 # Which GGUF tensors make up each projection, in output order: (module path, parts).
-def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:
+# Phi-3's files keep q/k/v in one tensor (attn_qkv) and gate/up in one (ffn_up).
+def _projections(config: ModelConfig, tensors: dict[str, GGUFTensor]) -> list[tuple[str, list]]:
     out = []
     for i in range(config.num_hidden_layers):
         blk = f"blk.{i}."
         layer = f"model.layers.{i}."
+        qkv = ["attn_qkv"] if blk + "attn_qkv.weight" in tensors else ["attn_q", "attn_k", "attn_v"]
+        gate_up = ["ffn_gate", "ffn_up"] if blk + "ffn_gate.weight" in tensors else ["ffn_up"]
         out += [
-            (layer + "self_attn.qkv_proj", [blk + "attn_q", blk + "attn_k", blk + "attn_v"]),
+            (layer + "self_attn.qkv_proj", [blk + part for part in qkv]),
             (layer + "self_attn.o_proj", [blk + "attn_output"]),
-            (layer + "mlp.gate_up_proj", [blk + "ffn_gate", blk + "ffn_up"]),
+            (layer + "mlp.gate_up_proj", [blk + part for part in gate_up]),
             (layer + "mlp.down_proj", [blk + "ffn_down"]),
         ]
     if not config.tie_word_embeddings:
@@ -216,7 +228,7 @@ def _load_quantized(
     tensors = gguf_file.tensors
     used: set[str] = set()
     with open(gguf_file.path, "rb") as file:
-        for module_path, names in _projections(config):
+        for module_path, names in _projections(config, tensors):
             module = model.get_submodule(module_path)
             parts = [tensors.get(name + ".weight") for name in names]
             if not all(_quantizable(t, module.in_features) for t in parts):
@@ -226,13 +238,13 @@ def _load_quantized(
             module.set_quantized(_read_parts(file, config, parts, module.in_features, model.device))
             for t in parts:
                 used.add(t.name)
-                filler.filled.add(hf_of[t.name])
+                filler.mark(hf_of[t.name])
         embedding = tensors.get("token_embd.weight")
         if _quantizable(embedding, config.hidden_size):
             (part,) = _read_parts(file, config, [embedding], config.hidden_size, model.device)
             model.set_quantized_embedding(part)
             used.add(embedding.name)
-            filler.filled.add("model.embed_tokens.weight")
+            filler.mark("model.embed_tokens.weight")
     return used
 
 

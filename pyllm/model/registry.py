@@ -133,6 +133,8 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", ("MistralForCausalLM",), ("mistral",), _LLAMA, _llama_hf),
         Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _LLAMA, _qwen2_hf),
         Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _LLAMA, _qwen3_hf, _qwen3_gguf),
+        # Phi-3: q/k/v and gate/up already fused in the checkpoint, LongRoPE.
+        Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _LLAMA, _llama_hf),
         Family(
             "gemma3",
             ("Gemma3ForCausalLM",),

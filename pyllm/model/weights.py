@@ -13,34 +13,36 @@ from pyllm.model.llama import LlamaForCausalLM
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def weight_slots(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the view of the model's parameter it fills. The model's module
-    names are HF's, except the fused projections: q/k/v are row ranges of qkv_proj,
-    gate/up of gate_up_proj."""
+def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """HF tensor name -> the view of the model's parameter it fills, and each fused
+    parameter's name -> the names of its parts. The model's module names are HF's; q/k/v
+    are row ranges of qkv_proj, gate/up of gate_up_proj, and a checkpoint may hold
+    either the parts (most) or the fused tensor (Phi-3)."""
     config = model.config
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    slots = {}
+    slots, fused = {}, {}
     for name, param in model.named_parameters():
         prefix, _, kind = name.rpartition(".")
         if prefix.endswith(".qkv_proj"):
             base = prefix.removesuffix("qkv_proj")
-            slots[f"{base}q_proj.{kind}"] = param[:q]
-            slots[f"{base}k_proj.{kind}"] = param[q : q + kv]
-            slots[f"{base}v_proj.{kind}"] = param[q + kv :]
+            parts = {"q_proj": param[:q], "k_proj": param[q : q + kv], "v_proj": param[q + kv :]}
         elif prefix.endswith(".gate_up_proj"):
             base = prefix.removesuffix("gate_up_proj")
-            slots[f"{base}gate_proj.{kind}"] = param[:inter]
-            slots[f"{base}up_proj.{kind}"] = param[inter:]
+            parts = {"gate_proj": param[:inter], "up_proj": param[inter:]}
         else:
             slots[name] = param
-    return slots
+            continue
+        fused[name] = [f"{base}{part}.{kind}" for part in parts]
+        slots.update({f"{base}{part}.{kind}": view for part, view in parts.items()})
+        slots[name] = param
+    return slots, fused
 
 
 class WeightFiller:
     """Copies named tensors into their slots and, at the end, names any slot left empty."""
 
     def __init__(self, model: LlamaForCausalLM, source: str) -> None:
-        self.slots = weight_slots(model)
+        self.slots, self.fused = weight_slots(model)
         self.filled: set[str] = set()
         self.source = source
         self.tied = model.config.tie_word_embeddings
@@ -70,10 +72,15 @@ class WeightFiller:
             tensor = tensor.float() + self.norm_offset
         with torch.no_grad():
             slot.copy_(tensor)
+        self.mark(name)
+
+    def mark(self, name: str) -> None:
+        """name counts as filled (by fill, or by a loader that set its module itself)."""
         self.filled.add(name)
+        self.filled.update(self.fused.get(name, ()))
 
     def finish(self) -> None:
-        missing = [name for name in self.slots if name not in self.filled]
+        missing = [n for n in self.slots if n not in self.filled and n not in self.fused]
         if missing:
             shown = ", ".join(missing[:5]) + (
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""

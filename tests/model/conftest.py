@@ -55,10 +55,13 @@ def make_hf_model(kind: str, path, max_shard_size: str | None = None, **override
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     kwargs = dict(TINY)
     if kind == "mistral":
         kwargs["sliding_window"] = None
+    if kind == "phi3":  # its defaults name ids past the tiny vocabulary
+        kwargs.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(0)

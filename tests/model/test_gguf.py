@@ -189,6 +189,7 @@ _GGUF_PARTS = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
 }  # fmt: skip
 # Gemma's norms around attention and MLP (llama.cpp's names differ from Llama's).
 _GEMMA_PARTS = {
@@ -214,6 +215,15 @@ def write_hf_as_gguf(hf_model, path, arch: str) -> None:
         "tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)],
     }
     parts = _GGUF_PARTS
+    rope = _global_rope(cfg)
+    if rope.get("rope_type") == "longrope":  # llama.cpp keeps the factors as tensors
+        metadata[f"{arch}.rope.scaling.original_context_length"] = (
+            cfg.original_max_position_embeddings
+        )
+        metadata[f"{arch}.rope.scaling.attn_factor"] = float(
+            (1 + np.log(cfg.max_position_embeddings / cfg.original_max_position_embeddings)
+             / np.log(cfg.original_max_position_embeddings)) ** 0.5
+        )  # fmt: skip
     if arch == "gemma3":
         metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
         parts = _GEMMA_PARTS
@@ -237,6 +247,9 @@ def write_hf_as_gguf(hf_model, path, arch: str) -> None:
             elif arch == "llama" and part == "self_attn.k_proj":
                 value = llama_cpp_permute(value, cfg.num_key_value_heads)
             tensors[f"blk.{layer}.{parts[part]}.{kind}"] = value
+    if rope.get("rope_type") == "longrope":
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
     write_gguf(path, arch, metadata, tensors)
 
 
@@ -255,6 +268,11 @@ GGUF_VARIANTS = {
     "qwen3": ("qwen3", {}),
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 64,
                           "query_pre_attn_scalar": 64}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(32)],
+        "long_factor": [2.0 + 0.5 * i for i in range(32)]}}),
 }  # fmt: skip
 
 

@@ -43,6 +43,22 @@ FAMILIES = {
     # Qwen3: per-head q/k RMSNorm, untied and tied LM heads.
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint; LongRoPE (the test sequences stay
+    # within the pretraining context of 64, where HF and pyllm both use short_factor).
+    "phi3": ("phi3", {}),
+    "phi3-longrope": (
+        "phi3",
+        {
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(32)],
+                "long_factor": [2.0 + 0.5 * i for i in range(32)],
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     # Gemma 3: a sliding-window layer and a global one (each its rope base), softmax
     # scale from query_pre_attn_scalar, GELU gate, sandwich norms of (1 + w). The
     # window (64) holds every test sequence: pyllm runs such models within it.

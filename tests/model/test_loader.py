@@ -41,13 +41,15 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-            out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [sd[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"]
-            )
+            fused = sd.get(p + f"self_attn.qkv_proj.{kind}")  # Phi-3 stores it fused
+            if fused is None:
+                fused = torch.cat([sd[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"])
+            out[p + f"self_attn.qkv_proj.{kind}"] = fused
         out[p + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
-        )
+        gate_up = sd.get(p + "mlp.gate_up_proj.weight")
+        if gate_up is None:
+            gate_up = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        out[p + "mlp.gate_up_proj.weight"] = gate_up
         out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
     # Every norm (the layers' two, q/k norms, Gemma's four) keeps HF's name.
     out.update({name: t for name, t in sd.items() if name.endswith("norm.weight")})
@@ -181,6 +183,26 @@ def test_config_errors_name_the_problem():
         ModelConfig.from_hf_dict(_hf_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelConfig.from_hf_dict(_hf_config(num_key_value_heads=3))
+
+
+def test_longrope_cache_takes_long_factors_past_the_original_context():
+    """LongRoPE (Phi-3): positions within the pretraining context rotate by short_factor,
+    later ones by long_factor (vLLM's rule), cos/sin scaled by the attention factor."""
+    from pyllm.model.layers import rotary_cos_sin_cache
+
+    short, long = [1.0 + 0.1 * i for i in range(32)], [2.0 + 0.5 * i for i in range(32)]
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": short,
+            "long_factor": long, "original_max_position_embeddings": 64}  # fmt: skip
+    raw = _hf_config(architectures=["Phi3ForCausalLM"], rope_parameters=rope)
+    config = ModelConfig.from_hf_dict(raw)
+    factor = (1 + math.log(256 / 64) / math.log(64)) ** 0.5
+    assert config.rope_scaling["attention_factor"] == pytest.approx(factor)
+    cache = rotary_cos_sin_cache(config, 256, "cpu")
+    base = 1e4 ** (torch.arange(0, 64, 2).float() / 64)
+    for position, factors in ((10, short), (63, short), (64, long), (200, long)):
+        angles = position / (torch.tensor(factors) * base)
+        expected = torch.cat((angles.cos(), angles.sin())) * factor
+        torch.testing.assert_close(cache[position], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_bounds_max_model_len():

@@ -15,15 +15,15 @@ def test_every_family_names_a_model_class(name):
 
 
 def test_unknown_hf_architecture_is_named_with_the_supported_ones():
-    raw = {"architectures": ["Phi3ForCausalLM"], "hidden_size": 64}
-    with pytest.raises(ValueError, match="unsupported architecture Phi3ForCausalLM") as error:
-        ModelConfig.from_hf_dict(raw, source="phi/config.json")
+    raw = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64}
+    with pytest.raises(ValueError, match="unsupported architecture GPTNeoXForCausalLM") as error:
+        ModelConfig.from_hf_dict(raw, source="neox/config.json")
     for family in registry.FAMILIES.values():
         assert family.hf_classes[0] in str(error.value)
-    with pytest.raises(ValueError, match="unsupported architecture 'phi3'"):
-        ModelConfig.from_hf_dict({"model_type": "phi3"})
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt_neox'"):
+        ModelConfig.from_hf_dict({"model_type": "gpt_neox"})
 
 
 def test_unknown_gguf_architecture_is_named_with_the_supported_ones():
-    with pytest.raises(ValueError, match=r"'phi3' in x\.gguf .*supported: llama, mistral"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "phi3"}, set(), "x.gguf")
+    with pytest.raises(ValueError, match=r"'gptneox' in x\.gguf .*supported: llama, mistral"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "gptneox"}, set(), "x.gguf")
