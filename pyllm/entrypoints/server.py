@@ -751,7 +751,21 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
     stops the engine thread."""
+    app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
+    app.state.serving = serving
+    _add_error_handlers(app)
+    _add_status_routes(app, engine, metrics)
+    _add_api_routes(app, serving)
+    # Outermost last: the size check runs before authentication reads anything.
+    if api_key:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    return app
 
+
+def _lifespan(engine: AsyncEngine):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine.is_running:
@@ -759,11 +773,11 @@ def create_app(
         yield
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="pyllm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
-    created = api.now()
-    app.state.serving = serving
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape."""
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError):
@@ -787,6 +801,8 @@ def create_app(
         body = error_body(f"internal error: {type(error).__name__}", "server_error", None, None)
         return JSONResponse(body, status_code=500)
 
+
+def _add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health():
         if not engine.is_running:
@@ -798,9 +814,14 @@ def create_app(
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
 
+
+def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The /v1/ routes."""
+    created = api.now()
+
     def model_card() -> api.ModelCard:
         return api.ModelCard(
-            id=served_model_name, created=created, max_model_len=engine.max_model_len
+            id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
     @app.get("/v1/models")
@@ -821,12 +842,6 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving.completions(request)
-
-    # Outermost last: the size check runs before authentication reads anything.
-    if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
-    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
-    return app
 
 
 def default_model_name(model_path: str) -> str:
