@@ -23,6 +23,9 @@ import torch
 
 from pyllm.sampling.batch import SamplingBatch
 
+# (flat ids, the values there before a change), for restore to put back.
+UndoLog = list[tuple[torch.Tensor, torch.Tensor]]
+
 
 def apply_penalties(
     logits: torch.Tensor, batch: SamplingBatch, eos_token_ids: frozenset[int]
@@ -36,7 +39,7 @@ def penalize(
     logits: torch.Tensor,
     batch: SamplingBatch,
     eos_token_ids: frozenset[int],
-    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    undo: UndoLog | None,
 ) -> torch.Tensor:
     """apply_penalties; with an `undo` list and contiguous logits, in place instead of on a
     copy (a full copy costs as much as a softmax pass): the values it overwrites are
@@ -114,9 +117,7 @@ def _gather_asks(batch: SamplingBatch, vocab: int, eos_token_ids: frozenset[int]
     )  # fmt: skip
 
 
-def _save(
-    flat: torch.Tensor, ids: torch.Tensor, undo: list[tuple[torch.Tensor, torch.Tensor]] | None
-) -> torch.Tensor:
+def _save(flat: torch.Tensor, ids: torch.Tensor, undo: UndoLog | None) -> torch.Tensor:
     """ids, after appending the values at them to `undo` (if any) for restore."""
     if undo is not None:
         undo.append((ids, flat[ids]))
@@ -124,11 +125,7 @@ def _save(
 
 
 def _repetition_penalty(
-    flat: torch.Tensor,
-    asks: _Asks,
-    vocab: int,
-    num_rows: int,
-    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    flat: torch.Tensor, asks: _Asks, vocab: int, num_rows: int, undo: UndoLog | None
 ) -> None:
     # Each distinct token once per row: the penalty scales a logit once, however often
     # the token occurs.
@@ -141,11 +138,7 @@ def _repetition_penalty(
 
 
 def _presence_frequency(
-    flat: torch.Tensor,
-    asks: _Asks,
-    vocab: int,
-    num_rows: int,
-    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    flat: torch.Tensor, asks: _Asks, vocab: int, num_rows: int, undo: UndoLog | None
 ) -> None:
     ids, counts = torch.unique(
         _flat_ids(asks.output_rows, asks.output_tokens, vocab, flat.device), return_counts=True
@@ -157,7 +150,7 @@ def _presence_frequency(
     flat.index_add_(0, ids, -(frequency * counts + presence))
 
 
-def restore(logits: torch.Tensor, undo: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def restore(logits: torch.Tensor, undo: UndoLog) -> None:
     """Undoes penalize in place: the saved values back, the last change first (an id
     repeated within one change was saved with the same value each time)."""
     flat = logits.view(-1) if undo else None
