@@ -14,6 +14,8 @@ in a throwaway KV cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pyllm.engine.scheduler import ScheduledBatch
@@ -37,6 +39,53 @@ def _seq_slots(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 PromptLogits = tuple[Sequence, int, torch.Tensor]
 
 
+@dataclass
+class _FlatBatch:
+    """A step's tokens as flat lists, one entry per token (query_start_loc: per sequence,
+    where its tokens start, plus the end)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    logits_indices: list[int]
+    sampled: list[Sequence]
+    prompt_rows: list[tuple[Sequence, int, range]]
+
+
+def _flatten(batch: ScheduledBatch, bs: int, contiguous: bool) -> _FlatBatch:
+    """The scheduled tokens in batch.all() order, with their positions, KV slots, and
+    which of them are sampled or give prompt logits."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    sampled: list[Sequence] = []
+    prompt_rows: list[tuple[Sequence, int, range]] = []
+    for seq, n in batch.all():
+        start = seq.num_computed_tokens
+        # Prompt positions before the last predict the prompt's own next token.
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        if seq.prompt_logprobs is not None and start < last:
+            prompt_rows.append((seq, start, range(len(input_ids), len(input_ids) + last - start)))
+        table = seq.block_table
+        input_ids.extend(seq.token_ids[start : start + n])
+        span = range(start, start + n)
+        positions.extend(span)
+        if contiguous:
+            slot_mapping.extend([seq.kv_slot] * n)
+        else:
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
+        query_start_loc.append(query_start_loc[-1] + n)
+        if start + n == seq.num_tokens:  # everything pending is computed: sample
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(seq)
+    return _FlatBatch(
+        input_ids, positions, slot_mapping, query_start_loc, logits_indices, sampled, prompt_rows
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -58,36 +107,21 @@ class ModelRunner:
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
         prompt_rows): prompt_rows lists (seq, first position, flat token indices) of the
         prompt positions whose logits the sequence's prompt logprobs need."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        logits_indices: list[int] = []
-        sampled: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, range]] = []
+        flat = _flatten(batch, self.block_size, self.contiguous)
+        metadata = self._attention_metadata(batch, flat.slot_mapping, flat.query_start_loc)
+        device = self.device
+        return (
+            torch.tensor(flat.input_ids, dtype=torch.int64, device=device),
+            torch.tensor(flat.positions, dtype=torch.int64, device=device),
+            metadata,
+            torch.tensor(flat.logits_indices, dtype=torch.int64, device=device),
+            flat.sampled,
+            flat.prompt_rows,
+        )
 
-        for seq, n in batch.all():
-            start = seq.num_computed_tokens
-            # Prompt positions before the last predict the prompt's own next token.
-            last = min(start + n, seq.num_prompt_tokens - 1)
-            if seq.prompt_logprobs is not None and start < last:
-                prompt_rows.append(
-                    (seq, start, range(len(input_ids), len(input_ids) + last - start))
-                )
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : start + n])
-            span = range(start, start + n)
-            positions.extend(span)
-            if self.contiguous:
-                slot_mapping.extend([seq.kv_slot] * n)
-            else:
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
-            query_start_loc.append(query_start_loc[-1] + n)
-            if start + n == seq.num_tokens:  # everything pending is computed: sample
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(seq)
-
+    def _attention_metadata(
+        self, batch: ScheduledBatch, slot_mapping: list[int], query_start_loc: list[int]
+    ) -> AttentionMetadata:
         device = self.device
         prefill_seqs = [s for s, _ in batch.prefills]
         decode_seqs = [s for s, _ in batch.decodes]
@@ -111,14 +145,7 @@ class ModelRunner:
             metadata.contiguous = True
             metadata.prefill_seq_slots = _seq_slots(prefill_seqs, device)
             metadata.decode_seq_slots = _seq_slots(decode_seqs, device)
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            metadata,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-            sampled,
-            prompt_rows,
-        )
+        return metadata
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:

@@ -45,8 +45,12 @@ class _EngineCollector(Collector):
         return family
 
     def collect(self):
-        llm = self.engine.engine
-        scheduler, kv, stats = llm.scheduler, llm.kv_manager, llm.stats
+        yield from self._request_gauges()
+        yield from self._kv_gauges()
+        yield from self._counters()
+
+    def _request_gauges(self):
+        scheduler = self.engine.engine.scheduler
         yield self._gauge(
             "pyllm:num_requests_running",
             "Sequences in the running batch",
@@ -58,6 +62,9 @@ class _EngineCollector(Collector):
             "requests not yet taken by the engine",
             len(scheduler.waiting) + self.engine.num_pending,
         )
+
+    def _kv_gauges(self):
+        llm = self.engine.engine
         yield self._gauge(
             "pyllm:kv_cache_usage_perc",
             "Share of the KV cache in use (0 to 1): blocks held (paged) or budget committed "
@@ -71,12 +78,17 @@ class _EngineCollector(Collector):
             llm.kv_cache_committed_bytes(),
         )
         if llm.config.kv_cache == "paged":
+            kv = llm.kv_manager
             yield self._gauge(
                 "pyllm:num_free_kv_blocks",
                 "KV blocks free to allocate (cached prefixes nobody holds count as free)",
                 kv.num_free_blocks,
             )
             yield self._gauge("pyllm:num_kv_blocks", "KV blocks in the cache", kv.num_blocks)
+
+    def _counters(self):
+        llm = self.engine.engine
+        scheduler, kv, stats = llm.scheduler, llm.kv_manager, llm.stats
         yield self._counter("pyllm:generation_tokens", "Tokens generated", stats.generation_tokens)
         yield self._counter(
             "pyllm:prompt_tokens_computed",

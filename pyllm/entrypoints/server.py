@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -498,60 +499,31 @@ class OpenAIServing:
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    async def _chat_stream(
+    def _chat_stream(
         self,
         body: api.ChatCompletionRequest,
         jobs: list[_Job],
         created: int,
         progress: _Progress,
     ) -> AsyncIterator[str]:
-        job = jobs[0]
-        self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
-        state = [_Choice() for _ in range(body.n)]
-
-        def chunk(choice: api.ChatChunkChoice) -> str:
-            return _sse(
-                api.ChatCompletionChunk(
-                    id=job.request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[choice],
-                )
+        def choice(
+            index: int, c: CompletionOutput, text: str, token_ids: list[int], logprobs, offset: int
+        ) -> api.ChatChunkChoice:
+            return api.ChatChunkChoice(
+                index=c.index,
+                delta=api.DeltaMessage(content=text),
+                logprobs=self._chat_logprobs(token_ids, logprobs) if body.logprobs else None,
+                finish_reason=c.finish_reason,
             )
 
-        for i in range(body.n):
-            yield chunk(
-                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-            )
-        async for _, output in self._outputs(jobs):
-            self._track(progress, 0, output)
-            for c in output.outputs:
-                delta = _delta(state[c.index], c)
-                if delta is None:
-                    continue
-                text, token_ids, logprobs = delta
-                yield chunk(
-                    api.ChatChunkChoice(
-                        index=c.index,
-                        delta=api.DeltaMessage(content=text),
-                        logprobs=self._chat_logprobs(token_ids, logprobs)
-                        if body.logprobs
-                        else None,
-                        finish_reason=c.finish_reason,
-                    )
-                )
-        self._observe(progress)
-        if body.include_usage:
-            yield _sse(
-                api.ChatCompletionChunk(
-                    id=job.request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=self._usage(progress, jobs),
-                )
-            )
-        yield "data: [DONE]\n\n"
+        opening = (
+            api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+            for i in range(body.n)
+        )
+        chunk = functools.partial(
+            api.ChatCompletionChunk, id=jobs[0].request_id, created=created, model=self.model_name
+        )
+        return self._stream(body, jobs, progress, chunk, opening, choice)
 
     # ---------------------------------------------------------- completions
 
@@ -569,21 +541,11 @@ class OpenAIServing:
             final = progress.finals[index]
             prompt_lps = final.prompt_logprobs
             for c in final.outputs:
-                logprobs = None
-                if body.echo_logprobs:
-                    logprobs = self._echo_logprobs(job.prompt_token_ids, prompt_lps, body.logprobs)
-                    generated = self._completion_logprobs(
-                        c.token_ids, c.logprobs or [], len(prefix)
-                    )
-                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        getattr(logprobs, name).extend(getattr(generated, name))
-                elif body.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], 0)
                 choices.append(
                     api.CompletionChoice(
                         index=index * body.n + c.index,
                         text=prefix + c.text,
-                        logprobs=logprobs,
+                        logprobs=self._choice_logprobs(body, job, prompt_lps, c, len(prefix)),
                         finish_reason=c.finish_reason,
                         prompt_logprobs=None
                         if body.prompt_logprobs is None
@@ -601,64 +563,88 @@ class OpenAIServing:
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    async def _completion_stream(
+    def _choice_logprobs(
+        self,
+        body: api.CompletionRequest,
+        job: _Job,
+        prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None,
+        c: CompletionOutput,
+        text_offset: int,
+    ) -> api.CompletionLogprobs | None:
+        """A whole choice's logprobs; with echo, the prompt's first, then the generated
+        tokens' from text_offset (the echoed prompt's length)."""
+        if body.echo_logprobs:
+            logprobs = self._echo_logprobs(job.prompt_token_ids, prompt_logprobs, body.logprobs)
+            generated = self._completion_logprobs(c.token_ids, c.logprobs or [], text_offset)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, name).extend(getattr(generated, name))
+            return logprobs
+        if body.logprobs is not None:
+            return self._completion_logprobs(c.token_ids, c.logprobs or [], 0)
+        return None
+
+    def _completion_stream(
         self,
         body: api.CompletionRequest,
         jobs: list[_Job],
         created: int,
         progress: _Progress,
     ) -> AsyncIterator[str]:
-        response_id = jobs[0].request_id.rsplit("-", 1)[0]
-        self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
-        state = {(i, k): _Choice() for i in range(len(jobs)) for k in range(body.n)}
-
-        def chunk(choice: api.CompletionChoice) -> str:
-            return _sse(
-                api.CompletionResponse(
-                    id=response_id, created=created, model=self.model_name, choices=[choice]
-                )
+        def choice(
+            index: int, c: CompletionOutput, text: str, token_ids: list[int], logprobs, offset: int
+        ) -> api.CompletionChoice:
+            return api.CompletionChoice(
+                index=index * body.n + c.index,
+                text=text,
+                logprobs=self._completion_logprobs(token_ids, logprobs, offset)
+                if body.logprobs is not None
+                else None,
+                finish_reason=c.finish_reason,
             )
 
-        if body.echo:
-            for (i, k), _ in state.items():
-                yield chunk(
-                    api.CompletionChoice(
-                        index=i * body.n + k,
-                        text=jobs[i].prompt_text,
-                        logprobs=None,
-                        finish_reason=None,
-                    )  # fmt: skip
-                )
+        echoes = (
+            api.CompletionChoice(
+                index=i * body.n + k, text=jobs[i].prompt_text, logprobs=None, finish_reason=None
+            )
+            for i in range(len(jobs))
+            for k in range(body.n)
+        )
+        opening = echoes if body.echo else ()
+        response_id = jobs[0].request_id.rsplit("-", 1)[0]
+        chunk = functools.partial(
+            api.CompletionResponse, id=response_id, created=created, model=self.model_name
+        )
+        return self._stream(body, jobs, progress, chunk, opening, choice)
+
+    # ---------------------------------------------------------- streaming
+
+    async def _stream(
+        self,
+        body: api.ChatCompletionRequest | api.CompletionRequest,
+        jobs: list[_Job],
+        progress: _Progress,
+        chunk: Callable[..., BaseModel],
+        opening: Iterable[BaseModel],
+        choice: Callable[..., BaseModel],
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request, each a chunk(choices=..., [usage=])
+        of the API: the `opening` choices, then choice(prompt index, output, text, token
+        ids, logprobs, text offset) per choice with news, then usage if asked, [DONE]."""
+        self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
+        state = {(i, k): _Choice() for i in range(len(jobs)) for k in range(body.n)}
+        for first in opening:
+            yield _sse(chunk(choices=[first]))
         async for index, output in self._outputs(jobs):
             self._track(progress, index, output)
             for c in output.outputs:
                 choice_state = state[(index, c.index)]
                 offset = choice_state.text_sent
                 delta = _delta(choice_state, c)
-                if delta is None:
-                    continue
-                text, token_ids, logprobs = delta
-                yield chunk(
-                    api.CompletionChoice(
-                        index=index * body.n + c.index,
-                        text=text,
-                        logprobs=self._completion_logprobs(token_ids, logprobs, offset)
-                        if body.logprobs is not None
-                        else None,
-                        finish_reason=c.finish_reason,
-                    )
-                )
+                if delta is not None:
+                    yield _sse(chunk(choices=[choice(index, c, *delta, offset)]))
         self._observe(progress)
         if body.include_usage:
-            yield _sse(
-                api.CompletionResponse(
-                    id=response_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=[],
-                    usage=self._usage(progress, jobs),
-                )
-            )
+            yield _sse(chunk(choices=[], usage=self._usage(progress, jobs)))
         yield "data: [DONE]\n\n"
 
 
@@ -765,7 +751,21 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
     stops the engine thread."""
+    app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
+    app.state.serving = serving
+    _add_error_handlers(app)
+    _add_status_routes(app, engine, metrics)
+    _add_api_routes(app, serving)
+    # Outermost last: the size check runs before authentication reads anything.
+    if api_key:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    return app
 
+
+def _lifespan(engine: AsyncEngine):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine.is_running:
@@ -773,11 +773,11 @@ def create_app(
         yield
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="pyllm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
-    created = api.now()
-    app.state.serving = serving
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape."""
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError):
@@ -801,6 +801,8 @@ def create_app(
         body = error_body(f"internal error: {type(error).__name__}", "server_error", None, None)
         return JSONResponse(body, status_code=500)
 
+
+def _add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health():
         if not engine.is_running:
@@ -812,9 +814,14 @@ def create_app(
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
 
+
+def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The /v1/ routes."""
+    created = api.now()
+
     def model_card() -> api.ModelCard:
         return api.ModelCard(
-            id=served_model_name, created=created, max_model_len=engine.max_model_len
+            id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
     @app.get("/v1/models")
@@ -835,12 +842,6 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving.completions(request)
-
-    # Outermost last: the size check runs before authentication reads anything.
-    if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
-    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
-    return app
 
 
 def default_model_name(model_path: str) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from pyllm.sampling.batch import SamplingBatch, put_rows, row_index, take_rows
 from pyllm.sampling.draw import chunk_mass
+from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.select import BLOCK, block_maxima, gather_blocks
 
 # Top-k/top-p thresholds come from the K largest probabilities: K = top_k + 1 settles a
@@ -159,59 +160,105 @@ def candidate_pass(
     then cut on the weights, as in sampling_weights. Whether a row is settled here depends
     on its own top_k only, never on the other rows, and nothing it computes does either.
     """
-    vocab = processed.shape[1]
     params = {i: batch[i].params for i in sampled}
-    limit = {i: params[i].top_k + _slack(params[i].top_k) for i in sampled if params[i].top_k > 0}
-    # Gather at most half the vocabulary; smaller vocabularies go the full way.
-    fast = [i for i in sampled if i in limit and limit[i] * BLOCK * 2 <= vocab]
-    fast_set = set(fast)
-    full = [i for i in sampled if i not in fast_set]
+    fast, full, limits = _fast_rows(params, sampled, processed.shape[1])
     if not fast:
         return None, full
     device = processed.device
     rows = torch.tensor(fast, dtype=torch.int64, device=device)
     x = take_rows(processed, row_index(fast, processed.shape[0], device))
-    top_k = torch.tensor([params[i].top_k for i in fast], device=device)
-    own = torch.tensor([limit[i] for i in fast], device=device)
-    num_blocks = max(limit[i] for i in fast)
-
+    fast_params = [params[i] for i in fast]
+    top_k = torch.tensor([p.top_k for p in fast_params], device=device)
     maxima = block_maxima(x)
+    ids, values = _largest_in_top_blocks(x, maxima, max(limits))
+    kth = values.gather(1, (top_k - 1)[:, None])
+    settled = _settled(maxima, values, kth, torch.tensor(limits, device=device))
+    candidates, weights = _candidate_weights(ids, values, kth, maxima, fast_params)
+    return _keep_settled(rows, candidates, weights, settled, fast, full)
+
+
+def _fast_rows(
+    params: dict[int, SamplingParams], sampled: list[int], vocab: int
+) -> tuple[list[int], list[int], list[int]]:
+    """(rows for the fast path, the other sampled rows, each fast row's limit: top_k plus
+    its slack)."""
+    limit = {i: params[i].top_k + _slack(params[i].top_k) for i in sampled if params[i].top_k > 0}
+    # Gather at most half the vocabulary; smaller vocabularies go the full way.
+    fast = [i for i in sampled if i in limit and limit[i] * BLOCK * 2 <= vocab]
+    fast_set = set(fast)
+    full = [i for i in sampled if i not in fast_set]
+    return fast, full, [limit[i] for i in fast]
+
+
+def _largest_in_top_blocks(
+    x: torch.Tensor, maxima: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, logits) [rows, width] of the largest logits in each row's num_blocks
+    blocks with the largest maxima, logits descending."""
     blocks = maxima.topk(num_blocks, dim=-1).indices
-    if vocab % BLOCK == 0:
+    if x.shape[1] % BLOCK == 0:
         # Whole blocks: one copy of contiguous block rows, no index arithmetic per column.
-        row_ids = torch.arange(len(fast), device=device)[:, None]
+        row_ids = torch.arange(x.shape[0], device=x.device)[:, None]
         values = x.unflatten(1, (-1, BLOCK))[row_ids, blocks].flatten(1)
         columns = None
     else:
         columns, values = gather_blocks(x, blocks)
     # The largest `width` gathered values: the row's own limit plus one (to see whether the
-    # ties end within it), rounded up to whole 16-lane vectors so every elementwise op
-    # below runs the same vector code on every column, whatever the batch's width.
+    # ties end within it), rounded up to whole 16-lane vectors so every elementwise op on
+    # them runs the same vector code on every column, whatever the batch's width.
     width = min(-(-(num_blocks + 1) // 16) * 16, values.shape[1])
     top_values, where = values.topk(width, dim=-1)
-    kth = top_values.gather(1, (top_k - 1)[:, None])
-    # Settled when every block holding a token >= kth was gathered (at most `own` blocks
-    # have such a max, and the `own` largest maxima were gathered), and every such token
-    # is among the top values (the one after the row's own limit is below kth).
-    after = top_values.gather(1, own.clamp(max=width - 1)[:, None])
-    settled = ((maxima >= kth).sum(-1) <= own) & ((after < kth).squeeze(1) | (own >= width))
-
-    # Candidates in token-id order (the draw's order); those below kth get weight 0.
     if columns is None:
-        candidates = blocks.gather(1, where // BLOCK) * BLOCK + where % BLOCK
-    else:
-        candidates = columns.gather(1, where)
-    candidates, order = candidates.sort(dim=-1)
+        return blocks.gather(1, where // BLOCK) * BLOCK + where % BLOCK, top_values
+    return columns.gather(1, where), top_values
+
+
+def _settled(
+    maxima: torch.Tensor, top_values: torch.Tensor, kth: torch.Tensor, own: torch.Tensor
+) -> torch.Tensor:
+    """Per row, whether the gathered top values hold every token >= kth: every block
+    holding such a token was gathered (at most `own` blocks have such a max, and the `own`
+    largest maxima were gathered), and every such token is among the top values (the one
+    after the row's own limit is below kth)."""
+    width = top_values.shape[1]
+    after = top_values.gather(1, own.clamp(max=width - 1)[:, None])
+    return ((maxima >= kth).sum(-1) <= own) & ((after < kth).squeeze(1) | (own >= width))
+
+
+def _candidate_weights(
+    ids: torch.Tensor,
+    top_values: torch.Tensor,
+    kth: torch.Tensor,
+    maxima: torch.Tensor,
+    params: list[SamplingParams],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates in token-id order (the draw's order) and their kept weights: those
+    below kth, or cut by top-p or min-p, get weight 0."""
+    candidates, order = ids.sort(dim=-1)
     top_values = top_values.gather(1, order)
-    temperature = torch.tensor([params[i].temperature for i in fast], device=device)
+    device = top_values.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
     row_max = maxima.amax(-1, keepdim=True)
     weights = torch.exp((top_values - row_max) / temperature[:, None])
     weights = torch.where(top_values >= kth, weights, torch.zeros_like(weights)).double()
-    threshold = _top_p_threshold(weights, [params[i].top_p for i in fast])
+    threshold = _top_p_threshold(weights, [p.top_p for p in params])
     # min_p is relative to the most likely token, whose weight is exp(0) = 1.
-    min_p = torch.tensor([params[i].min_p for i in fast], dtype=torch.float64, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
     threshold = torch.maximum(threshold, min_p)
     weights = torch.where(weights >= threshold[:, None], weights, torch.zeros_like(weights))
+    return candidates, weights
+
+
+def _keep_settled(
+    rows: torch.Tensor,
+    candidates: torch.Tensor,
+    weights: torch.Tensor,
+    settled: torch.Tensor,
+    fast: list[int],
+    full: list[int],
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[int]]:
+    """candidate_pass's result: the settled rows' candidates, the unsettled rows moved to
+    the full path."""
     if bool(settled.all()):
         return (rows, candidates, weights), full
     unsettled = (~settled).nonzero().squeeze(1).tolist()

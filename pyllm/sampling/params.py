@@ -79,22 +79,16 @@ class SamplingParams:
         return self.num_samples > self.n
 
     def validate(self) -> None:
-        def integer(name: str, value: object, low: int | None = None, param: str = "") -> None:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ParamError(f"{name} must be an integer, got {value!r}", param or name)
-            if low is not None and value < low:
-                raise ParamError(f"{name} must be >= {low}, got {value}", param or name)
+        """Raises ParamError on the first bad value, the fields checked in class order."""
+        self._validate_stopping()
+        self._validate_distribution()
+        self._validate_penalties()
+        self._validate_samples()
 
-        def number(name: str, value: object, param: str = "") -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ParamError(f"{name} must be a number, got {value!r}", param or name)
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ParamError(f"{name} must be finite, got {value}", param or name)
-            return float(value)
-
+    def _validate_stopping(self) -> None:
         if self.max_tokens is not None:
-            integer("max_tokens", self.max_tokens, 1)
-        integer("min_tokens", self.min_tokens, 0)
+            _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParamError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
@@ -103,40 +97,62 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ParamError("stop must be a list of non-empty strings", "stop")
         for token_id in self.stop_token_ids:
-            integer("stop_token_ids", token_id, 0)
-        if number("temperature", self.temperature) < 0:
+            _integer("stop_token_ids", token_id, 0)
+
+    def _validate_distribution(self) -> None:
+        if _number("temperature", self.temperature) < 0:
             raise ParamError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        integer("top_k", self.top_k, -1)
-        top_p = number("top_p", self.top_p)
+        _integer("top_k", self.top_k, -1)
+        top_p = _number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+        if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise ParamError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
+
+    def _validate_penalties(self) -> None:
+        if _number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ParamError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}",
                 "repetition_penalty",
             )
-        integer("repeat_last_n", self.repeat_last_n, 0)
+        _integer("repeat_last_n", self.repeat_last_n, 0)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
+            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
                 raise ParamError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         for token_id, bias in self.logit_bias.items():
-            integer("logit_bias key", token_id, 0, "logit_bias")
-            if not -100.0 <= number("logit_bias value", bias, "logit_bias") <= 100.0:
+            _integer("logit_bias key", token_id, 0, "logit_bias")
+            if not -100.0 <= _number("logit_bias value", bias, "logit_bias") <= 100.0:
                 raise ParamError(
                     f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias"
                 )
+
+    def _validate_samples(self) -> None:
+        """seed, n, best_of and the logprobs counts."""
         if self.seed is not None:
-            integer("seed", self.seed)
-        integer("n", self.n, 1)
+            _integer("seed", self.seed)
+        _integer("n", self.n, 1)
         if self.best_of is not None:
-            integer("best_of", self.best_of, 1)
+            _integer("best_of", self.best_of, 1)
             if self.best_of < self.n:
                 raise ParamError(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                integer(name, value, 0)
+                _integer(name, value, 0)
                 if value > MAX_TOP_LOGPROBS:
                     raise ParamError(f"{name} must be <= {MAX_TOP_LOGPROBS}, got {value}", name)
+
+
+def _integer(name: str, value: object, low: int | None = None, param: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(f"{name} must be an integer, got {value!r}", param or name)
+    if low is not None and value < low:
+        raise ParamError(f"{name} must be >= {low}, got {value}", param or name)
+
+
+def _number(name: str, value: object, param: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(f"{name} must be a number, got {value!r}", param or name)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ParamError(f"{name} must be finite, got {value}", param or name)
+    return float(value)

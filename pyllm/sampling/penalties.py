@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import array
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from pyllm.sampling.batch import SamplingBatch
+
+# (flat ids, the values there before a change), for restore to put back.
+UndoLog = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def apply_penalties(
@@ -35,12 +39,53 @@ def penalize(
     logits: torch.Tensor,
     batch: SamplingBatch,
     eos_token_ids: frozenset[int],
-    undo: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    undo: UndoLog | None,
 ) -> torch.Tensor:
     """apply_penalties; with an `undo` list and contiguous logits, in place instead of on a
     copy (a full copy costs as much as a softmax pass): the values it overwrites are
     appended to `undo` first, for restore to put back."""
     vocab = logits.shape[1]
+    asks = _gather_asks(batch, vocab, eos_token_ids)
+    if asks is None:
+        return logits
+    if undo is None or not logits.is_contiguous():
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        undo = None
+    flat = logits.view(-1)
+    device = logits.device
+    if asks.bias_ids:
+        ids = _save(flat, torch.tensor(asks.bias_ids, dtype=torch.int64, device=device), undo)
+        flat.index_add_(0, ids, torch.tensor(asks.bias_values, dtype=flat.dtype, device=device))
+    if asks.masked_rows:
+        ids = _save(flat, _flat_ids(asks.masked_rows, asks.masked_tokens, vocab, device), undo)
+        flat.index_fill_(0, ids, float("-inf"))
+    if asks.repeat_rows:
+        _repetition_penalty(flat, asks, vocab, len(batch), undo)
+    if asks.output_rows:
+        _presence_frequency(flat, asks, vocab, len(batch), undo)
+    return logits
+
+
+@dataclass(slots=True)
+class _Asks:
+    """What the rows of a batch ask of step 1, as flat lists: logit_bias at flat ids,
+    EOS masks, and the rows with a repetition or a presence/frequency penalty."""
+
+    bias_ids: list[int]
+    bias_values: list[float]
+    masked_rows: list[int]
+    masked_tokens: list[list[int]]
+    repeat_rows: list[int]
+    repeat_tokens: list[list[int]]
+    repeat_penalties: list[float]
+    output_rows: list[int]
+    output_tokens: list[list[int]]
+    presence: list[float]
+    frequency: list[float]
+
+
+def _gather_asks(batch: SamplingBatch, vocab: int, eos_token_ids: frozenset[int]) -> _Asks | None:
+    """One pass over the batch; None when no row asks for any of step 1."""
     bias_ids: list[int] = []
     bias_values: list[float] = []
     masked_rows, masked_tokens = [], []
@@ -65,45 +110,47 @@ def penalize(
             presence.append(params.presence_penalty)
             frequency.append(params.frequency_penalty)
     if not (bias_ids or masked_rows or repeat_rows or output_rows):
-        return logits
-
-    device = logits.device
-    if undo is None or not logits.is_contiguous():
-        logits = logits.clone(memory_format=torch.contiguous_format)
-        undo = None
-    flat = logits.view(-1)
-
-    def save(ids: torch.Tensor) -> torch.Tensor:
-        if undo is not None:
-            undo.append((ids, flat[ids]))
-        return ids
-
-    if bias_ids:
-        ids = save(torch.tensor(bias_ids, dtype=torch.int64, device=device))
-        flat.index_add_(0, ids, torch.tensor(bias_values, dtype=flat.dtype, device=device))
-    if masked_rows:
-        ids = save(_flat_ids(masked_rows, masked_tokens, vocab, device))
-        flat.index_fill_(0, ids, float("-inf"))
-    if repeat_rows:
-        # Each distinct token once per row: the penalty scales a logit once, however often
-        # the token occurs.
-        ids = save(torch.unique(_flat_ids(repeat_rows, repeat_tokens, vocab, device)))
-        penalty = _per_row(repeat_rows, repeat_penalties, len(batch), 1.0, device)[ids // vocab]
-        values = flat[ids]
-        flat[ids] = torch.where(values > 0, values / penalty, values * penalty)
-    if output_rows:
-        ids, counts = torch.unique(
-            _flat_ids(output_rows, output_tokens, vocab, device), return_counts=True
-        )
-        save(ids)
-        rows = ids // vocab
-        presence_t = _per_row(output_rows, presence, len(batch), 0.0, device)[rows]
-        frequency_t = _per_row(output_rows, frequency, len(batch), 0.0, device)[rows]
-        flat.index_add_(0, ids, -(frequency_t * counts + presence_t))
-    return logits
+        return None
+    return _Asks(
+        bias_ids, bias_values, masked_rows, masked_tokens, repeat_rows, repeat_tokens,
+        repeat_penalties, output_rows, output_tokens, presence, frequency,
+    )  # fmt: skip
 
 
-def restore(logits: torch.Tensor, undo: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _save(flat: torch.Tensor, ids: torch.Tensor, undo: UndoLog | None) -> torch.Tensor:
+    """ids, after appending the values at them to `undo` (if any) for restore."""
+    if undo is not None:
+        undo.append((ids, flat[ids]))
+    return ids
+
+
+def _repetition_penalty(
+    flat: torch.Tensor, asks: _Asks, vocab: int, num_rows: int, undo: UndoLog | None
+) -> None:
+    # Each distinct token once per row: the penalty scales a logit once, however often
+    # the token occurs.
+    ids = _flat_ids(asks.repeat_rows, asks.repeat_tokens, vocab, flat.device)
+    ids = _save(flat, torch.unique(ids), undo)
+    penalty = _per_row(asks.repeat_rows, asks.repeat_penalties, num_rows, 1.0, flat.device)
+    penalty = penalty[ids // vocab]
+    values = flat[ids]
+    flat[ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _presence_frequency(
+    flat: torch.Tensor, asks: _Asks, vocab: int, num_rows: int, undo: UndoLog | None
+) -> None:
+    ids, counts = torch.unique(
+        _flat_ids(asks.output_rows, asks.output_tokens, vocab, flat.device), return_counts=True
+    )
+    _save(flat, ids, undo)
+    rows = ids // vocab
+    presence = _per_row(asks.output_rows, asks.presence, num_rows, 0.0, flat.device)[rows]
+    frequency = _per_row(asks.output_rows, asks.frequency, num_rows, 0.0, flat.device)[rows]
+    flat.index_add_(0, ids, -(frequency * counts + presence))
+
+
+def restore(logits: torch.Tensor, undo: UndoLog) -> None:
     """Undoes penalize in place: the saved values back, the last change first (an id
     repeated within one change was saved with the same value each time)."""
     flat = logits.view(-1) if undo else None
