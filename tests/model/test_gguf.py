@@ -200,7 +200,8 @@ _GEMMA_PARTS = {
 }
 
 
-def write_hf_as_gguf(hf_model, path, arch: str) -> None:
+def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
+    """qtype: store the projection weights in this GGML type (F32 otherwise)."""
     cfg = hf_model.config
     metadata = {
         f"{arch}.context_length": cfg.max_position_embeddings,
@@ -246,6 +247,8 @@ def write_hf_as_gguf(hf_model, path, arch: str) -> None:
                 value = llama_cpp_permute(value, cfg.num_attention_heads)
             elif arch == "llama" and part == "self_attn.k_proj":
                 value = llama_cpp_permute(value, cfg.num_key_value_heads)
+            if qtype is not None and kind == "weight" and part.endswith("proj"):
+                value = (gguf.quants.quantize(value, qtype), qtype)
             tensors[f"blk.{layer}.{parts[part]}.{kind}"] = value
     if rope.get("rope_type") == "longrope":
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
@@ -296,6 +299,26 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
     result = run_sequences(model, tokens, [20, 4], chunk_size=8)
     for ours, t in zip(result.logits, tokens, strict=True):
         assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3"])
+def test_tiny_model_with_q8_0_projections(tmp_path, variant):
+    """The families' quantized path: Q8_0 projections stay in their blocks and follow the
+    same file widened to float32 (logits correlate >= 0.999 at every position)."""
+    arch, overrides = GGUF_VARIANTS[variant]
+    hf = make_hf_model(arch, tmp_path / "hf", **overrides)
+    write_hf_as_gguf(hf, tmp_path / "q8.gguf", arch, qtype=Q.Q8_0)
+    quantized, _ = load_model(tmp_path / "q8.gguf", dtype="float32")
+    widened, _ = load_model(tmp_path / "q8.gguf", dtype="float32", quantization="none")
+    layer = quantized.model.layers[0]
+    assert layer.self_attn.qkv_proj.qparts and layer.mlp.gate_up_proj.qparts
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    q = run_sequences(quantized, tokens, [8, 4], chunk_size=8).logits
+    w = run_sequences(widened, tokens, [8, 4], chunk_size=8).logits
+    for a, b in zip(q, w, strict=True):
+        pairs = zip(a, b, strict=True)
+        corr = [torch.corrcoef(torch.stack([x, y]))[0, 1].item() for x, y in pairs]
+        assert min(corr) >= 0.999, corr
 
 
 def test_gguf_errors_name_the_file(tmp_path):
