@@ -25,6 +25,48 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = tuple(_C.supported_head_sizes())
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = tuple(_C.supported_block_sizes())
 
 
+# What a Python value must be for each type of an op's schema.
+_PYTHON_TYPES = {
+    "int": (int, "an int"),
+    "float": ((int, float), "a float"),
+    "bool": (bool, "a bool"),
+    "str": (str, "a str"),
+}
+# op -> the types of its schema's arguments, read once.
+_SCHEMA_TYPES: dict[object, tuple[str, ...]] = {}
+
+
+def _check_args(op, **args: object) -> None:
+    """The Python-level checks of a call to op, which its C++ checks cannot see: each
+    argument has its schema's Python type (TypeError naming it) and each tensor is on
+    a device this build runs (ValueError). args: op's arguments in schema order."""
+    types = _SCHEMA_TYPES.get(op)
+    if types is None:
+        types = _SCHEMA_TYPES[op] = tuple(str(a.type) for a in op.default._schema.arguments)
+    for (name, value), kind in zip(args.items(), types, strict=True):
+        if kind == "Tensor" or (kind == "Optional[Tensor]" and value is not None):
+            _supported_device(name, _tensor(name, value))
+        elif kind == "List[Tensor]":
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
+            for i, t in enumerate(value):
+                _supported_device(f"{name}[{i}]", _tensor(f"{name}[{i}]", t))
+        elif kind in _PYTHON_TYPES:
+            expected, text = _PYTHON_TYPES[kind]
+            if not isinstance(value, expected) or (isinstance(value, bool) and kind != "bool"):
+                raise TypeError(f"{name} must be {text}, got {type(value).__name__}")
+
+
+def _check_range(name: str, t: torch.Tensor, lo: int, hi: int, note: str = "") -> None:
+    """The values of index tensor t lie in [lo, hi) (one device sync on CUDA)."""
+    if t.numel():
+        got_lo, got_hi = torch.stack(torch.aminmax(t)).tolist()
+        if got_lo < lo or got_hi >= hi:
+            raise ValueError(
+                f"{name} must lie in [{lo}, {hi}){note}, got values in [{got_lo}, {got_hi}]"
+            )
+
+
 def _tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -310,24 +352,10 @@ def _check_query_lens(
 
 
 def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
-    _tensor("block_mapping", block_mapping)
-    if block_mapping.device.type != "cpu":
-        raise ValueError("block_mapping must be a CPU tensor")
-    _index_dtype("block_mapping", block_mapping, torch.int64)
-    _ndim("block_mapping", block_mapping, 2, "[num_pairs, 2] of (src, dst) block numbers")
-    if block_mapping.shape[1] != 2:
-        raise ValueError(
-            f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}"
-        )
-    _contiguous("block_mapping", block_mapping)
-    if block_mapping.numel():
-        for column, limit, side in ((0, num_src, "source"), (1, num_dst, "destination")):
-            values = block_mapping[:, column]
-            if int(values.min()) < 0 or int(values.max()) >= limit:
-                raise ValueError(
-                    f"block_mapping {side} block numbers must lie in [0, {limit}), got "
-                    f"{int(values.min())}..{int(values.max())}"
-                )
+    """Source and destination block numbers in range (the rows' layout is checked in C++)."""
+    if block_mapping.dim() == 2 and block_mapping.shape[1] == 2:
+        _check_range("block_mapping", block_mapping[:, 0], 0, num_src, " (source blocks)")
+        _check_range("block_mapping", block_mapping[:, 1], 0, num_dst, " (destination blocks)")
 
 
 def _check_eps(eps: object) -> None:

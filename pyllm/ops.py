@@ -44,6 +44,7 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
     TOKEN_TILE,
+    _check_args,
     _check_attention_common,
     _check_attention_io,
     _check_block_mapping,
@@ -56,6 +57,7 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     _check_max_seq_len,
     _check_norm_weight,
     _check_query_lens,
+    _check_range,
     _contiguous,
     _device,
     _finite_float,
@@ -135,41 +137,14 @@ def reshape_and_cache(
     ``[num_tokens]`` int64, slot = block_number * block_size + offset_in_block;
     a slot of -1 skips that token (padding).
     """
-    _tensor("key", key)
-    _tensor("value", value)
-    _supported_device("key", key)
-    _float_dtype("key", key)
-    _ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    _device("value", value, key.device)
-    _same_dtype("value", value, key.dtype)
-    _shape("value", value, key.shape, "(same as key)")
-    _packed_rows("key", key)
-    _packed_rows("value", value)
-    if kv_cache_dtype != "auto":
-        raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; only 'auto' "
-            "(the cache has the model's dtype)"
-        )
-    num_blocks, num_kv_heads, head_size, block_size = _check_kv_cache(
-        key_cache, value_cache, key.dtype, key.device
-    )
-    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"key has {tuple(key.shape[1:])} [num_kv_heads, head_size] per token but the cache "
-            f"holds ({num_kv_heads}, {head_size})"
-        )
-    _tensor("slot_mapping", slot_mapping)
-    _device("slot_mapping", slot_mapping, key.device)
-    _index_dtype("slot_mapping", slot_mapping, torch.int64)
-    _shape("slot_mapping", slot_mapping, (key.shape[0],), "[num_tokens]")
-    _contiguous("slot_mapping", slot_mapping)
-    if slot_mapping.numel():
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping values must lie in [-1, {num_blocks * block_size}) "
-                f"({num_blocks} blocks of {block_size}), got values in [{lo}, {hi}]"
-            )
+    _check_args(
+        _C.reshape_and_cache, key=key, value=value, key_cache=key_cache,
+        value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    if value_cache.dim() == 4:
+        num_blocks, _, _, block_size = value_cache.shape
+        note = f" ({num_blocks} blocks of {block_size})"
+        _check_range("slot_mapping", slot_mapping, -1, num_blocks * block_size, note)
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
 
 
@@ -184,29 +159,12 @@ def copy_blocks(
     applied to every layer's key and value cache. The pairs are copied in parallel, in
     no set order: a block must not be both a source and a destination in one call.
     """
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise TypeError("key_caches and value_caches must be lists of tensors")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(
-            f"key_caches has {len(key_caches)} layers but value_caches has {len(value_caches)}"
-        )
-    if not key_caches:
-        raise ValueError("key_caches must hold at least one layer")
-    first = _tensor("key_caches[0]", key_caches[0])
-    _supported_device("key_caches[0]", first)
-    _float_dtype("key_caches[0]", first)
-    # Every layer, layer 0 included, is checked against layer 0's dtype and device,
-    # so each error says which layer it is about.
-    for i, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
-        try:
-            layer = _check_kv_cache(k, v, first.dtype, first.device)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"layer {i}: {error}") from None
-        if i == 0:
-            num_blocks = layer[0]
-        elif layer[0] != num_blocks or k.shape != first.shape:
-            raise ValueError(f"layer {i}'s cache shape differs from layer 0's")
-    _check_block_mapping(block_mapping, num_blocks, num_blocks)
+    _check_args(
+        _C.copy_blocks, key_caches=key_caches, value_caches=value_caches,
+        block_mapping=block_mapping,
+    )  # fmt: skip
+    if key_caches and key_caches[0].dim():
+        _check_block_mapping(block_mapping, key_caches[0].shape[0], key_caches[0].shape[0])
     _C.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
@@ -216,19 +174,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     src and dst are caches of the same layout and dtype (one key or one value cache),
     on the same or different devices (CPU <-> CUDA swaps where CUDA is built).
     """
-    _tensor("src", src)
-    _tensor("dst", dst)
-    _supported_device("src", src)
-    _supported_device("dst", dst)
-    _float_dtype("src", src)
-    _same_dtype("dst", dst, src.dtype)
-    _contiguous("src", src)
-    _contiguous("dst", dst)
-    if src.dim() < 2 or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-        raise ValueError(
-            f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same block shape"
-        )
-    _check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    _check_args(_C.swap_blocks, src=src, dst=dst, block_mapping=block_mapping)
+    if src.dim() and dst.dim():
+        _check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
     _C.swap_blocks(src, dst, block_mapping)
 
 
