@@ -347,53 +347,12 @@ def rotary_embedding(
     sin in the rest, in the query's dtype (or float32). The first rot_dim dimensions of
     each head rotate: neox style pairs (i, i + rot_dim/2), GPT-J style pairs (2i, 2i+1).
     """
-    _tensor("positions", positions)
-    _tensor("query", query)
-    _tensor("key", key)
-    _tensor("cos_sin_cache", cos_sin_cache)
-    _supported_device("query", query)
-    _float_dtype("query", query)
-    device = query.device
-    for name, t in (("key", key), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        _device(name, t, device)
-    _same_dtype("key", key, query.dtype)
-    _index_dtype("positions", positions, torch.int64)
-    _ndim("positions", positions, 1, "[num_tokens]")
-    if not isinstance(is_neox, bool):
-        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    _positive_int("head_size", head_size)
-    num_tokens = positions.shape[0]
-    for name, t in (("query", query), ("key", key)):
-        if t.dim() not in (2, 3) or t.shape[0] != num_tokens:
-            raise ValueError(
-                f"{name} must be [num_tokens={num_tokens}, num_heads * head_size] or "
-                f"[num_tokens, num_heads, head_size], got {tuple(t.shape)}"
-            )
-        if t.dim() == 3 and t.shape[2] != head_size:
-            raise ValueError(f"{name}'s last dimension {t.shape[2]} is not head_size {head_size}")
-        if t.shape[-1] % head_size:
-            raise ValueError(
-                f"{name}'s width {t.shape[-1]} is not a multiple of head_size {head_size}"
-            )
-        _packed_rows(name, t)
-    _ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, rot_dim]")
-    _contiguous("cos_sin_cache", cos_sin_cache)
-    if cos_sin_cache.dtype not in (query.dtype, torch.float32):
-        raise TypeError(
-            f"cos_sin_cache has dtype {cos_sin_cache.dtype}; use the query's dtype or float32"
-        )
-    rot_dim = cos_sin_cache.shape[1]
-    if rot_dim % 2 or rot_dim < 2 or rot_dim > head_size:
-        raise ValueError(
-            f"cos_sin_cache's rot_dim {rot_dim} must be even and <= head_size {head_size}"
-        )
-    if num_tokens:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= cos_sin_cache.shape[0]:
-            raise ValueError(
-                f"positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), "
-                f"got values in [{lo}, {hi}]"
-            )
+    _check_args(
+        _C.rotary_embedding, positions=positions, query=query, key=key, head_size=head_size,
+        cos_sin_cache=cos_sin_cache, is_neox=is_neox,
+    )  # fmt: skip
+    if cos_sin_cache.dim():
+        _check_range("positions", positions, 0, cos_sin_cache.shape[0], " (cos_sin_cache rows)")
     _C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
