@@ -361,18 +361,8 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: 
 
     input: ``[..., hidden_size]`` with packed rows; out: same shape, contiguous.
     """
-    _tensor("input", input)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _packed_rows("input", input)
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape("out", out, input.shape, "(same as input)")
-    _contiguous("out", out)
-    _check_norm_weight(weight, input, "input")
-    _check_eps(eps)
-    _C.rms_norm(out, input, weight, float(eps))
+    _check_args(_C.rms_norm, out=out, input=input, weight=weight, eps=eps)
+    _C.rms_norm(out, input, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -382,37 +372,13 @@ def fused_add_rms_norm(
 
     input, residual: ``[..., hidden_size]``, same shape and dtype, contiguous.
     """
-    _tensor("input", input)
-    _tensor("residual", residual)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _contiguous("input", input)
-    _device("residual", residual, input.device)
-    _same_dtype("residual", residual, input.dtype)
-    _shape("residual", residual, input.shape, "(same as input)")
-    _contiguous("residual", residual)
-    _check_norm_weight(weight, input, "input")
-    _check_eps(eps)
-    _C.fused_add_rms_norm(input, residual, weight, float(eps))
+    _check_args(_C.fused_add_rms_norm, input=input, residual=residual, weight=weight, eps=eps)
+    _C.fused_add_rms_norm(input, residual, weight, eps)
 
 
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """out = silu(input[..., :d]) * input[..., d:] for input ``[..., 2 * d]``."""
-    _tensor("input", input)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _packed_rows("input", input)
-    if input.dim() < 1 or input.shape[-1] % 2:
-        raise ValueError(
-            f"input's last dimension must be even (gate and up halves), got {tuple(input.shape)}"
-        )
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape(
-        "out", out, (*input.shape[:-1], input.shape[-1] // 2), "(input's with the last dim halved)"
-    )
-    _contiguous("out", out)
+    _check_args(_C.silu_and_mul, out=out, input=input)
     _C.silu_and_mul(out, input)
 
 
@@ -427,23 +393,7 @@ def small_batch_linear(
     memory bandwidth, with none of a GEMM library's per-call cost; on CUDA, cuBLAS.
     Input rows may be strided (a row view); their elements must be packed.
     """
-    _check_linear_input(input, "weight", weight, out)
-    rows, in_features = input.shape
-    if rows > SMALL_BATCH_MAX_ROWS:
-        raise ValueError(
-            f"input has {rows} rows; small_batch_linear takes at most {SMALL_BATCH_MAX_ROWS}"
-        )
-    for name, t in (("weight", weight), ("out", out)):
-        _device(name, t, input.device)
-        _same_dtype(name, t, input.dtype)
-    _ndim("weight", weight, 2, "[out_features, in_features]")
-    if weight.shape[1] != in_features:
-        raise ValueError(
-            f"weight must be [out_features, {in_features}] (input's in_features), "
-            f"got {tuple(weight.shape)}"
-        )
-    _contiguous("weight", weight)
-    _check_linear_output(out, bias, input, rows, weight.shape[0])
+    _check_args(_C.small_batch_linear, out=out, input=input, weight=weight, bias=bias)
     _C.small_batch_linear(out, input, weight, bias)
 
 
@@ -491,22 +441,7 @@ def packed_linear(
     GEMM library's per-call cost. On CUDA the weight is unpacked for cuBLAS. Input rows
     may be strided (a row view); their elements must be packed.
     """
-    _check_linear_input(input, "packed_weight", packed_weight, out)
-    rows, in_features = input.shape
-    for name, t in (("packed_weight", packed_weight), ("out", out)):
-        _device(name, t, input.device)
-        _same_dtype(name, t, input.dtype)
-    e = _words_per_element(input.dtype)
-    _ndim("packed_weight", packed_weight, 4, "[out_features / 16, in_features / E, 16, E]")
-    if packed_weight.shape[1:] != (in_features // e, 16, e) or in_features % e:
-        raise ValueError(
-            f"packed_weight must be [out_features / 16, {in_features // e}, 16, {e}] "
-            f"(pack_weight_words of a weight with {in_features} in_features), "
-            f"got {tuple(packed_weight.shape)}"
-        )
-    _contiguous("packed_weight", packed_weight)
-    out_features = packed_weight.shape[0] * 16
-    _check_linear_output(out, bias, input, rows, out_features)
+    _check_args(_C.packed_linear, out=out, input=input, packed_weight=packed_weight, bias=bias)
     _C.packed_linear(out, input, packed_weight, bias)
 
 
