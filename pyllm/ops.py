@@ -482,23 +482,6 @@ def _quant_type(qtype: object) -> tuple[str, int, int]:
     return _QUANT_BY_ID[qtype]
 
 
-def _check_qweight(qweight: torch.Tensor, qtype: int, in_features: int, device) -> int:
-    """qweight [N, row bytes] uint8 of type qtype for in_features values; returns N."""
-    _tensor("qweight", qweight)
-    _device("qweight", qweight, device)
-    if qweight.dtype != torch.uint8:
-        raise ValueError(f"qweight must be uint8 (the GGUF blocks' bytes), got {qweight.dtype}")
-    _ndim("qweight", qweight, 2, "[out_features, row_bytes]")
-    row_bytes = quant_row_bytes(qtype, in_features)
-    if qweight.shape[1] != row_bytes:
-        raise ValueError(
-            f"qweight must be [out_features, {row_bytes}] ({_quant_type(qtype)[0]} rows of "
-            f"{in_features} values), got {tuple(qweight.shape)}"
-        )
-    _contiguous("qweight", qweight)
-    return qweight.shape[0]
-
-
 def quant_linear(
     out: torch.Tensor,
     input: torch.Tensor,
@@ -517,14 +500,7 @@ def quant_linear(
     quantization step of the input per weight. Input rows and out rows may be strided
     (row views); their elements must be packed.
     """
-    _check_linear_input(input, "qweight", qweight, out)
-    rows, in_features = input.shape
-    out_features = _check_qweight(qweight, qtype, in_features, input.device)
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape("out", out, (rows, out_features), "[rows, out_features]")
-    _packed_rows("out", out)
-    _check_linear_bias(bias, input, out_features)
+    _check_args(_C.quant_linear, out=out, input=input, qweight=qweight, qtype=qtype, bias=bias)
     _C.quant_linear(out, input, qweight, qtype, bias)
 
 
@@ -534,27 +510,9 @@ def dequantize_rows(
     """out[i] = row rows[i] of the quantized weight, as floats (all rows in order when
     rows is None): ``out [R, K]`` float32/bf16/fp16, ``qweight`` as for quant_linear,
     ``rows [R]`` int64. An embedding lookup in a quantized token table."""
-    _tensor("out", out)
-    _supported_device("out", out)
-    _float_dtype("out", out)
-    _ndim("out", out, 2, "[rows, in_features]")
-    _contiguous("out", out)
-    num_rows = _check_qweight(qweight, qtype, out.shape[1], out.device)
-    if rows is None:
-        if out.shape[0] != num_rows:
-            raise ValueError(
-                f"out must have qweight's {num_rows} rows when rows is None, got {out.shape[0]}"
-            )
-    else:
-        _tensor("rows", rows)
-        _device("rows", rows, out.device)
-        _index_dtype("rows", rows, torch.int64)
-        _shape("rows", rows, (out.shape[0],), "[R] (one per row of out)")
-        _contiguous("rows", rows)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-            raise ValueError(
-                f"rows must lie in [0, {num_rows}), got {int(rows.min())}..{int(rows.max())}"
-            )
+    _check_args(_C.dequantize_rows, out=out, qweight=qweight, qtype=qtype, rows=rows)
+    if rows is not None and qweight.dim():
+        _check_range("rows", rows, 0, qweight.shape[0])
     _C.dequantize_rows(out, qweight, qtype, rows)
 
 

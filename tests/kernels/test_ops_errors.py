@@ -876,7 +876,7 @@ CASES += [
     *cases_for(
         "quant_linear",
         ("qtype_unknown", {"qtype": 99}, ValueError, "qtype"),
-        ("qtype_bool", {"qtype": True}, ValueError, "qtype"),
+        ("qtype_bool", {"qtype": True}, TypeError, "qtype"),
         ("in_features_not_blocks", {"input": torch.randn(2, 96)}, ValueError, "in_features"),
         ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
         ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),
