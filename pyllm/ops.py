@@ -1,10 +1,13 @@
-"""pyllm's kernels: the checked Python API over ``torch.ops.pyllm``.
+"""pyllm's kernels: thin Python wrappers over ``torch.ops.pyllm``.
 
-Every function here validates its arguments (device, dtype, shape, layout and the
-values of index tensors) and raises ``TypeError``/``ValueError`` naming the argument,
-then calls the compiled op. Engines that validate their batch metadata once per step
-may call ``torch.ops.pyllm.<name>`` directly with the same arguments to skip these
-checks; the value checks below read index tensors, which costs a device sync on CUDA.
+Each op's argument contract (device, dtype, shape, layout, supported sizes, scalar
+arguments) is checked in C++ by both its CPU and CUDA implementation, one checks
+header per family (``csrc/<family>/<family>_checks.h``): a bad argument raises
+``TypeError``/``ValueError`` naming it, however the op is called. The wrappers here add
+the arguments' Python types and the values of index tensors (slot and block numbers in
+range, seq_lens, query_start_loc, ...), which they read: a device sync on CUDA. Engines
+that validate their batch metadata once per step may call ``torch.ops.pyllm.<name>``
+directly with the same arguments to skip these value checks.
 
 KV cache layout, one pair of tensors per layer (``x = 16 // element_size``):
 
@@ -45,41 +48,18 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     SUPPORTED_HEAD_SIZES,
     TOKEN_TILE,
     _check_args,
-    _check_attention_common,
-    _check_attention_io,
     _check_block_mapping,
     _check_block_tables,
-    _check_eps,
-    _check_kv_cache,
-    _check_linear_bias,
-    _check_linear_input,
-    _check_linear_output,
-    _check_max_seq_len,
-    _check_norm_weight,
+    _check_max_len,
     _check_query_lens,
     _check_range,
-    _contiguous,
-    _device,
-    _finite_float,
     _float_dtype,
-    _index_dtype,
     _ndim,
-    _packed_rows,
     _positive_int,
-    _query_start_loc,
-    _same_dtype,
-    _shape,
-    _supported_device,
     _tensor,
     kv_cache_x,
 )
-from pyllm.kv_cache import (
-    KVArena,
-    _check_committed,
-    _check_contiguous_attention,
-    _check_contiguous_kv_cache,
-    allocate_kv_cache,
-)
+from pyllm.kv_cache import KVArena, _check_seq_slots, _check_token_slots, allocate_kv_cache
 
 _C = torch.ops.pyllm
 
@@ -144,7 +124,7 @@ def reshape_and_cache(
     if value_cache.dim() == 4:
         num_blocks, _, _, block_size = value_cache.shape
         note = f" ({num_blocks} blocks of {block_size})"
-        _check_range("slot_mapping", slot_mapping, -1, num_blocks * block_size, note)
+        _check_range("slot_mapping", slot_mapping, torch.int64, -1, num_blocks * block_size, note)
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
 
 
@@ -205,15 +185,17 @@ def paged_attention_v1(
     GQA/MQA when num_heads is a multiple of num_kv_heads. alibi_slopes:
     ``[num_heads]`` float32, adds ``slope * (key_position - query_position)``.
     """
-    num_seqs, _, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_v1, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
+        block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
+        max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_max_seq_len(max_seq_len, seq_lens)
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v1(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
-        seq_lens, block_size, max_seq_len, alibi_slopes,
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -258,36 +240,17 @@ def paged_attention_v2(
     ``[num_seqs, num_heads, num_partitions, head_size]`` in the query's dtype, with
     num_partitions = ceil(max_seq_len / PARTITION_SIZE) (see paged_attention_v2_workspace).
     """
-    num_seqs, num_heads, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_v2, out=out, exp_sums=exp_sums, max_logits=max_logits,
+        tmp_out=tmp_out, query=query, key_cache=key_cache, value_cache=value_cache,
+        num_kv_heads=num_kv_heads, scale=scale, block_tables=block_tables, seq_lens=seq_lens,
+        block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_max_seq_len(max_seq_len, seq_lens)
-    partitions = -(-max_seq_len // PARTITION_SIZE)
-    head_size = query.shape[2]
-    for name, t, dtype, shape in (
-        ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, partitions)),
-        ("max_logits", max_logits, torch.float32, (num_seqs, num_heads, partitions)),
-        ("tmp_out", tmp_out, query.dtype, (num_seqs, num_heads, partitions, head_size)),
-    ):
-        _tensor(name, t)
-        _device(name, t, query.device)
-        _index_dtype(name, t, dtype)
-        _contiguous(name, t)
-        if (
-            t.dim() != len(shape)
-            or tuple(t.shape[:2]) != shape[:2]
-            or t.shape[2] < partitions
-            or (len(shape) == 4 and t.shape[3] != head_size)
-        ):
-            raise ValueError(
-                f"{name} must have shape {shape} (num_partitions = ceil(max_seq_len / "
-                f"{PARTITION_SIZE}) = {partitions}), got {tuple(t.shape)}"
-            )
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
-        float(scale), block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -314,16 +277,17 @@ def paged_attention_prefill(
     its own, so this step's keys must already be written by reshape_and_cache. Used
     for prompts, prompt chunks after earlier chunks, and prefix-cache hits.
     """
-    num_tokens, _, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_prefill, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
+        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        block_size=block_size, max_query_len=max_query_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    num_seqs = _query_start_loc(query_start_loc, query.device)
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.paged_attention_prefill(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
-        seq_lens, query_start_loc, block_size, max_query_len, alibi_slopes,
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        query_start_loc, block_size, max_query_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -352,7 +316,9 @@ def rotary_embedding(
         cos_sin_cache=cos_sin_cache, is_neox=is_neox,
     )  # fmt: skip
     if cos_sin_cache.dim():
-        _check_range("positions", positions, 0, cos_sin_cache.shape[0], " (cos_sin_cache rows)")
+        _check_range(
+            "positions", positions, torch.int64, 0, cos_sin_cache.shape[0], " (cos_sin_cache rows)"
+        )
     _C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
@@ -512,7 +478,7 @@ def dequantize_rows(
     ``rows [R]`` int64. An embedding lookup in a quantized token table."""
     _check_args(_C.dequantize_rows, out=out, qweight=qweight, qtype=qtype, rows=rows)
     if rows is not None and qweight.dim():
-        _check_range("rows", rows, 0, qweight.shape[0])
+        _check_range("rows", rows, torch.int64, 0, qweight.shape[0])
     _C.dequantize_rows(out, qweight, qtype, rows)
 
 
@@ -537,45 +503,11 @@ def write_kv_contiguous(
     sequence (below the slots' capacity, and below the slot's committed tokens when the
     cache is a KVArena view).
     """
-    _tensor("key", key)
-    _tensor("value", value)
-    _supported_device("key", key)
-    _float_dtype("key", key)
-    _ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    _device("value", value, key.device)
-    _same_dtype("value", value, key.dtype)
-    _shape("value", value, key.shape, "(same as key)")
-    _packed_rows("key", key)
-    _packed_rows("value", value)
-    num_slots, num_kv_heads, num_tiles, head_size = _check_contiguous_kv_cache(
-        key_cache, value_cache, key.dtype, key.device
-    )
-    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"key has {tuple(key.shape[1:])} [num_kv_heads, head_size] per token but the cache "
-            f"holds ({num_kv_heads}, {head_size})"
-        )
-    num_tokens = key.shape[0]
-    for name, t in (("token_slots", token_slots), ("positions", positions)):
-        _tensor(name, t)
-        _device(name, t, key.device)
-        _index_dtype(name, t, torch.int64)
-        _shape(name, t, (num_tokens,), "[num_tokens]")
-        _contiguous(name, t)
-    if num_tokens:
-        lo, hi = int(token_slots.min()), int(token_slots.max())
-        if lo < -1 or hi >= num_slots:
-            raise ValueError(
-                f"token_slots must lie in [-1, {num_slots}), got values in [{lo}, {hi}]"
-            )
-        written = positions[token_slots >= 0]
-        capacity = num_tiles * TOKEN_TILE
-        if written.numel() and (int(written.min()) < 0 or int(written.max()) >= capacity):
-            raise ValueError(
-                f"positions of written tokens must lie in [0, {capacity}) (the slots' "
-                f"capacity), got values in [{int(written.min())}, {int(written.max())}]"
-            )
-        _check_committed(key_cache, token_slots, positions + 1, "positions")
+    _check_args(
+        _C.write_kv_contiguous, key=key, value=value, key_cache=key_cache,
+        value_cache=value_cache, token_slots=token_slots, positions=positions,
+    )  # fmt: skip
+    _check_token_slots(key_cache, value_cache, token_slots, positions)
     _C.write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions)
 
 
@@ -598,12 +530,15 @@ def contiguous_attention_decode(
     committed tokens when the cache is a KVArena view); max_seq_len >= max(seq_lens).
     GQA/MQA when num_heads is a multiple of num_kv_heads.
     """
-    _check_contiguous_attention(
-        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens
-    )
-    _check_max_seq_len(max_seq_len, seq_lens)
+    _check_args(
+        _C.contiguous_attention_decode, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
+        seq_lens=seq_lens, max_seq_len=max_seq_len,
+    )  # fmt: skip
+    _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.contiguous_attention_decode(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), seq_slots, seq_lens,
+        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
         max_seq_len,
     )  # fmt: skip
 
@@ -628,13 +563,14 @@ def contiguous_attention_prefill(
     position ``seq_lens[s] - q_len_s + i`` and attends to the cached keys up to its own
     (written first by write_kv_contiguous): prompts, later chunks of a chunked prefill.
     """
-    num_tokens, _, _ = _check_attention_io(out, query, num_kv_heads)
-    num_seqs = _query_start_loc(query_start_loc, query.device)
-    _check_contiguous_attention(
-        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs
-    )
-    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
+    _check_args(
+        _C.contiguous_attention_prefill, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
+        seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max_query_len,
+    )  # fmt: skip
+    _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
+    _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.contiguous_attention_prefill(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), seq_slots, seq_lens,
+        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
         query_start_loc, max_query_len,
     )  # fmt: skip
