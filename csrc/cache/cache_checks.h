@@ -38,6 +38,16 @@ inline void check_token_rows(const at::Tensor& key, const at::Tensor& value) {
   check_packed_rows("value", value);
 }
 
+// key_cache's shape as value_cache's implies (the message is built only on failure).
+inline void check_key_cache_shape(std::string_view name, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, at::ScalarType dtype,
+                                  at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(key_cache.sizes() == shape, name, " must have shape ", shape_text(shape),
+                    " (x = ", kv_cache_x(dtype), " for ", dtype_name(dtype),
+                    ", matching value_cache ", shape_text(value_cache.sizes()), "), got ",
+                    shape_text(key_cache.sizes()));
+}
+
 struct PagedKVShape {
   int64_t num_blocks, num_kv_heads, head_size, block_size;
 };
@@ -59,9 +69,8 @@ inline PagedKVShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor
   const PagedKVShape s{value_cache.size(0), value_cache.size(1), value_cache.size(2),
                        value_cache.size(3)};
   const int64_t x = kv_cache_x(dtype);
-  check_shape(key_name, key_cache, {s.num_blocks, s.num_kv_heads, s.head_size / x, s.block_size, x},
-              c10::str("(x = ", x, " for ", dtype_name(dtype), ", matching value_cache ",
-                       shape_text(value_cache.sizes()), ")"));
+  check_key_cache_shape(key_name, key_cache, value_cache, dtype,
+                        {s.num_blocks, s.num_kv_heads, s.head_size / x, s.block_size, x});
   check_head_size(s.head_size);
   check_block_size(s.block_size);
   return s;
@@ -92,10 +101,8 @@ inline ContiguousKVShape check_contiguous_kv_cache(const at::Tensor& key_cache,
   const ContiguousKVShape s{value_cache.size(0), value_cache.size(1), value_cache.size(2),
                             value_cache.size(3)};
   const int64_t x = kv_cache_x(dtype);
-  check_shape("key_cache", key_cache,
-              {s.num_slots, s.num_kv_heads, s.num_tiles, s.head_size / x, kTokenTile, x},
-              c10::str("(x = ", x, " for ", dtype_name(dtype), ", matching value_cache ",
-                       shape_text(value_cache.sizes()), ")"));
+  check_key_cache_shape("key_cache", key_cache, value_cache, dtype,
+                        {s.num_slots, s.num_kv_heads, s.num_tiles, s.head_size / x, kTokenTile, x});
   check_head_size(s.head_size);
   TORCH_CHECK_VALUE(key_cache.stride(3) == kTokenTile * x && key_cache.stride(4) == x &&
                         key_cache.stride(5) == 1 && value_cache.stride(3) == kTokenTile &&

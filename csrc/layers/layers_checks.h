@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
-#include <vector>
 
+#include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -67,7 +67,7 @@ inline void check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
   TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) % 2 == 0,
                     "input's last dimension must be even (gate and up halves), got ",
                     shape_text(input.sizes()));
-  std::vector<int64_t> out_shape = input.sizes().vec();
+  at::DimVector out_shape(input.sizes());
   out_shape.back() /= 2;
   check_like("out", out, input);
   check_shape("out", out, out_shape, "(input's with the last dim halved)");
