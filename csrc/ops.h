@@ -2,8 +2,9 @@
 //
 // The schemas (argument names, order, which tensors are written) live in
 // torch_bindings.cpp; the implementations in csrc/<family>/<family>_cpu.cpp and
-// csrc/<family>/<family>_cuda.cu. Argument checking for users happens in
-// pyllm/ops.py; the kernels only TORCH_CHECK what would otherwise corrupt memory.
+// csrc/<family>/<family>_cuda.cu, both of which first call the op's argument checks
+// in csrc/<family>/<family>_checks.h. pyllm/ops.py adds the Python types and the
+// values of index tensors.
 //
 // KV cache layout, one pair of tensors per layer (x = 16 / element_size, so one
 // "x" group of a key is 16 bytes):

@@ -15,18 +15,9 @@ from pyllm._checks import (
     SUPPORTED_DTYPES,
     TOKEN_TILE,
     _block_size,
-    _check_attention_io,
-    _check_cache_heads,
-    _contiguous,
-    _device,
-    _finite_float,
+    _check_range,
     _head_size,
-    _index_dtype,
-    _ndim,
     _positive_int,
-    _same_dtype,
-    _shape,
-    _tensor,
     kv_cache_x,
 )
 
@@ -288,56 +279,6 @@ def _arena_of(key_cache: torch.Tensor) -> KVArena | None:
     return arena
 
 
-def _check_contiguous_kv_cache(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int, int, int]:
-    """Validates a contiguous-layout view pair; returns (max_num_seqs, num_kv_heads,
-    num_tiles, head_size)."""
-    _tensor("key_cache", key_cache)
-    _tensor("value_cache", value_cache)
-    _device("key_cache", key_cache, device)
-    _device("value_cache", value_cache, device)
-    _same_dtype("key_cache", key_cache, dtype)
-    _same_dtype("value_cache", value_cache, dtype)
-    _ndim(
-        "key_cache",
-        key_cache,
-        6,
-        "[max_num_seqs, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x]",
-    )
-    _ndim(
-        "value_cache",
-        value_cache,
-        5,
-        "[max_num_seqs, num_kv_heads, num_tiles, head_size, TOKEN_TILE]",
-    )
-    num_slots, num_kv_heads, num_tiles, head_size, tile = value_cache.shape
-    if tile != TOKEN_TILE:
-        raise ValueError(f"value_cache's last dimension must be TOKEN_TILE = {TOKEN_TILE}")
-    x = kv_cache_x(dtype)
-    _shape(
-        "key_cache",
-        key_cache,
-        (num_slots, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x),
-        f"(x = {x} for {dtype}, matching value_cache {tuple(value_cache.shape)})",
-    )
-    _head_size(head_size)
-    if key_cache.stride()[3:] != (TOKEN_TILE * x, x, 1) or value_cache.stride()[3:] != (
-        TOKEN_TILE,
-        1,
-    ):
-        raise ValueError(
-            "key_cache and value_cache must be dense inside each tile, got strides "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    if key_cache.stride()[:3] != value_cache.stride()[:3] or min(key_cache.stride()[:3]) < 0:
-        raise ValueError(
-            "key_cache and value_cache must share their (slot, kv head, tile) strides, got "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    return num_slots, num_kv_heads, num_tiles, head_size
-
-
 def _check_committed(
     key_cache: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor, what: str
 ) -> None:
@@ -358,48 +299,36 @@ def _check_committed(
         )
 
 
+def _check_token_slots(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    token_slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """write_kv_contiguous's slots and positions: inside the views and, for an arena's
+    views, below each slot's committed tokens."""
+    if value_cache.dim() != 5 or token_slots.dim() != 1 or positions.shape != token_slots.shape:
+        return
+    num_slots, _, num_tiles = value_cache.shape[:3]
+    _check_range("token_slots", token_slots, torch.int64, -1, num_slots)
+    if positions.device == token_slots.device and token_slots.dtype == torch.int64:
+        written = positions[token_slots >= 0]
+        note = " for written tokens (the slots' capacity)"
+        _check_range("positions", written, torch.int64, 0, num_tiles * TOKEN_TILE, note)
+        _check_committed(key_cache, token_slots, positions + 1, "positions")
+
+
 def _check_seq_slots(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     seq_slots: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_seqs: int,
-    num_slots: int,
-    capacity: int,
-    device: torch.device,
 ) -> None:
-    _tensor("seq_slots", seq_slots)
-    _tensor("seq_lens", seq_lens)
-    _device("seq_slots", seq_slots, device)
-    _device("seq_lens", seq_lens, device)
-    _index_dtype("seq_slots", seq_slots, torch.int32)
-    _index_dtype("seq_lens", seq_lens, torch.int32)
-    _shape("seq_slots", seq_slots, (num_seqs,), "[num_seqs]")
-    _shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
-    _contiguous("seq_slots", seq_slots)
-    _contiguous("seq_lens", seq_lens)
-    if num_seqs == 0:
+    """The contiguous attention ops' slots and lengths: inside the views and, for an
+    arena's views, within each slot's committed tokens."""
+    if value_cache.dim() != 5 or seq_slots.dim() != 1 or seq_lens.shape != seq_slots.shape:
         return
-    lo, hi = int(seq_slots.min()), int(seq_slots.max())
-    if lo < 0 or hi >= num_slots:
-        raise ValueError(f"seq_slots must lie in [0, {num_slots}), got values in [{lo}, {hi}]")
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
-    if lo < 0 or hi > capacity:
-        raise ValueError(
-            f"seq_lens must lie in [0, {capacity}] (the slots' capacity), got values in "
-            f"[{lo}, {hi}]"
-        )
-
-
-def _check_contiguous_attention(
-    out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs=None
-) -> None:
-    """Checks the arguments the contiguous decode and prefill share; num_seqs None
-    means one sequence per query token (decode)."""
-    num_tokens, _, head_size = _check_attention_io(out, query, num_kv_heads)
-    num_seqs = num_tokens if num_seqs is None else num_seqs
-    num_slots, cache_kv_heads, num_tiles, cache_head_size = _check_contiguous_kv_cache(
-        key_cache, value_cache, query.dtype, query.device
-    )
-    _check_cache_heads(num_kv_heads, cache_kv_heads, head_size, cache_head_size)
-    _finite_float("scale", scale)
-    _check_seq_slots(seq_slots, seq_lens, num_seqs, num_slots, num_tiles * TOKEN_TILE, query.device)
+    _check_range("seq_slots", seq_slots, torch.int32, 0, value_cache.shape[0])
+    capacity = value_cache.shape[2] * TOKEN_TILE
+    _check_range("seq_lens", seq_lens, torch.int32, 0, capacity + 1, " (the slots' capacity)")
     _check_committed(key_cache, seq_slots, seq_lens, "seq_lens")

@@ -1,10 +1,13 @@
-"""pyllm's kernels: the checked Python API over ``torch.ops.pyllm``.
+"""pyllm's kernels: thin Python wrappers over ``torch.ops.pyllm``.
 
-Every function here validates its arguments (device, dtype, shape, layout and the
-values of index tensors) and raises ``TypeError``/``ValueError`` naming the argument,
-then calls the compiled op. Engines that validate their batch metadata once per step
-may call ``torch.ops.pyllm.<name>`` directly with the same arguments to skip these
-checks; the value checks below read index tensors, which costs a device sync on CUDA.
+Each op's argument contract (device, dtype, shape, layout, supported sizes, scalar
+arguments) is checked in C++ by both its CPU and CUDA implementation, one checks
+header per family (``csrc/<family>/<family>_checks.h``): a bad argument raises
+``TypeError``/``ValueError`` naming it, however the op is called. The wrappers here add
+the arguments' Python types and the values of index tensors (slot and block numbers in
+range, seq_lens, query_start_loc, ...), which they read: a device sync on CUDA. Engines
+that validate their batch metadata once per step may call ``torch.ops.pyllm.<name>``
+directly with the same arguments to skip these value checks.
 
 KV cache layout, one pair of tensors per layer (``x = 16 // element_size``):
 
@@ -44,40 +47,19 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
     TOKEN_TILE,
-    _check_attention_common,
-    _check_attention_io,
+    _check_args,
     _check_block_mapping,
     _check_block_tables,
-    _check_eps,
-    _check_kv_cache,
-    _check_linear_bias,
-    _check_linear_input,
-    _check_linear_output,
-    _check_max_seq_len,
-    _check_norm_weight,
+    _check_max_len,
     _check_query_lens,
-    _contiguous,
-    _device,
-    _finite_float,
+    _check_range,
     _float_dtype,
-    _index_dtype,
     _ndim,
-    _packed_rows,
     _positive_int,
-    _query_start_loc,
-    _same_dtype,
-    _shape,
-    _supported_device,
     _tensor,
     kv_cache_x,
 )
-from pyllm.kv_cache import (
-    KVArena,
-    _check_committed,
-    _check_contiguous_attention,
-    _check_contiguous_kv_cache,
-    allocate_kv_cache,
-)
+from pyllm.kv_cache import KVArena, _check_seq_slots, _check_token_slots, allocate_kv_cache
 
 _C = torch.ops.pyllm
 
@@ -135,41 +117,14 @@ def reshape_and_cache(
     ``[num_tokens]`` int64, slot = block_number * block_size + offset_in_block;
     a slot of -1 skips that token (padding).
     """
-    _tensor("key", key)
-    _tensor("value", value)
-    _supported_device("key", key)
-    _float_dtype("key", key)
-    _ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    _device("value", value, key.device)
-    _same_dtype("value", value, key.dtype)
-    _shape("value", value, key.shape, "(same as key)")
-    _packed_rows("key", key)
-    _packed_rows("value", value)
-    if kv_cache_dtype != "auto":
-        raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; only 'auto' "
-            "(the cache has the model's dtype)"
-        )
-    num_blocks, num_kv_heads, head_size, block_size = _check_kv_cache(
-        key_cache, value_cache, key.dtype, key.device
-    )
-    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"key has {tuple(key.shape[1:])} [num_kv_heads, head_size] per token but the cache "
-            f"holds ({num_kv_heads}, {head_size})"
-        )
-    _tensor("slot_mapping", slot_mapping)
-    _device("slot_mapping", slot_mapping, key.device)
-    _index_dtype("slot_mapping", slot_mapping, torch.int64)
-    _shape("slot_mapping", slot_mapping, (key.shape[0],), "[num_tokens]")
-    _contiguous("slot_mapping", slot_mapping)
-    if slot_mapping.numel():
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping values must lie in [-1, {num_blocks * block_size}) "
-                f"({num_blocks} blocks of {block_size}), got values in [{lo}, {hi}]"
-            )
+    _check_args(
+        _C.reshape_and_cache, key=key, value=value, key_cache=key_cache,
+        value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    if value_cache.dim() == 4:
+        num_blocks, _, _, block_size = value_cache.shape
+        note = f" ({num_blocks} blocks of {block_size})"
+        _check_range("slot_mapping", slot_mapping, torch.int64, -1, num_blocks * block_size, note)
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
 
 
@@ -184,29 +139,12 @@ def copy_blocks(
     applied to every layer's key and value cache. The pairs are copied in parallel, in
     no set order: a block must not be both a source and a destination in one call.
     """
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise TypeError("key_caches and value_caches must be lists of tensors")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(
-            f"key_caches has {len(key_caches)} layers but value_caches has {len(value_caches)}"
-        )
-    if not key_caches:
-        raise ValueError("key_caches must hold at least one layer")
-    first = _tensor("key_caches[0]", key_caches[0])
-    _supported_device("key_caches[0]", first)
-    _float_dtype("key_caches[0]", first)
-    # Every layer, layer 0 included, is checked against layer 0's dtype and device,
-    # so each error says which layer it is about.
-    for i, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
-        try:
-            layer = _check_kv_cache(k, v, first.dtype, first.device)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"layer {i}: {error}") from None
-        if i == 0:
-            num_blocks = layer[0]
-        elif layer[0] != num_blocks or k.shape != first.shape:
-            raise ValueError(f"layer {i}'s cache shape differs from layer 0's")
-    _check_block_mapping(block_mapping, num_blocks, num_blocks)
+    _check_args(
+        _C.copy_blocks, key_caches=key_caches, value_caches=value_caches,
+        block_mapping=block_mapping,
+    )  # fmt: skip
+    if key_caches and key_caches[0].dim():
+        _check_block_mapping(block_mapping, key_caches[0].shape[0], key_caches[0].shape[0])
     _C.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
@@ -216,19 +154,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     src and dst are caches of the same layout and dtype (one key or one value cache),
     on the same or different devices (CPU <-> CUDA swaps where CUDA is built).
     """
-    _tensor("src", src)
-    _tensor("dst", dst)
-    _supported_device("src", src)
-    _supported_device("dst", dst)
-    _float_dtype("src", src)
-    _same_dtype("dst", dst, src.dtype)
-    _contiguous("src", src)
-    _contiguous("dst", dst)
-    if src.dim() < 2 or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
-        raise ValueError(
-            f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same block shape"
-        )
-    _check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
+    _check_args(_C.swap_blocks, src=src, dst=dst, block_mapping=block_mapping)
+    if src.dim() and dst.dim():
+        _check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
     _C.swap_blocks(src, dst, block_mapping)
 
 
@@ -257,15 +185,17 @@ def paged_attention_v1(
     GQA/MQA when num_heads is a multiple of num_kv_heads. alibi_slopes:
     ``[num_heads]`` float32, adds ``slope * (key_position - query_position)``.
     """
-    num_seqs, _, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_v1, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
+        block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
+        max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_max_seq_len(max_seq_len, seq_lens)
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v1(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
-        seq_lens, block_size, max_seq_len, alibi_slopes,
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -310,36 +240,17 @@ def paged_attention_v2(
     ``[num_seqs, num_heads, num_partitions, head_size]`` in the query's dtype, with
     num_partitions = ceil(max_seq_len / PARTITION_SIZE) (see paged_attention_v2_workspace).
     """
-    num_seqs, num_heads, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_v2, out=out, exp_sums=exp_sums, max_logits=max_logits,
+        tmp_out=tmp_out, query=query, key_cache=key_cache, value_cache=value_cache,
+        num_kv_heads=num_kv_heads, scale=scale, block_tables=block_tables, seq_lens=seq_lens,
+        block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_max_seq_len(max_seq_len, seq_lens)
-    partitions = -(-max_seq_len // PARTITION_SIZE)
-    head_size = query.shape[2]
-    for name, t, dtype, shape in (
-        ("exp_sums", exp_sums, torch.float32, (num_seqs, num_heads, partitions)),
-        ("max_logits", max_logits, torch.float32, (num_seqs, num_heads, partitions)),
-        ("tmp_out", tmp_out, query.dtype, (num_seqs, num_heads, partitions, head_size)),
-    ):
-        _tensor(name, t)
-        _device(name, t, query.device)
-        _index_dtype(name, t, dtype)
-        _contiguous(name, t)
-        if (
-            t.dim() != len(shape)
-            or tuple(t.shape[:2]) != shape[:2]
-            or t.shape[2] < partitions
-            or (len(shape) == 4 and t.shape[3] != head_size)
-        ):
-            raise ValueError(
-                f"{name} must have shape {shape} (num_partitions = ceil(max_seq_len / "
-                f"{PARTITION_SIZE}) = {partitions}), got {tuple(t.shape)}"
-            )
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
-        float(scale), block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -366,16 +277,17 @@ def paged_attention_prefill(
     its own, so this step's keys must already be written by reshape_and_cache. Used
     for prompts, prompt chunks after earlier chunks, and prefix-cache hits.
     """
-    num_tokens, _, num_blocks = _check_attention_common(
-        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, alibi_slopes,
+    _check_args(
+        _C.paged_attention_prefill, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
+        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        block_size=block_size, max_query_len=max_query_len, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    num_seqs = _query_start_loc(query_start_loc, query.device)
-    _check_block_tables(block_tables, seq_lens, num_seqs, num_blocks, block_size, query.device)
-    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
+    _check_block_tables(block_tables, seq_lens, value_cache, block_size)
+    _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.paged_attention_prefill(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), block_tables,
-        seq_lens, query_start_loc, block_size, max_query_len, alibi_slopes,
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        query_start_loc, block_size, max_query_len, alibi_slopes,
     )  # fmt: skip
 
 
@@ -399,53 +311,14 @@ def rotary_embedding(
     sin in the rest, in the query's dtype (or float32). The first rot_dim dimensions of
     each head rotate: neox style pairs (i, i + rot_dim/2), GPT-J style pairs (2i, 2i+1).
     """
-    _tensor("positions", positions)
-    _tensor("query", query)
-    _tensor("key", key)
-    _tensor("cos_sin_cache", cos_sin_cache)
-    _supported_device("query", query)
-    _float_dtype("query", query)
-    device = query.device
-    for name, t in (("key", key), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        _device(name, t, device)
-    _same_dtype("key", key, query.dtype)
-    _index_dtype("positions", positions, torch.int64)
-    _ndim("positions", positions, 1, "[num_tokens]")
-    if not isinstance(is_neox, bool):
-        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    _positive_int("head_size", head_size)
-    num_tokens = positions.shape[0]
-    for name, t in (("query", query), ("key", key)):
-        if t.dim() not in (2, 3) or t.shape[0] != num_tokens:
-            raise ValueError(
-                f"{name} must be [num_tokens={num_tokens}, num_heads * head_size] or "
-                f"[num_tokens, num_heads, head_size], got {tuple(t.shape)}"
-            )
-        if t.dim() == 3 and t.shape[2] != head_size:
-            raise ValueError(f"{name}'s last dimension {t.shape[2]} is not head_size {head_size}")
-        if t.shape[-1] % head_size:
-            raise ValueError(
-                f"{name}'s width {t.shape[-1]} is not a multiple of head_size {head_size}"
-            )
-        _packed_rows(name, t)
-    _ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, rot_dim]")
-    _contiguous("cos_sin_cache", cos_sin_cache)
-    if cos_sin_cache.dtype not in (query.dtype, torch.float32):
-        raise TypeError(
-            f"cos_sin_cache has dtype {cos_sin_cache.dtype}; use the query's dtype or float32"
+    _check_args(
+        _C.rotary_embedding, positions=positions, query=query, key=key, head_size=head_size,
+        cos_sin_cache=cos_sin_cache, is_neox=is_neox,
+    )  # fmt: skip
+    if cos_sin_cache.dim():
+        _check_range(
+            "positions", positions, torch.int64, 0, cos_sin_cache.shape[0], " (cos_sin_cache rows)"
         )
-    rot_dim = cos_sin_cache.shape[1]
-    if rot_dim % 2 or rot_dim < 2 or rot_dim > head_size:
-        raise ValueError(
-            f"cos_sin_cache's rot_dim {rot_dim} must be even and <= head_size {head_size}"
-        )
-    if num_tokens:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= cos_sin_cache.shape[0]:
-            raise ValueError(
-                f"positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows), "
-                f"got values in [{lo}, {hi}]"
-            )
     _C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
@@ -454,18 +327,8 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: 
 
     input: ``[..., hidden_size]`` with packed rows; out: same shape, contiguous.
     """
-    _tensor("input", input)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _packed_rows("input", input)
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape("out", out, input.shape, "(same as input)")
-    _contiguous("out", out)
-    _check_norm_weight(weight, input, "input")
-    _check_eps(eps)
-    _C.rms_norm(out, input, weight, float(eps))
+    _check_args(_C.rms_norm, out=out, input=input, weight=weight, eps=eps)
+    _C.rms_norm(out, input, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -475,37 +338,13 @@ def fused_add_rms_norm(
 
     input, residual: ``[..., hidden_size]``, same shape and dtype, contiguous.
     """
-    _tensor("input", input)
-    _tensor("residual", residual)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _contiguous("input", input)
-    _device("residual", residual, input.device)
-    _same_dtype("residual", residual, input.dtype)
-    _shape("residual", residual, input.shape, "(same as input)")
-    _contiguous("residual", residual)
-    _check_norm_weight(weight, input, "input")
-    _check_eps(eps)
-    _C.fused_add_rms_norm(input, residual, weight, float(eps))
+    _check_args(_C.fused_add_rms_norm, input=input, residual=residual, weight=weight, eps=eps)
+    _C.fused_add_rms_norm(input, residual, weight, eps)
 
 
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """out = silu(input[..., :d]) * input[..., d:] for input ``[..., 2 * d]``."""
-    _tensor("input", input)
-    _tensor("out", out)
-    _supported_device("input", input)
-    _float_dtype("input", input)
-    _packed_rows("input", input)
-    if input.dim() < 1 or input.shape[-1] % 2:
-        raise ValueError(
-            f"input's last dimension must be even (gate and up halves), got {tuple(input.shape)}"
-        )
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape(
-        "out", out, (*input.shape[:-1], input.shape[-1] // 2), "(input's with the last dim halved)"
-    )
-    _contiguous("out", out)
+    _check_args(_C.silu_and_mul, out=out, input=input)
     _C.silu_and_mul(out, input)
 
 
@@ -520,23 +359,7 @@ def small_batch_linear(
     memory bandwidth, with none of a GEMM library's per-call cost; on CUDA, cuBLAS.
     Input rows may be strided (a row view); their elements must be packed.
     """
-    _check_linear_input(input, "weight", weight, out)
-    rows, in_features = input.shape
-    if rows > SMALL_BATCH_MAX_ROWS:
-        raise ValueError(
-            f"input has {rows} rows; small_batch_linear takes at most {SMALL_BATCH_MAX_ROWS}"
-        )
-    for name, t in (("weight", weight), ("out", out)):
-        _device(name, t, input.device)
-        _same_dtype(name, t, input.dtype)
-    _ndim("weight", weight, 2, "[out_features, in_features]")
-    if weight.shape[1] != in_features:
-        raise ValueError(
-            f"weight must be [out_features, {in_features}] (input's in_features), "
-            f"got {tuple(weight.shape)}"
-        )
-    _contiguous("weight", weight)
-    _check_linear_output(out, bias, input, rows, weight.shape[0])
+    _check_args(_C.small_batch_linear, out=out, input=input, weight=weight, bias=bias)
     _C.small_batch_linear(out, input, weight, bias)
 
 
@@ -584,22 +407,7 @@ def packed_linear(
     GEMM library's per-call cost. On CUDA the weight is unpacked for cuBLAS. Input rows
     may be strided (a row view); their elements must be packed.
     """
-    _check_linear_input(input, "packed_weight", packed_weight, out)
-    rows, in_features = input.shape
-    for name, t in (("packed_weight", packed_weight), ("out", out)):
-        _device(name, t, input.device)
-        _same_dtype(name, t, input.dtype)
-    e = _words_per_element(input.dtype)
-    _ndim("packed_weight", packed_weight, 4, "[out_features / 16, in_features / E, 16, E]")
-    if packed_weight.shape[1:] != (in_features // e, 16, e) or in_features % e:
-        raise ValueError(
-            f"packed_weight must be [out_features / 16, {in_features // e}, 16, {e}] "
-            f"(pack_weight_words of a weight with {in_features} in_features), "
-            f"got {tuple(packed_weight.shape)}"
-        )
-    _contiguous("packed_weight", packed_weight)
-    out_features = packed_weight.shape[0] * 16
-    _check_linear_output(out, bias, input, rows, out_features)
+    _check_args(_C.packed_linear, out=out, input=input, packed_weight=packed_weight, bias=bias)
     _C.packed_linear(out, input, packed_weight, bias)
 
 
@@ -640,23 +448,6 @@ def _quant_type(qtype: object) -> tuple[str, int, int]:
     return _QUANT_BY_ID[qtype]
 
 
-def _check_qweight(qweight: torch.Tensor, qtype: int, in_features: int, device) -> int:
-    """qweight [N, row bytes] uint8 of type qtype for in_features values; returns N."""
-    _tensor("qweight", qweight)
-    _device("qweight", qweight, device)
-    if qweight.dtype != torch.uint8:
-        raise ValueError(f"qweight must be uint8 (the GGUF blocks' bytes), got {qweight.dtype}")
-    _ndim("qweight", qweight, 2, "[out_features, row_bytes]")
-    row_bytes = quant_row_bytes(qtype, in_features)
-    if qweight.shape[1] != row_bytes:
-        raise ValueError(
-            f"qweight must be [out_features, {row_bytes}] ({_quant_type(qtype)[0]} rows of "
-            f"{in_features} values), got {tuple(qweight.shape)}"
-        )
-    _contiguous("qweight", qweight)
-    return qweight.shape[0]
-
-
 def quant_linear(
     out: torch.Tensor,
     input: torch.Tensor,
@@ -675,14 +466,7 @@ def quant_linear(
     quantization step of the input per weight. Input rows and out rows may be strided
     (row views); their elements must be packed.
     """
-    _check_linear_input(input, "qweight", qweight, out)
-    rows, in_features = input.shape
-    out_features = _check_qweight(qweight, qtype, in_features, input.device)
-    _device("out", out, input.device)
-    _same_dtype("out", out, input.dtype)
-    _shape("out", out, (rows, out_features), "[rows, out_features]")
-    _packed_rows("out", out)
-    _check_linear_bias(bias, input, out_features)
+    _check_args(_C.quant_linear, out=out, input=input, qweight=qweight, qtype=qtype, bias=bias)
     _C.quant_linear(out, input, qweight, qtype, bias)
 
 
@@ -692,27 +476,9 @@ def dequantize_rows(
     """out[i] = row rows[i] of the quantized weight, as floats (all rows in order when
     rows is None): ``out [R, K]`` float32/bf16/fp16, ``qweight`` as for quant_linear,
     ``rows [R]`` int64. An embedding lookup in a quantized token table."""
-    _tensor("out", out)
-    _supported_device("out", out)
-    _float_dtype("out", out)
-    _ndim("out", out, 2, "[rows, in_features]")
-    _contiguous("out", out)
-    num_rows = _check_qweight(qweight, qtype, out.shape[1], out.device)
-    if rows is None:
-        if out.shape[0] != num_rows:
-            raise ValueError(
-                f"out must have qweight's {num_rows} rows when rows is None, got {out.shape[0]}"
-            )
-    else:
-        _tensor("rows", rows)
-        _device("rows", rows, out.device)
-        _index_dtype("rows", rows, torch.int64)
-        _shape("rows", rows, (out.shape[0],), "[R] (one per row of out)")
-        _contiguous("rows", rows)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-            raise ValueError(
-                f"rows must lie in [0, {num_rows}), got {int(rows.min())}..{int(rows.max())}"
-            )
+    _check_args(_C.dequantize_rows, out=out, qweight=qweight, qtype=qtype, rows=rows)
+    if rows is not None and qweight.dim():
+        _check_range("rows", rows, torch.int64, 0, qweight.shape[0])
     _C.dequantize_rows(out, qweight, qtype, rows)
 
 
@@ -737,45 +503,11 @@ def write_kv_contiguous(
     sequence (below the slots' capacity, and below the slot's committed tokens when the
     cache is a KVArena view).
     """
-    _tensor("key", key)
-    _tensor("value", value)
-    _supported_device("key", key)
-    _float_dtype("key", key)
-    _ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    _device("value", value, key.device)
-    _same_dtype("value", value, key.dtype)
-    _shape("value", value, key.shape, "(same as key)")
-    _packed_rows("key", key)
-    _packed_rows("value", value)
-    num_slots, num_kv_heads, num_tiles, head_size = _check_contiguous_kv_cache(
-        key_cache, value_cache, key.dtype, key.device
-    )
-    if tuple(key.shape[1:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"key has {tuple(key.shape[1:])} [num_kv_heads, head_size] per token but the cache "
-            f"holds ({num_kv_heads}, {head_size})"
-        )
-    num_tokens = key.shape[0]
-    for name, t in (("token_slots", token_slots), ("positions", positions)):
-        _tensor(name, t)
-        _device(name, t, key.device)
-        _index_dtype(name, t, torch.int64)
-        _shape(name, t, (num_tokens,), "[num_tokens]")
-        _contiguous(name, t)
-    if num_tokens:
-        lo, hi = int(token_slots.min()), int(token_slots.max())
-        if lo < -1 or hi >= num_slots:
-            raise ValueError(
-                f"token_slots must lie in [-1, {num_slots}), got values in [{lo}, {hi}]"
-            )
-        written = positions[token_slots >= 0]
-        capacity = num_tiles * TOKEN_TILE
-        if written.numel() and (int(written.min()) < 0 or int(written.max()) >= capacity):
-            raise ValueError(
-                f"positions of written tokens must lie in [0, {capacity}) (the slots' "
-                f"capacity), got values in [{int(written.min())}, {int(written.max())}]"
-            )
-        _check_committed(key_cache, token_slots, positions + 1, "positions")
+    _check_args(
+        _C.write_kv_contiguous, key=key, value=value, key_cache=key_cache,
+        value_cache=value_cache, token_slots=token_slots, positions=positions,
+    )  # fmt: skip
+    _check_token_slots(key_cache, value_cache, token_slots, positions)
     _C.write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions)
 
 
@@ -798,12 +530,15 @@ def contiguous_attention_decode(
     committed tokens when the cache is a KVArena view); max_seq_len >= max(seq_lens).
     GQA/MQA when num_heads is a multiple of num_kv_heads.
     """
-    _check_contiguous_attention(
-        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens
-    )
-    _check_max_seq_len(max_seq_len, seq_lens)
+    _check_args(
+        _C.contiguous_attention_decode, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
+        seq_lens=seq_lens, max_seq_len=max_seq_len,
+    )  # fmt: skip
+    _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
+    _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.contiguous_attention_decode(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), seq_slots, seq_lens,
+        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
         max_seq_len,
     )  # fmt: skip
 
@@ -828,13 +563,14 @@ def contiguous_attention_prefill(
     position ``seq_lens[s] - q_len_s + i`` and attends to the cached keys up to its own
     (written first by write_kv_contiguous): prompts, later chunks of a chunked prefill.
     """
-    num_tokens, _, _ = _check_attention_io(out, query, num_kv_heads)
-    num_seqs = _query_start_loc(query_start_loc, query.device)
-    _check_contiguous_attention(
-        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs
-    )
-    _check_query_lens(query_start_loc, seq_lens, num_tokens, max_query_len)
+    _check_args(
+        _C.contiguous_attention_prefill, out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
+        seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max_query_len,
+    )  # fmt: skip
+    _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
+    _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.contiguous_attention_prefill(
-        out, query, key_cache, value_cache, num_kv_heads, float(scale), seq_slots, seq_lens,
+        out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
         query_start_loc, max_query_len,
     )  # fmt: skip

@@ -1,7 +1,8 @@
 // The CPU attention ops: paged decode (v1, v2), paged causal prefill, and the same
 // kernels over the contiguous layout. The kernels are in attention_cpu_kernels.h
 // (decode and the general prefill) and attention_cpu_prefill_lanes.h (prefill on
-// AVX-512); the argument checks in attention_cpu_checks.h.
+// AVX-512); the argument contract in attention_checks.h (shared with CUDA), the CPU's
+// own index checks in attention_cpu_checks.h.
 
 #include "attention_cpu_checks.h"
 #include "attention_cpu_kernels.h"
@@ -22,8 +23,6 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                              const Addressing& addressing, const at::Tensor& seq_lens,
                              int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
-  TORCH_CHECK(seq_lens.size(0) == shape.num_tokens, op, ": seq_lens has ", seq_lens.size(0),
-              " entries but query has ", shape.num_tokens, " sequences");
   check_addressing(op, addressing, seq_lens, shape, max_seq_len);
   const int64_t num_seqs = shape.num_tokens;
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
@@ -68,8 +67,10 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes) {
   const char* op = "paged_attention_v1";
-  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+  const PagedKVShape cache =
+      check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
+                               block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+  const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
                    block_tables, seq_lens, max_seq_len, alibi_slopes);
 }
@@ -81,25 +82,11 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes) {
   const char* op = "paged_attention_v2";
-  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+  const PagedKVShape cache = check_paged_attention_v2(
+      out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+  const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   const int64_t num_seqs = shape.num_tokens, num_heads = shape.num_heads;
-  TORCH_CHECK(seq_lens.size(0) == num_seqs, op, ": seq_lens has ", seq_lens.size(0),
-              " entries but query has ", num_seqs, " sequences");
-  const int64_t needed = std::max<int64_t>(1, (max_seq_len + kPartitionSize - 1) / kPartitionSize);
-  for (const at::Tensor* t : {&exp_sums, &max_logits}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
-                    t->is_contiguous() && t->size(0) == num_seqs && t->size(1) == num_heads &&
-                    t->size(2) >= needed,
-                op, ": exp_sums and max_logits must be contiguous float32 [", num_seqs, ", ",
-                num_heads, ", >= ", needed, "], got ", t->sizes());
-  }
-  TORCH_CHECK(tmp_out.device().is_cpu() && tmp_out.scalar_type() == query.scalar_type() &&
-                  tmp_out.is_contiguous() && tmp_out.dim() == 4 && tmp_out.size(0) == num_seqs &&
-                  tmp_out.size(1) == num_heads && tmp_out.size(2) >= needed &&
-                  tmp_out.size(3) == shape.head_size,
-              op, ": tmp_out must be contiguous [", num_seqs, ", ", num_heads, ", >= ", needed,
-              ", ", shape.head_size, "] in the query's dtype, got ", tmp_out.sizes());
   // Each workspace tensor may hold more partitions than needed; index each by its own.
   const int64_t sums_parts = exp_sums.size(2), maxes_parts = max_logits.size(2),
                 partial_parts = tmp_out.size(2);
@@ -187,11 +174,6 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
                               const at::Tensor& query_start_loc,
                               const std::optional<at::Tensor>& alibi_slopes) {
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.device().is_cpu() && query_start_loc.scalar_type() == at::kInt &&
-                  query_start_loc.dim() == 1 && query_start_loc.is_contiguous() &&
-                  query_start_loc.size(0) == num_seqs + 1,
-              op, ": query_start_loc must be a contiguous int32 [num_seqs + 1 = ", num_seqs + 1,
-              "] CPU tensor, got ", query_start_loc.sizes());
   check_addressing(op, addressing, seq_lens, shape, std::numeric_limits<int32_t>::max());
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -294,8 +276,10 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& query_start_loc, int64_t block_size,
                              int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
   const char* op = "paged_attention_prefill";
-  const AttentionShape shape = check_attention(op, out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+  const PagedKVShape cache = check_paged_attention_prefill(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      query_start_loc, block_size, max_query_len, alibi_slopes);
+  const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
                     block_tables, seq_lens, query_start_loc, alibi_slopes);
 }
@@ -308,10 +292,10 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len) {
   const char* op = "contiguous_attention_decode";
-  const AttentionShape shape = check_contiguous_attention(op, out, query, num_kv_heads, seq_slots,
-                                                          seq_lens, query.dim() ? query.size(0) : 0);
-  const SlotAddressing slots = check_contiguous_cache(
-      op, key_cache, value_cache, num_kv_heads, shape.head_size, query.scalar_type(), seq_slots);
+  const ContiguousKVShape cache = check_contiguous_attention_decode(
+      out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, max_seq_len);
+  const AttentionShape shape = contiguous_shape(query, num_kv_heads);
+  const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
                    seq_lens, max_seq_len, std::nullopt);
 }
@@ -322,10 +306,11 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                   int64_t max_query_len) {
   const char* op = "contiguous_attention_prefill";
-  const AttentionShape shape = check_contiguous_attention(op, out, query, num_kv_heads, seq_slots,
-                                                          seq_lens, seq_lens.dim() == 1 ? seq_lens.size(0) : -1);
-  const SlotAddressing slots = check_contiguous_cache(
-      op, key_cache, value_cache, num_kv_heads, shape.head_size, query.scalar_type(), seq_slots);
+  const ContiguousKVShape cache = check_contiguous_attention_prefill(
+      out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
+      query_start_loc, max_query_len);
+  const AttentionShape shape = contiguous_shape(query, num_kv_heads);
+  const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
                     seq_lens, query_start_loc, std::nullopt);
 }

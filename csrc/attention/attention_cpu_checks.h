@@ -1,76 +1,25 @@
-// Argument checks of the CPU attention ops and the shapes they read off their arguments.
+// The CPU attention ops' own checks, after the shared contract (attention_checks.h):
+// one read of seq_lens, block tables and slots so that no task indexes outside the
+// cache or the outputs. Also the shapes and addressing the kernels take.
 //
 // An internal header of attention_cpu.cpp, its only includer: what it defines stays in
 // that translation unit (anonymous namespace), as when it was one file.
 #pragma once
 
-#include "../cache/contiguous_views.h"
+#include "attention_checks.h"
 #include "attention_cpu_kernels.h"
 
 namespace pyllm::cpu {
 namespace {
 
-// Argument checks: what a direct torch.ops call could otherwise turn into an
-// out-of-bounds access. pyllm/ops.py checks the rest with friendlier messages.
-
 struct AttentionShape {
   int64_t num_tokens, num_heads, head_size, num_kv_heads, block_size, num_blocks;
 };
 
-AttentionShape check_attention(const char* op, const at::Tensor& out, const at::Tensor& query,
-                               const at::Tensor& key_cache, const at::Tensor& value_cache,
-                               int64_t num_kv_heads, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, int64_t block_size,
-                               const std::optional<at::Tensor>& alibi_slopes) {
-  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens}) {
-    TORCH_CHECK(t->device().is_cpu(), op, ": all tensors must be on the CPU, got ", t->device());
-  }
-  TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ",
-              query.sizes());
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  TORCH_CHECK(
-      (num_heads <= 1 || query.stride(1) == head_size) && (head_size <= 1 || query.stride(2) == 1),
-      op, ": each query token's [num_heads, head_size] must be packed, got strides ",
-      query.strides());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), op,
-              ": out must be contiguous with the query's shape ", query.sizes());
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              op, ": out, key_cache and value_cache must have the query's dtype ", dtype);
-  TORCH_CHECK(is_listed(kHeadSizes, head_size), op, ": unsupported head_size ", head_size,
-              " (supported: ", list_text(kHeadSizes), ")");
-  TORCH_CHECK(is_listed(kBlockSizes, block_size), op, ": unsupported block_size ", block_size,
-              " (supported: ", list_text(kBlockSizes), ")");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
-              num_kv_heads, " must divide num_heads ", num_heads);
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
-              ": key_cache and value_cache must be contiguous");
-  TORCH_CHECK(value_cache.dim() == 4 && value_cache.size(1) == num_kv_heads &&
-                  value_cache.size(2) == head_size && value_cache.size(3) == block_size,
-              op, ": value_cache must be [num_blocks, ", num_kv_heads, ", ", head_size, ", ",
-              block_size, "], got ", value_cache.sizes());
-  const int64_t num_blocks = value_cache.size(0);
-  const int64_t x = 16 / int64_t(query.element_size());
-  TORCH_CHECK(key_cache.dim() == 5 && key_cache.size(0) == num_blocks &&
-                  key_cache.size(1) == num_kv_heads && key_cache.size(2) == head_size / x &&
-                  key_cache.size(3) == block_size && key_cache.size(4) == x,
-              op, ": key_cache must be [", num_blocks, ", ", num_kv_heads, ", ", head_size / x,
-              ", ", block_size, ", ", x, "], got ", key_cache.sizes());
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.is_contiguous(),
-              op, ": block_tables must be a contiguous 2-D int32 tensor");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
-                  seq_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0),
-              op, ": seq_lens must be a contiguous int32 [num_seqs] matching block_tables, got ",
-              seq_lens.sizes());
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& a = *alibi_slopes;
-    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.dim() == 1 &&
-                    a.size(0) == num_heads && a.is_contiguous(),
-                op, ": alibi_slopes must be a contiguous float32 [", num_heads, "] CPU tensor");
-  }
-  return {num_tokens, num_heads, head_size, num_kv_heads, block_size, num_blocks};
+AttentionShape paged_shape(const at::Tensor& query, int64_t num_kv_heads,
+                           const PagedKVShape& cache) {
+  return {query.size(0),  query.size(1),    query.size(2),
+          num_kv_heads,   cache.block_size, cache.num_blocks};
 }
 
 // Reads seq_lens and the used block_tables entries once (a few microseconds)
@@ -149,66 +98,17 @@ PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& v
   return cache;
 }
 
-// The contiguous views (ops.h): key_cache [max_num_seqs, num_kv_heads, num_tiles,
-// head_size / x, kTokenTile, x], value_cache [max_num_seqs, num_kv_heads, num_tiles,
-// head_size, kTokenTile], the inner dimensions dense, the outer strides free but the
-// same for both caches (the kernels address one tile of either with one offset).
-SlotAddressing check_contiguous_cache(const char* op, const at::Tensor& key_cache,
-                                      const at::Tensor& value_cache, int64_t num_kv_heads,
-                                      int64_t head_size, at::ScalarType dtype,
-                                      const at::Tensor& seq_slots) {
-  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
-                  seq_slots.device().is_cpu(),
-              op, ": key_cache, value_cache and seq_slots must be CPU tensors");
-  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, op,
-              ": key_cache and value_cache must have dtype ", dtype);
-  const int64_t x = 16 / int64_t(c10::elementSize(dtype));
-  const auto [num_slots, num_tiles] =
-      check_contiguous_views(op, key_cache, value_cache, num_kv_heads, head_size, x);
-  // The kernels address both caches with one set of outer strides.
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(key_cache.stride(d) == value_cache.stride(d), op,
-                ": key_cache and value_cache must share their (slot, kv head, tile) strides, got ",
-                key_cache.strides(), " and ", value_cache.strides());
-  }
-  TORCH_CHECK(seq_slots.scalar_type() == at::kInt && seq_slots.dim() == 1 &&
-                  seq_slots.is_contiguous(),
-              op, ": seq_slots must be a contiguous 1-D int32 tensor, got ", seq_slots.sizes());
-  return {seq_slots.data_ptr<int32_t>(), num_slots,      num_tiles * kTokenTile,
+// The contiguous views' addressing (the views checked by check_contiguous_kv_cache:
+// both caches share their outer strides).
+SlotAddressing slot_addressing(const at::Tensor& key_cache, const at::Tensor& seq_slots,
+                               const ContiguousKVShape& cache) {
+  return {seq_slots.data_ptr<int32_t>(), cache.num_slots,      cache.num_tiles * kTokenTile,
           key_cache.stride(0),           key_cache.stride(1), key_cache.stride(2)};
 }
 
-// Query, out and seq_lens of the contiguous ops (the caches: check_contiguous_cache).
-AttentionShape check_contiguous_attention(const char* op, const at::Tensor& out,
-                                          const at::Tensor& query, int64_t num_kv_heads,
-                                          const at::Tensor& seq_slots,
-                                          const at::Tensor& seq_lens, int64_t num_seqs) {
-  TORCH_CHECK(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got ",
-              query.sizes());
-  const int64_t x = 16 / int64_t(query.element_size());
-  TORCH_CHECK(out.device().is_cpu() && query.device().is_cpu() && seq_lens.device().is_cpu(), op,
-              ": all tensors must be on the CPU");
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  TORCH_CHECK(
-      (num_heads <= 1 || query.stride(1) == head_size) && (head_size <= 1 || query.stride(2) == 1),
-      op, ": each query token's [num_heads, head_size] must be packed, got strides ",
-      query.strides());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), op,
-              ": out must be contiguous with the query's shape ", query.sizes());
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out must have the query's dtype");
-  TORCH_CHECK(is_listed(kHeadSizes, head_size), op, ": unsupported head_size ", head_size,
-              " (supported: ", list_text(kHeadSizes), ")");
-  TORCH_CHECK(head_size % x == 0, op, ": head_size must be a multiple of x = ", x);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_kv_heads ",
-              num_kv_heads, " must divide num_heads ", num_heads);
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
-                  seq_lens.is_contiguous() && seq_lens.size(0) == num_seqs &&
-                  seq_slots.dim() == 1 && seq_slots.size(0) == num_seqs,
-              op, ": seq_slots and seq_lens must be contiguous int32 [num_seqs = ", num_seqs,
-              "], got ", seq_slots.sizes(), " and ", seq_lens.sizes());
-  return {num_tokens, num_heads, head_size, num_kv_heads, kTokenTile, 0};
+AttentionShape contiguous_shape(const at::Tensor& query, int64_t num_kv_heads) {
+  return {query.size(0), query.size(1), query.size(2), num_kv_heads, kTokenTile, 0};
 }
-
 
 }  // namespace
 }  // namespace pyllm::cpu

@@ -1,5 +1,6 @@
-// CUDA attention over the paged and the contiguous KV cache: host-side checks,
-// dtype/head-size/block-size dispatch and launches. The kernels are in
+// CUDA attention over the paged and the contiguous KV cache: the shared argument
+// checks (attention_checks.h) and CUDA's own, dtype/head-size/block-size dispatch
+// and launches. The kernels are in
 // decode_kernels.cuh (paged_attention_v1/v2, contiguous_attention_decode) and
 // prefill_kernel.cuh (paged_attention_prefill, contiguous_attention_prefill); the
 // two layouts differ only in their addressing (kv_addressing.cuh).
@@ -17,8 +18,8 @@
 #include <type_traits>
 
 #include "../dispatch_utils.h"
-#include "../cache/contiguous_views.h"
 #include "../ops.h"
+#include "attention_checks.h"
 #include "decode_kernels.cuh"
 #include "sizes.h"
 #include "prefill_kernel.cuh"
@@ -48,111 +49,36 @@ struct AttentionShape {
   int block_size;
 };
 
-// query and out, shared by both layouts.
-void check_query_out(const at::Tensor& out, const at::Tensor& query, int64_t num_kv_heads) {
-  check_cuda(query, "query");
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
-              query.sizes());
-  const int64_t num_heads = query.size(1);
-  const int64_t head_size = query.size(2);
-  TORCH_CHECK(query.stride(2) == 1 && (num_heads == 1 || query.stride(1) == head_size),
-              "query must have each token's heads packed, got strides ", query.strides());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == query.scalar_type() && out.device() == query.device(),
-              "out must be a contiguous tensor shaped and typed like query");
-  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "num_kv_heads ",
-              num_kv_heads, " must divide num_heads ", query.size(1));
-}
-
-AttentionShape check_attention(const at::Tensor& out, const at::Tensor& query,
-                               const at::Tensor& key_cache, const at::Tensor& value_cache,
-                               int64_t num_kv_heads, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, int64_t block_size,
-                               const std::optional<at::Tensor>& alibi_slopes) {
-  check_query_out(out, query, num_kv_heads);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_size = query.size(2);
-  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous(),
-              "key_cache/value_cache must be contiguous [num_blocks, num_kv_heads, head_size/x, "
-              "block_size, x] / [num_blocks, num_kv_heads, head_size, block_size]");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == query.scalar_type(),
-              "key_cache/value_cache must have the query's dtype ", query.scalar_type());
-  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
-              "key_cache/value_cache must be on the query's device ", query.device());
-  const int64_t x = 16 / static_cast<int64_t>(query.element_size());
-  TORCH_CHECK(value_cache.size(1) == num_kv_heads && value_cache.size(2) == head_size &&
-                  value_cache.size(3) == block_size,
-              "value_cache ", value_cache.sizes(), " does not match num_kv_heads=", num_kv_heads,
-              ", head_size=", head_size, ", block_size=", block_size);
-  TORCH_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == num_kv_heads &&
-                  key_cache.size(2) * x == head_size && key_cache.size(3) == block_size &&
-                  key_cache.size(4) == x,
-              "key_cache ", key_cache.sizes(), " does not match value_cache ",
-              value_cache.sizes(), " with x=", x);
-  check_aligned16(key_cache, "key_cache");
-  check_aligned16(value_cache, "value_cache");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
-                  block_tables.stride(1) == 1 && block_tables.device() == query.device(),
-              "block_tables must be [num_seqs, max_blocks] int32 with packed rows, on ",
-              query.device());
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt &&
-                  seq_lens.is_contiguous() && seq_lens.device() == query.device() &&
-                  seq_lens.size(0) == block_tables.size(0),
-              "seq_lens must be [num_seqs] int32, contiguous, on ", query.device());
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& slopes = *alibi_slopes;
-    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == num_heads &&
-                    slopes.scalar_type() == at::kFloat && slopes.is_contiguous() &&
-                    slopes.device() == query.device(),
-                "alibi_slopes must be [num_heads] float32, contiguous, on ", query.device());
-  }
-  return AttentionShape{static_cast<int>(query.size(0)), static_cast<int>(num_heads),
-                        static_cast<int>(head_size), static_cast<int>(num_kv_heads),
+AttentionShape attention_shape(const at::Tensor& query, int64_t num_kv_heads,
+                               int64_t block_size) {
+  return AttentionShape{static_cast<int>(query.size(0)), static_cast<int>(query.size(1)),
+                        static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
                         static_cast<int>(block_size)};
 }
 
-// The contiguous views (ops.h): key_cache [max_num_seqs, num_kv_heads, num_tiles,
-// head_size / x, kTokenTile, x], value_cache [max_num_seqs, num_kv_heads,
-// num_tiles, head_size, kTokenTile]; dense inside a tile, free non-negative outer
-// strides (each a multiple of 16 bytes: the kernels load 16-byte vectors), one
-// [num_seqs] int32 seq_slots and seq_lens.
-ContiguousKV check_contiguous(const at::Tensor& query, const at::Tensor& key_cache,
-                              const at::Tensor& value_cache, int64_t num_kv_heads,
-                              const at::Tensor& seq_slots, const at::Tensor& seq_lens,
-                              int64_t num_seqs) {
-  const int64_t head_size = query.size(2);
-  const int64_t x = 16 / static_cast<int64_t>(query.element_size());
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == query.scalar_type(),
-              "key_cache/value_cache must have the query's dtype ", query.scalar_type());
-  TORCH_CHECK(key_cache.device() == query.device() && value_cache.device() == query.device(),
-              "key_cache/value_cache must be on the query's device ", query.device());
-  const auto [num_slots, num_tiles] = check_contiguous_views(
-      "contiguous attention", key_cache, value_cache, num_kv_heads, head_size, x);
-  for (int d = 0; d < 3; ++d) {
-    for (const at::Tensor* t : {&key_cache, &value_cache}) {
-      TORCH_CHECK(t->stride(d) >= 0 && (t->stride(d) * t->element_size()) % 16 == 0,
-                  "the (slot, kv head, tile) strides of key_cache/value_cache must be "
-                  "non-negative multiples of 16 bytes, got ",
-                  key_cache.strides(), " and ", value_cache.strides());
-    }
-  }
+// What the kernels need beyond the shared contract: CUDA tensors and caches that
+// start on a 16-byte boundary (they load 16-byte vectors).
+void check_cuda_caches(const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache) {
+  check_cuda(query, "query");
   check_aligned16(key_cache, "key_cache");
   check_aligned16(value_cache, "value_cache");
-  const auto check_index = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == num_seqs && t.scalar_type() == at::kInt &&
-                    t.is_contiguous() && t.device() == query.device(),
-                name, " must be [", num_seqs, "] int32, contiguous, on ", query.device(),
-                "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
-  };
-  check_index(seq_slots, "seq_slots");
-  check_index(seq_lens, "seq_lens");
+}
+
+// The contiguous views' addressing (checked by check_contiguous_kv_cache); their
+// outer strides must also be multiples of 16 bytes.
+ContiguousKV contiguous_kv(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& seq_slots, const ContiguousKVShape& cache) {
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK((key_cache.stride(d) * key_cache.element_size()) % 16 == 0,
+                "the (slot, kv head, tile) strides of key_cache/value_cache must be "
+                "multiples of 16 bytes on CUDA, got ",
+                key_cache.strides());
+  }
   ContiguousKV kv{};
   kv.seq_slots = seq_slots.data_ptr<int>();
-  kv.num_slots = num_slots;
-  kv.capacity = num_tiles * kTokenTile;
+  kv.num_slots = cache.num_slots;
+  kv.capacity = cache.num_tiles * kTokenTile;
   kv.key_slot_stride = key_cache.stride(0);
   kv.key_head_stride = key_cache.stride(1);
   kv.key_tile_stride = key_cache.stride(2);
@@ -237,39 +163,21 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
   });
 }
 
-// v1 when exp_sums is undefined, v2 otherwise (then followed by the reduce).
+// v1 when exp_sums is undefined, v2 otherwise (then followed by the reduce); the
+// caller has checked the arguments (attention_checks.h).
 void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* max_logits,
                             at::Tensor* tmp_out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes) {
-  const AttentionShape shape = check_attention(out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
-  TORCH_CHECK(block_tables.size(0) == shape.num_tokens, "block_tables has ",
-              block_tables.size(0), " rows but query has ", shape.num_tokens, " sequences");
+  check_cuda_caches(query, key_cache, value_cache);
+  const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   DecodeOutputs outputs{&out, exp_sums, max_logits, tmp_out};
   at::Tensor scratch_sums, scratch_maxes, scratch_out;
   if (exp_sums != nullptr) {
-    TORCH_CHECK(max_seq_len > 0, "max_seq_len must be positive, got ", max_seq_len);
     const int num_partitions =
         static_cast<int>((max_seq_len + kPartitionSize - 1) / kPartitionSize);
-    for (const at::Tensor* t : {exp_sums, max_logits}) {
-      TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
-                      t->size(0) == shape.num_tokens && t->size(1) == shape.num_heads &&
-                      t->size(2) >= num_partitions && t->device() == query.device(),
-                  "exp_sums/max_logits must be contiguous float32 [num_seqs, num_heads, "
-                  ">= ", num_partitions, " partitions], got ", t->sizes());
-    }
-    TORCH_CHECK(tmp_out->dim() == 4 && tmp_out->is_contiguous() &&
-                    tmp_out->scalar_type() == query.scalar_type() &&
-                    tmp_out->size(0) == shape.num_tokens && tmp_out->size(1) == shape.num_heads &&
-                    tmp_out->size(3) == shape.head_size && tmp_out->device() == query.device(),
-                "tmp_out must be contiguous [num_seqs, num_heads, num_partitions, head_size] "
-                "in the query's dtype, got ", tmp_out->sizes());
-    TORCH_CHECK(tmp_out->size(2) >= num_partitions, "the v2 workspace holds ",
-                tmp_out->size(2), " partitions but max_seq_len ", max_seq_len, " needs ",
-                num_partitions);
     outputs.num_partitions = num_partitions;
     outputs.max_partitions = static_cast<int>(tmp_out->size(2));
     // The kernels index the three workspaces with one partition stride; where the
@@ -322,15 +230,6 @@ void launch_prefill(const PrefillParams<T, KV>& params, dim3 grid, cudaStream_t 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& query,
-                           int64_t num_seqs) {
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
-                  query_start_loc.is_contiguous() && query_start_loc.device() == query.device() &&
-                  query_start_loc.size(0) == num_seqs + 1,
-              "query_start_loc must be [num_seqs + 1] int32, contiguous, on ", query.device(),
-              "; got ", query_start_loc.sizes(), " for ", num_seqs, " sequences");
-}
-
 // The prefill launch for either layout; shapes are already checked.
 template <typename KV>
 void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -374,6 +273,8 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes) {
+  check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
+                           seq_lens, block_size, max_seq_len, alibi_slopes);
   paged_attention_decode(out, nullptr, nullptr, nullptr, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
                          alibi_slopes);
@@ -385,6 +286,9 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes) {
+  check_paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
+                           num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+                           alibi_slopes);
   paged_attention_decode(out, &exp_sums, &max_logits, &tmp_out, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
                          alibi_slopes);
@@ -396,13 +300,14 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                              int64_t block_size, int64_t max_query_len,
                              const std::optional<at::Tensor>& alibi_slopes) {
-  const AttentionShape shape = check_attention(out, query, key_cache, value_cache, num_kv_heads,
-                                               block_tables, seq_lens, block_size, alibi_slopes);
+  // max_query_len is checked but not read: tiles are found from query_start_loc.
+  check_paged_attention_prefill(out, query, key_cache, value_cache, num_kv_heads, scale,
+                                block_tables, seq_lens, query_start_loc, block_size,
+                                max_query_len, alibi_slopes);
+  check_cuda_caches(query, key_cache, value_cache);
+  const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   const int num_seqs = static_cast<int>(block_tables.size(0));
-  check_query_start_loc(query_start_loc, query, num_seqs);
-  (void)max_query_len;  // tiles are found from query_start_loc; see find_query_tile
   if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
-  dispatch_block_size(shape.block_size, [](auto) {});  // rejects unsupported sizes
   PagedKV kv{};
   kv.block_tables = block_tables.data_ptr<int>();
   kv.block_tables_stride = block_tables.stride(0);
@@ -419,18 +324,16 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len) {
-  check_query_out(out, query, num_kv_heads);
+  const ContiguousKVShape cache = check_contiguous_attention_decode(
+      out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, max_seq_len);
+  check_cuda_caches(query, key_cache, value_cache);
   const int64_t num_seqs = query.size(0);
-  ContiguousKV kv = check_contiguous(query, key_cache, value_cache, num_kv_heads, seq_slots,
-                                     seq_lens, num_seqs);
-  TORCH_CHECK(max_seq_len >= 0, "max_seq_len must be non-negative, got ", max_seq_len);
+  ContiguousKV kv = contiguous_kv(key_cache, value_cache, seq_slots, cache);
   // max_seq_len bounds seq_lens: a longer sequence would fall outside the
   // partitions launched, so the kernel treats it like one past the slot's
   // capacity (NaN output) rather than silently truncating it.
   kv.capacity = std::min(kv.capacity, max_seq_len);
-  const AttentionShape shape{static_cast<int>(num_seqs), static_cast<int>(query.size(1)),
-                             static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
-                             static_cast<int>(kTokenTile)};
+  const AttentionShape shape = attention_shape(query, num_kv_heads, kTokenTile);
   if (shape.num_tokens == 0 || shape.num_heads == 0) return;
 
   DecodeOutputs outputs{&out};
@@ -455,17 +358,15 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   int64_t num_kv_heads, double scale,
                                   const at::Tensor& seq_slots, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t max_query_len) {
-  check_query_out(out, query, num_kv_heads);
-  const int64_t num_seqs = seq_lens.dim() == 1 ? seq_lens.size(0) : -1;
-  TORCH_CHECK(num_seqs >= 0 && num_seqs <= INT32_MAX, "seq_lens must be [num_seqs], got ",
-              seq_lens.sizes());
-  const ContiguousKV kv = check_contiguous(query, key_cache, value_cache, num_kv_heads,
-                                           seq_slots, seq_lens, num_seqs);
-  check_query_start_loc(query_start_loc, query, num_seqs);
-  (void)max_query_len;  // tiles are found from query_start_loc; see find_query_tile
-  const AttentionShape shape{static_cast<int>(query.size(0)), static_cast<int>(query.size(1)),
-                             static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
-                             static_cast<int>(kTokenTile)};
+  // max_query_len is checked but not read: tiles are found from query_start_loc.
+  const ContiguousKVShape cache = check_contiguous_attention_prefill(
+      out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
+      query_start_loc, max_query_len);
+  check_cuda_caches(query, key_cache, value_cache);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(num_seqs <= INT32_MAX, "at most INT32_MAX sequences, got ", num_seqs);
+  const ContiguousKV kv = contiguous_kv(key_cache, value_cache, seq_slots, cache);
+  const AttentionShape shape = attention_shape(query, num_kv_heads, kTokenTile);
   run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape,
               static_cast<int>(num_seqs), scale, nullptr);
 }

@@ -20,7 +20,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
-#include "contiguous_views.h"
+#include "cache_checks.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -29,23 +29,6 @@ namespace {
 constexpr int64_t kGrainElements = 1 << 14;
 // Block copies: bytes per thread before splitting pays off.
 constexpr int64_t kGrainBytes = 1 << 18;
-
-bool is_supported_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
-}
-
-// [num_tokens, num_kv_heads, head_size] with a free token stride: the ops.py
-// contract for key and value (row views of a fused projection are allowed).
-void check_token_rows(const at::Tensor& t, const char* name, int64_t num_kv_heads,
-                      int64_t head_size) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.dim() == 3 && t.size(1) == num_kv_heads && t.size(2) == head_size, name,
-              " must be [num_tokens, ", num_kv_heads, ", ", head_size, "], got ", t.sizes());
-  TORCH_CHECK((t.size(2) <= 1 || t.stride(2) == 1) &&
-                  (t.size(1) <= 1 || t.stride(1) == head_size),
-              name, " must have each token's [num_kv_heads, head_size] packed, got strides ",
-              t.strides());
-}
 
 // Raises unless every slot is -1 (skip) or inside the cache: a slot past the
 // end would be a write outside key_cache/value_cache. One pass over num_tokens
@@ -101,16 +84,9 @@ void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
-// block_mapping [num_pairs, 2] int64 on the CPU, rows of (src, dst). Returns the
-// largest block number of each column so callers can bound-check every cache.
-std::pair<int64_t, int64_t> check_block_mapping(const at::Tensor& block_mapping) {
-  TORCH_CHECK(block_mapping.device().is_cpu(), "block_mapping must be a CPU tensor, got ",
-              block_mapping.device());
-  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, "block_mapping must be int64, got ",
-              block_mapping.scalar_type());
-  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
-              "block_mapping must be [num_pairs, 2], got ", block_mapping.sizes());
-  TORCH_CHECK(block_mapping.is_contiguous(), "block_mapping must be contiguous");
+// The largest block number of each column of block_mapping (checked by
+// check_block_mapping), so callers can bound-check every cache before a byte moves.
+std::pair<int64_t, int64_t> max_blocks(const at::Tensor& block_mapping) {
   const int64_t* pairs = block_mapping.const_data_ptr<int64_t>();
   int64_t max_src = -1, max_dst = -1;
   for (int64_t i = 0; i < block_mapping.size(0); ++i) {
@@ -122,18 +98,8 @@ std::pair<int64_t, int64_t> check_block_mapping(const at::Tensor& block_mapping)
   return {max_src, max_dst};
 }
 
-// Bytes per block of a cache whose blocks (dim 0) are copied as raw bytes. The
-// cache is named in errors as name[layer], or just name when layer < 0.
-int64_t block_bytes(const at::Tensor& cache, const char* name, int64_t layer = -1) {
-  // Built only when a check fails.
-  const auto where = [&] {
-    return layer < 0 ? std::string(name) : c10::str(name, "[", layer, "]");
-  };
-  TORCH_CHECK(cache.device().is_cpu(), where(), " must be a CPU tensor, got ", cache.device());
-  TORCH_CHECK(is_supported_dtype(cache.scalar_type()), where(),
-              " must be float32, float16 or bfloat16, got ", cache.scalar_type());
-  TORCH_CHECK(cache.dim() >= 2, where(), " must be [num_blocks, ...], got ", cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), where(), " must be contiguous");
+// Bytes per block of a cache whose blocks (dim 0) are copied as raw bytes.
+int64_t block_bytes(const at::Tensor& cache) {
   return static_cast<int64_t>(cache.nbytes()) / std::max<int64_t>(1, cache.size(0));
 }
 
@@ -180,41 +146,11 @@ void write_tokens_contiguous(const at::Tensor& key, const at::Tensor& value,
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        const std::string& kv_cache_dtype) {
-  TORCH_CHECK(kv_cache_dtype == "auto", "kv_cache_dtype '", kv_cache_dtype,
-              "' is not supported; only 'auto'");
-  const auto dtype = key.scalar_type();
-  TORCH_CHECK(is_supported_dtype(dtype), "key must be float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(value.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              "key, value, key_cache and value_cache must share one dtype");
-  TORCH_CHECK(value_cache.dim() == 4, "value_cache must be [num_blocks, num_kv_heads, head_size,"
-              " block_size], got ", value_cache.sizes());
-  const int64_t num_blocks = value_cache.size(0);
-  const int64_t num_kv_heads = value_cache.size(1);
-  const int64_t head_size = value_cache.size(2);
-  const int64_t block_size = value_cache.size(3);
-  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
-  TORCH_CHECK(head_size % x == 0, "head_size ", head_size, " must be a multiple of x = ", x);
-  TORCH_CHECK(key_cache.sizes() ==
-                  at::IntArrayRef({num_blocks, num_kv_heads, head_size / x, block_size, x}),
-              "key_cache must be [", num_blocks, ", ", num_kv_heads, ", ", head_size / x, ", ",
-              block_size, ", ", x, "] to match value_cache, got ", key_cache.sizes());
-  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(),
-              "key_cache and value_cache must be CPU tensors");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "key_cache and value_cache must be contiguous");
-  check_token_rows(key, "key", num_kv_heads, head_size);
-  check_token_rows(value, "value", num_kv_heads, head_size);
+  const PagedKVShape shape =
+      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype);
   const int64_t num_tokens = key.size(0);
-  TORCH_CHECK(value.size(0) == num_tokens, "value has ", value.size(0), " tokens, key has ",
-              num_tokens);
-  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
-                  slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens &&
-                  slot_mapping.is_contiguous(),
-              "slot_mapping must be a contiguous CPU int64 tensor [", num_tokens, "], got ",
-              slot_mapping.scalar_type(), " ", slot_mapping.sizes());
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  check_slots(slots, num_tokens, num_blocks * block_size);
+  check_slots(slots, num_tokens, shape.num_blocks * shape.block_size);
 
   if (key.element_size() == 2) {
     scatter_tokens<uint16_t>(key, value, key_cache, value_cache, slots);
@@ -225,23 +161,22 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches,
                  const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
-              " layers but value_caches has ", value_caches.size());
-  const auto [max_src, max_dst] = check_block_mapping(block_mapping);
+  check_copy_blocks(key_caches, value_caches, block_mapping);
+  const auto [max_src, max_dst] = max_blocks(block_mapping);
   const int64_t num_pairs = block_mapping.size(0);
-  if (num_pairs == 0 || key_caches.empty()) return;
+  if (num_pairs == 0) return;
+  // Checked before any byte moves, so a bad call changes nothing.
+  const int64_t num_blocks = key_caches[0].size(0);
+  TORCH_CHECK(std::max(max_src, max_dst) < num_blocks, "block_mapping refers to block ",
+              std::max(max_src, max_dst), " but the caches hold ", num_blocks, " blocks");
 
-  // Every layer's key and value cache is one "cache" here; all are bounds-checked
-  // before any byte moves, so a bad call changes nothing.
+  // Every layer's key and value cache is one "cache" here.
   const int64_t num_caches = 2 * static_cast<int64_t>(key_caches.size());
   std::vector<char*> bases(num_caches);
   std::vector<int64_t> strides(num_caches);
   for (int64_t c = 0; c < num_caches; ++c) {
     const at::Tensor& cache = c % 2 ? value_caches[c / 2] : key_caches[c / 2];
-    strides[c] = block_bytes(cache, c % 2 ? "value_caches" : "key_caches", c / 2);
-    TORCH_CHECK(std::max(max_src, max_dst) < cache.size(0), "block_mapping refers to block ",
-                std::max(max_src, max_dst), " but layer ", c / 2, " has ", cache.size(0),
-                " blocks");
+    strides[c] = block_bytes(cache);
     bases[c] = static_cast<char*>(cache.data_ptr());
   }
 
@@ -262,12 +197,9 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   // Copies that touch a CUDA tensor are dispatched to the CUDA implementation.
-  const int64_t bytes = block_bytes(src, "src");
-  TORCH_CHECK(block_bytes(dst, "dst") == bytes && src.scalar_type() == dst.scalar_type() &&
-                  src.sizes().slice(1) == dst.sizes().slice(1),
-              "src ", src.sizes(), " and dst ", dst.sizes(),
-              " must have the same dtype and block shape");
-  const auto [max_src, max_dst] = check_block_mapping(block_mapping);
+  check_swap_blocks(src, dst, block_mapping);
+  const int64_t bytes = block_bytes(src);
+  const auto [max_src, max_dst] = max_blocks(block_mapping);
   TORCH_CHECK(max_src < src.size(0), "block_mapping source block ", max_src,
               " is outside src's ", src.size(0), " blocks");
   TORCH_CHECK(max_dst < dst.size(0), "block_mapping destination block ", max_dst,
@@ -288,40 +220,14 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
                          at::Tensor& value_cache, const at::Tensor& token_slots,
                          const at::Tensor& positions) {
   const char* op = "write_kv_contiguous";
-  const auto dtype = key.scalar_type();
-  TORCH_CHECK(is_supported_dtype(dtype), op, ": key must be float32, float16 or bfloat16, got ",
-              dtype);
-  TORCH_CHECK(value.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              op, ": key, value, key_cache and value_cache must share one dtype");
-  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
-              ": key_cache and value_cache must be CPU tensors");
-  TORCH_CHECK(value_cache.dim() == 5 && value_cache.size(4) == kTokenTile, op,
-              ": value_cache must be [max_num_seqs, num_kv_heads, num_tiles, head_size, ",
-              kTokenTile, "], got ", value_cache.sizes());
-  const int64_t num_slots = value_cache.size(0), num_kv_heads = value_cache.size(1),
-                num_tiles = value_cache.size(2), head_size = value_cache.size(3);
-  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
-  TORCH_CHECK(head_size % x == 0, op, ": head_size ", head_size, " must be a multiple of x = ", x);
-  check_contiguous_views(op, key_cache, value_cache, num_kv_heads, head_size, x);
-  check_token_rows(key, "key", num_kv_heads, head_size);
-  check_token_rows(value, "value", num_kv_heads, head_size);
-  const int64_t num_tokens = key.size(0);
-  TORCH_CHECK(value.size(0) == num_tokens, op, ": value has ", value.size(0),
-              " tokens, key has ", num_tokens);
-  auto check_index = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 &&
-                    t.size(0) == num_tokens && t.is_contiguous(),
-                op, ": ", name, " must be a contiguous CPU int64 tensor [", num_tokens, "], got ",
-                t.scalar_type(), " ", t.sizes());
-  };
-  check_index(token_slots, "token_slots");
-  check_index(positions, "positions");
+  const ContiguousKVShape shape =
+      check_write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions);
+  const int64_t num_tokens = key.size(0), num_slots = shape.num_slots;
   const int64_t* slots = token_slots.const_data_ptr<int64_t>();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   // Every write lands inside the views: slot in range (or -1: skipped), position
   // below the slots' capacity. One pass over the tokens, before any byte moves.
-  const int64_t capacity = num_tiles * kTokenTile;
+  const int64_t capacity = shape.num_tiles * kTokenTile;
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, ": token_slots[", t, "] = ",
                 slots[t], " is outside [-1, ", num_slots, ")");

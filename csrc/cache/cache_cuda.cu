@@ -13,7 +13,7 @@
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
-#include "contiguous_views.h"
+#include "cache_checks.h"
 
 namespace pyllm::cuda {
 namespace {
@@ -43,20 +43,6 @@ __global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__
               d % X] = key_row[i];
     value_cache[t.value_base + h * t.value_head_stride +
                 static_cast<int64_t>(d) * t.tile_size + t.offset] = value_row[i];
-  }
-}
-
-// key/value [num_tokens, num_kv_heads, head_size]: token stride free, heads packed.
-void check_token_rows(const at::Tensor& key, const at::Tensor& value) {
-  check_cuda(key, "key");
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
-              "key/value must be [num_tokens, num_kv_heads, head_size] of one shape, got ",
-              key.sizes(), " and ", value.sizes());
-  for (const at::Tensor* t : {&key, &value}) {
-    TORCH_CHECK(t->stride(2) == 1 && (key.size(1) == 1 || t->stride(1) == key.size(2)),
-                "key/value must have each token's heads packed, got strides ", t->strides());
-    TORCH_CHECK(t->device() == key.device() && t->scalar_type() == key.scalar_type(),
-                "key/value must share a device and dtype");
   }
 }
 
@@ -103,66 +89,30 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
                        const std::string& kv_cache_dtype) {
-  TORCH_CHECK(kv_cache_dtype == "auto", "kv_cache_dtype '", kv_cache_dtype,
-              "' is not supported; only 'auto'");
-  check_token_rows(key, value);
-  const int64_t num_tokens = key.size(0);
-  const int64_t num_kv_heads = key.size(1);
-  const int64_t head_size = key.size(2);
-  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
-  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && key_cache.device() == key.device() &&
-                  value_cache.device() == key.device() &&
-                  key_cache.scalar_type() == key.scalar_type() &&
-                  value_cache.scalar_type() == key.scalar_type(),
-              "key_cache/value_cache must be contiguous caches on the key's device and dtype");
-  TORCH_CHECK(value_cache.size(1) == num_kv_heads && value_cache.size(2) == head_size &&
-                  key_cache.size(0) == value_cache.size(0) &&
-                  key_cache.size(1) == num_kv_heads && key_cache.size(2) * x == head_size &&
-                  key_cache.size(3) == value_cache.size(3) && key_cache.size(4) == x,
-              "caches ", key_cache.sizes(), " / ", value_cache.sizes(),
-              " do not match key ", key.sizes());
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens &&
-                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.device() == key.device(),
-              "slot_mapping must be [num_tokens] int64, contiguous, on ", key.device());
+  const PagedKVShape shape =
+      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype);
+  check_cuda(key, "key");
   PagedWrite target{};
   target.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  target.block_size = static_cast<int>(value_cache.size(3));
-  target.block_stride = num_kv_heads * head_size * value_cache.size(3);
-  target.head_stride = head_size * value_cache.size(3);
+  target.block_size = static_cast<int>(shape.block_size);
+  target.block_stride = shape.num_kv_heads * shape.head_size * shape.block_size;
+  target.head_stride = shape.head_size * shape.block_size;
   launch_write_kv(key, value, key_cache, value_cache, target);
 }
 
 void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                          at::Tensor& value_cache, const at::Tensor& token_slots,
                          const at::Tensor& positions) {
-  check_token_rows(key, value);
-  const int64_t num_tokens = key.size(0);
-  const int64_t num_kv_heads = key.size(1);
-  const int64_t head_size = key.size(2);
-  const int64_t x = 16 / static_cast<int64_t>(key.element_size());
-  // The contiguous views (ops.h): dense inside a tile, free outer strides.
-  TORCH_CHECK(key_cache.device() == key.device() && value_cache.device() == key.device() &&
-                  key_cache.scalar_type() == key.scalar_type() &&
-                  value_cache.scalar_type() == key.scalar_type(),
-              "key_cache/value_cache must be on the key's device (", key.device(),
-              ") with its dtype (", key.scalar_type(), ")");
-  const auto [num_slots, num_tiles] = check_contiguous_views(
-      "write_kv_contiguous", key_cache, value_cache, num_kv_heads, head_size, x);
-  for (const at::Tensor* t : {&token_slots, &positions}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == num_tokens && t->scalar_type() == at::kLong &&
-                    t->is_contiguous() && t->device() == key.device(),
-                "token_slots/positions must be [", num_tokens, "] int64, contiguous, on ",
-                key.device(), "; got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  }
+  const ContiguousKVShape shape =
+      check_write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions);
+  check_cuda(key, "key");
   // Slot and position values stay on the device (reading them here would cost a
   // sync): the kernel drops writes outside the views instead (ContiguousWrite).
   ContiguousWrite target{};
   target.token_slots = token_slots.data_ptr<int64_t>();
   target.positions = positions.data_ptr<int64_t>();
-  target.num_slots = num_slots;
-  target.capacity = num_tiles * kTokenTile;
+  target.num_slots = shape.num_slots;
+  target.capacity = shape.num_tiles * kTokenTile;
   target.key_slot_stride = key_cache.stride(0);
   target.key_head_stride = key_cache.stride(1);
   target.key_tile_stride = key_cache.stride(2);
@@ -175,27 +125,15 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches,
                  const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping) {
-  TORCH_CHECK(!key_caches.empty() && key_caches.size() == value_caches.size(),
-              "key_caches and value_caches must hold the same, non-zero number of layers (got ",
-              key_caches.size(), " and ", value_caches.size(), ")");
-  TORCH_CHECK(block_mapping.device().is_cpu() && block_mapping.dim() == 2 &&
-                  block_mapping.size(1) == 2 && block_mapping.scalar_type() == at::kLong,
-              "block_mapping must be a CPU int64 tensor [num_pairs, 2], got ",
-              block_mapping.sizes(), " on ", block_mapping.device());
+  check_copy_blocks(key_caches, value_caches, block_mapping);
   const at::Tensor& first = key_caches[0];
   check_cuda(first, "key_caches[0]");
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   const int64_t block_bytes = first.numel() / std::max<int64_t>(first.size(0), 1) *
                               static_cast<int64_t>(first.element_size());
   for (int64_t i = 0; i < num_layers; ++i) {
-    for (const at::Tensor* t : {&key_caches[i], &value_caches[i]}) {
-      TORCH_CHECK(t->device() == first.device() && t->scalar_type() == first.scalar_type() &&
-                      t->is_contiguous() && t->dim() >= 1 && t->size(0) == first.size(0) &&
-                      t->numel() == first.numel(),
-                  "layer ", i, ": every key/value cache must be contiguous, on ", first.device(),
-                  ", with ", first.scalar_type(), " and ", first.sizes(), "'s block shape");
-      check_aligned16(*t, "each cache");
-    }
+    check_aligned16(key_caches[i], "each cache");
+    check_aligned16(value_caches[i], "each cache");
   }
   TORCH_CHECK(block_bytes % 16 == 0, "cache blocks of ", block_bytes,
               " bytes are not a multiple of 16");
@@ -203,8 +141,7 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
   if (num_pairs == 0 || block_bytes == 0) return;
   TORCH_CHECK(num_layers <= 65535, "copy_blocks handles at most 65535 layers, got ", num_layers);
   const int64_t num_blocks = first.size(0);
-  const at::Tensor mapping = block_mapping.contiguous();
-  const int64_t* pairs = mapping.data_ptr<int64_t>();
+  const int64_t* pairs = block_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < 2 * num_pairs; ++i) {
     TORCH_CHECK(pairs[i] >= 0 && pairs[i] < num_blocks, "block_mapping holds block ", pairs[i],
                 " outside [0, ", num_blocks, ")");
@@ -233,19 +170,10 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
 
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   // Dispatched here when either side is on a GPU: CPU<->CUDA or CUDA<->CUDA.
-  TORCH_CHECK(src.is_cuda() || dst.is_cuda(), "swap_blocks (CUDA): src or dst must be on CUDA");
+  check_swap_blocks(src, dst, block_mapping);
   TORCH_CHECK((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()),
-              "swap_blocks: src/dst must be on cpu or cuda, got ", src.device(), " and ",
+              "swap_blocks copies between cpu and cuda, got ", src.device(), " and ",
               dst.device());
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.is_contiguous() &&
-                  dst.is_contiguous() && src.dim() >= 1 && dst.dim() == src.dim() &&
-                  src.sizes().slice(1).equals(dst.sizes().slice(1)),
-              "src ", src.sizes(), " and dst ", dst.sizes(),
-              " must be contiguous caches of one dtype and block shape");
-  TORCH_CHECK(block_mapping.device().is_cpu() && block_mapping.dim() == 2 &&
-                  block_mapping.size(1) == 2 && block_mapping.scalar_type() == at::kLong,
-              "block_mapping must be a CPU int64 tensor [num_pairs, 2], got ",
-              block_mapping.sizes(), " on ", block_mapping.device());
   const int64_t num_pairs = block_mapping.size(0);
   if (num_pairs == 0) return;
   const int64_t block_bytes =
@@ -264,8 +192,7 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
   const c10::cuda::CUDAGuard device_guard(gpu);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(gpu.index());
 
-  const at::Tensor mapping = block_mapping.contiguous();
-  const int64_t* pairs = mapping.data_ptr<int64_t>();
+  const int64_t* pairs = block_mapping.data_ptr<int64_t>();
   const char* src_bytes = static_cast<const char*>(src.data_ptr());
   char* dst_bytes = static_cast<char*>(dst.data_ptr());
   for (int64_t i = 0; i < num_pairs; ++i) {

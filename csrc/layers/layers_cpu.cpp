@@ -31,6 +31,7 @@
 #include "../cpu_vec.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "layers_checks.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -80,43 +81,15 @@ struct Rows {
   }
 };
 
-// Checks that every dim but the first is packed, and describes the rows.
-Rows packed_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.dim() >= 1, name, " must be [..., hidden_size], got a 0-d tensor");
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= 1; --d) {
-    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == expected, name,
-                " must have each row packed (all dims but the first contiguous), got strides ",
-                t.strides(), " for shape ", t.sizes());
-    expected *= t.size(d);
-  }
-  TORCH_CHECK(t.dim() > 1 || t.size(0) <= 1 || t.stride(0) == 1, name, " must be contiguous");
+// The rows of a tensor whose dims but the first are packed (check_packed_rows).
+Rows packed_rows(const at::Tensor& t) {
   const int64_t width = t.size(-1);
   const int64_t count = width == 0 ? 0 : t.numel() / width;
-  const int64_t rows_per_outer = t.dim() == 1 ? 1 : std::max<int64_t>(1, expected / width);
+  int64_t inner = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) inner *= t.size(d);
+  const int64_t rows_per_outer =
+      t.dim() == 1 || width == 0 ? 1 : std::max<int64_t>(1, inner / width);
   return {count, width, rows_per_outer, t.dim() == 1 ? 0 : t.stride(0)};
-}
-
-// out: contiguous, input's shape except for a last dim of out_width.
-void check_output(const at::Tensor& out, const at::Tensor& input, int64_t out_width) {
-  TORCH_CHECK(out.device().is_cpu(), "out must be a CPU tensor, got ", out.device());
-  TORCH_CHECK(out.scalar_type() == input.scalar_type(), "out has dtype ", out.scalar_type(),
-              " but input has ", input.scalar_type());
-  TORCH_CHECK(out.dim() == input.dim() && out.size(-1) == out_width &&
-                  out.sizes().slice(0, out.dim() - 1) == input.sizes().slice(0, input.dim() - 1),
-              "out has shape ", out.sizes(), " but input ", input.sizes(), " needs a last dim of ",
-              out_width);
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
-}
-
-void check_weight(const at::Tensor& weight, const at::Tensor& input) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() &&
-                  weight.size(0) == input.size(-1),
-              "weight must be a contiguous CPU tensor [", input.size(-1), "], got ",
-              weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), "weight has dtype ",
-              weight.scalar_type(), " but input has ", input.scalar_type());
 }
 
 int64_t row_grain(int64_t width) {
@@ -443,40 +416,13 @@ void packed_linear_plain(const T* x, int64_t x_stride, int64_t M, const T* w, in
   });
 }
 
-// The linear ops' checks of input [M, K] (rows may be strided, elements packed),
-// and of out [M, N] and bias [N] in input's dtype.
-void check_linear_input(const at::Tensor& input) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
-                  (input.size(1) <= 1 || input.stride(1) == 1),
-              "input must be a CPU tensor [rows, in_features] with packed rows, got ",
-              input.sizes(), " strides ", input.strides());
-}
-
-void check_linear_output(const at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t M,
-                         int64_t N, at::ScalarType dtype) {
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype &&
-                  out.dim() == 2 && out.size(0) == M && out.size(1) == N,
-              "out must be a contiguous CPU tensor [", M, ", ", N, "] in input's dtype");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
-                    bias->is_contiguous() && bias->scalar_type() == dtype,
-                "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
-  }
-}
-
 }  // namespace
 
 void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
-  check_linear_input(input);
-  const int64_t M = input.size(0), K = input.size(1);
-  TORCH_CHECK(M <= kSmallBatchMaxRows, "input has ", M, " rows; at most ", kSmallBatchMaxRows);
+  check_small_batch_linear(out, input, weight, bias);
+  const int64_t M = input.size(0), K = input.size(1), N = weight.size(0);
   const auto dtype = input.scalar_type();
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.size(1) == K &&
-                  weight.is_contiguous() && weight.scalar_type() == dtype,
-              "weight must be a contiguous CPU tensor [out_features, ", K, "] in input's dtype");
-  const int64_t N = weight.size(0);
-  check_linear_output(out, bias, M, N, dtype);
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "small_batch_linear", [&] {
     small_batch_linear_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
@@ -487,19 +433,10 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
 
 void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                    const std::optional<at::Tensor>& bias) {
-  check_linear_input(input);
+  static_assert(vec::kLanes == 16, "pack_weight_words packs 16 output columns");
+  const int64_t N = check_packed_linear(out, input, packed_weight, bias);
   const int64_t M = input.size(0), K = input.size(1);
   const auto dtype = input.scalar_type();
-  const int64_t E = 4 / int64_t(input.element_size());
-  TORCH_CHECK(packed_weight.device().is_cpu() && packed_weight.dim() == 4 &&
-                  packed_weight.is_contiguous() && packed_weight.scalar_type() == dtype &&
-                  packed_weight.size(1) * E == K && packed_weight.size(2) == vec::kLanes &&
-                  packed_weight.size(3) == E,
-              "packed_weight must be a contiguous CPU tensor [out_features / 16, ", K / E,
-              ", 16, ", E, "] in input's dtype (pack_weight_words), got ",
-              packed_weight.sizes());
-  const int64_t N = packed_weight.size(0) * vec::kLanes;
-  check_linear_output(out, bias, M, N, dtype);
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "packed_linear", [&] {
     const scalar_t* x = input.const_data_ptr<scalar_t>();
@@ -523,9 +460,8 @@ bool packed_linear_vectorized_for(at::ScalarType dtype) {
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
               double epsilon) {
-  const Rows rows = packed_rows(input, "input");
-  check_output(out, input, rows.width);
-  check_weight(weight, input);
+  check_rms_norm(out, input, weight, epsilon);
+  const Rows rows = packed_rows(input);
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm", [&] {
     rms_norm_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows,
                   weight.const_data_ptr<scalar_t>(), static_cast<float>(epsilon));
@@ -534,14 +470,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double epsilon) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() >= 1 && input.is_contiguous(),
-              "input must be a contiguous CPU tensor [..., hidden_size], got ", input.sizes());
-  TORCH_CHECK(residual.device().is_cpu() && residual.is_contiguous() &&
-                  residual.sizes() == input.sizes() &&
-                  residual.scalar_type() == input.scalar_type(),
-              "residual must be a contiguous CPU tensor of input's shape and dtype, got ",
-              residual.scalar_type(), " ", residual.sizes());
-  check_weight(weight, input);
+  check_fused_add_rms_norm(input, residual, weight, epsilon);
   const int64_t width = input.size(-1);
   const int64_t count = width == 0 ? 0 : input.numel() / width;
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "fused_add_rms_norm", [&] {
@@ -552,9 +481,8 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
-  const Rows rows = packed_rows(input, "input");
-  TORCH_CHECK(rows.width % 2 == 0, "input's last dimension must be even, got ", input.sizes());
-  check_output(out, input, rows.width / 2);
+  check_silu_and_mul(out, input);
+  const Rows rows = packed_rows(input);
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows);
   });

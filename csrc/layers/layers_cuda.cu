@@ -9,6 +9,7 @@
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "layers_checks.h"
 
 namespace pyllm::cuda {
 namespace {
@@ -75,35 +76,12 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ i
   }
 }
 
-void check_norm_args(const at::Tensor& t, const at::Tensor& weight, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.dim() >= 1, name, " must have a hidden dimension");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == t.size(-1) && weight.is_contiguous() &&
-                  weight.scalar_type() == t.scalar_type() && weight.device() == t.device(),
-              "weight must be a contiguous [", t.size(-1), "] tensor of ", name,
-              "'s dtype and device, got ", weight.sizes());
-}
-
-// Packed rows: every dimension after the first is contiguous.
-bool has_packed_rows(const at::Tensor& t) {
-  int64_t expected = 1;
-  for (int64_t dim = t.dim() - 1; dim >= 1; --dim) {
-    if (t.size(dim) > 1 && t.stride(dim) != expected) return false;
-    expected *= t.size(dim);
-  }
-  return t.dim() != 1 || t.size(0) <= 1 || t.stride(0) == 1;
-}
-
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
               double epsilon) {
-  check_norm_args(input, weight, "input");
-  TORCH_CHECK(has_packed_rows(input), "input must have packed rows, got strides ",
-              input.strides());
-  TORCH_CHECK(out.sizes() == input.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == input.scalar_type() && out.device() == input.device(),
-              "out must be contiguous and shaped/typed like input");
+  check_rms_norm(out, input, weight, epsilon);
+  check_cuda(input, "input");
   const int64_t hidden_size = input.size(-1);
   if (input.numel() == 0) return;
   const int64_t rows = input.numel() / hidden_size;
@@ -121,12 +99,8 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double epsilon) {
-  check_norm_args(input, weight, "input");
-  TORCH_CHECK(input.is_contiguous() && residual.is_contiguous() &&
-                  residual.sizes() == input.sizes() &&
-                  residual.scalar_type() == input.scalar_type() &&
-                  residual.device() == input.device(),
-              "input and residual must be contiguous and of one shape, dtype and device");
+  check_fused_add_rms_norm(input, residual, weight, epsilon);
+  check_cuda(input, "input");
   const int64_t hidden_size = input.size(-1);
   if (input.numel() == 0) return;
   const int64_t rows = input.numel() / hidden_size;
@@ -144,18 +118,9 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  check_silu_and_mul(out, input);
   check_cuda(input, "input");
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0,
-              "input's last dimension must be even (gate and up halves), got ", input.sizes());
-  TORCH_CHECK(has_packed_rows(input), "input must have packed rows, got strides ",
-              input.strides());
   const int64_t d = input.size(-1) / 2;
-  std::vector<int64_t> out_shape = input.sizes().vec();
-  out_shape.back() = d;
-  TORCH_CHECK(out.sizes().equals(out_shape) && out.is_contiguous() &&
-                  out.scalar_type() == input.scalar_type() && out.device() == input.device(),
-              "out must be contiguous ", at::IntArrayRef(out_shape), " in input's dtype, got ",
-              out.sizes());
   if (out.numel() == 0) return;
   const int64_t rows = out.numel() / d;
 
@@ -171,23 +136,12 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 
 // On a GPU the product of a few rows is cuBLAS's to do well (its GEMV kernels stream
 // the weight at HBM speed); the op exists on CUDA so that code calling it runs on
-// either device. The CPU kernel's checks, then one cuBLAS call.
+// either device. The shared checks, then one cuBLAS call.
 void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
+  check_small_batch_linear(out, input, weight, bias);
   check_cuda(input, "input");
-  check_cuda(weight, "weight");
-  check_cuda(out, "out");
-  TORCH_CHECK(input.dim() == 2 && input.size(0) <= kSmallBatchMaxRows,
-              "input must be [rows <= ", kSmallBatchMaxRows, ", in_features], got ",
-              input.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == input.size(1) &&
-                  weight.scalar_type() == input.scalar_type(),
-              "weight must be [out_features, ", input.size(1), "] in input's dtype");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == weight.size(0) &&
-                  out.is_contiguous() && out.scalar_type() == input.scalar_type(),
-              "out must be contiguous [", input.size(0), ", ", weight.size(0), "]");
   if (bias.has_value()) {
-    check_cuda(*bias, "bias");
     at::addmm_out(out, *bias, input, weight.t());
   } else {
     at::mm_out(out, input, weight.t());
@@ -198,24 +152,10 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& input, const at::Tens
 // [N, K] (one copy) for cuBLAS, so that code calling the op runs on either device.
 void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                    const std::optional<at::Tensor>& bias) {
+  const int64_t N = check_packed_linear(out, input, packed_weight, bias);
   check_cuda(input, "input");
-  check_cuda(packed_weight, "packed_weight");
-  check_cuda(out, "out");
-  TORCH_CHECK(input.dim() == 2, "input must be [rows, in_features], got ", input.sizes());
-  const int64_t M = input.size(0), K = input.size(1);
-  const int64_t E = 4 / int64_t(input.element_size());
-  TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.size(1) * E == K &&
-                  packed_weight.size(2) == 16 && packed_weight.size(3) == E &&
-                  packed_weight.scalar_type() == input.scalar_type(),
-              "packed_weight must be [out_features / 16, ", K / E, ", 16, ", E,
-              "] in input's dtype, got ", packed_weight.sizes());
-  const int64_t N = packed_weight.size(0) * 16;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
-                  out.scalar_type() == input.scalar_type(),
-              "out must be contiguous [", M, ", ", N, "]");
-  const at::Tensor weight = packed_weight.permute({0, 2, 1, 3}).reshape({N, K});
+  const at::Tensor weight = packed_weight.permute({0, 2, 1, 3}).reshape({N, input.size(1)});
   if (bias.has_value()) {
-    check_cuda(*bias, "bias");
     at::addmm_out(out, *bias, input, weight.t());
   } else {
     at::mm_out(out, input, weight.t());

@@ -28,6 +28,7 @@
 #include "../cpu_float_rows.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "pos_encoding_checks.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -114,49 +115,13 @@ void rotate_tokens(const at::Tensor& positions, HeadRows<scalar_t> query, HeadRo
   });
 }
 
-// Checks one of query/key and returns its number of heads.
-int64_t check_heads(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(0) == num_tokens, name,
-              " must be [num_tokens=", num_tokens, ", num_heads * head_size] or [num_tokens, "
-              "num_heads, head_size], got ", t.sizes());
-  const int64_t width = t.dim() == 2 ? t.size(1) : t.size(1) * t.size(2);
-  TORCH_CHECK(width % head_size == 0 && (t.dim() == 2 || t.size(2) == head_size), name, " ",
-              t.sizes(), " does not hold whole heads of head_size ", head_size);
-  // Each token's heads must be packed; the token stride is free.
-  const bool packed = t.dim() == 2
-                          ? (t.size(1) <= 1 || t.stride(1) == 1)
-                          : ((t.size(2) <= 1 || t.stride(2) == 1) &&
-                             (t.size(1) <= 1 || t.stride(1) == head_size));
-  TORCH_CHECK(packed, name, " must have each token's heads packed, got strides ", t.strides());
-  return width / head_size;
-}
-
 }  // namespace
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
-  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
-                  positions.dim() == 1,
-              "positions must be a 1-D CPU int64 tensor, got ", positions.scalar_type(), " ",
-              positions.sizes());
-  TORCH_CHECK(head_size > 0, "head_size must be positive, got ", head_size);
-  const int64_t num_tokens = positions.size(0);
-  const int64_t num_heads = check_heads(query, "query", num_tokens, head_size);
-  const int64_t num_kv_heads = check_heads(key, "key", num_tokens, head_size);
+  const auto [num_tokens, num_heads, num_kv_heads, rot_dim] =
+      check_rotary_embedding(positions, query, key, head_size, cos_sin_cache);
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(key.scalar_type() == dtype, "key has dtype ", key.scalar_type(),
-              " but query has ", dtype);
-  TORCH_CHECK(cos_sin_cache.device().is_cpu() && cos_sin_cache.dim() == 2 &&
-                  cos_sin_cache.is_contiguous(),
-              "cos_sin_cache must be a contiguous CPU tensor [max_position, rot_dim], got ",
-              cos_sin_cache.sizes());
-  TORCH_CHECK(cos_sin_cache.scalar_type() == dtype || cos_sin_cache.scalar_type() == at::kFloat,
-              "cos_sin_cache has dtype ", cos_sin_cache.scalar_type(),
-              "; it must be the query's (", dtype, ") or float32");
-  const int64_t rot_dim = cos_sin_cache.size(1);
-  TORCH_CHECK(rot_dim >= 2 && rot_dim % 2 == 0 && rot_dim <= head_size,
-              "cos_sin_cache's rot_dim ", rot_dim, " must be even and <= head_size ", head_size);
   // A position past the cache would read outside it: one pass over the positions.
   const int64_t max_position = cos_sin_cache.size(0);
   const int64_t* position_data = positions.const_data_ptr<int64_t>();

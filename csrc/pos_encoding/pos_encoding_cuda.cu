@@ -5,6 +5,7 @@
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "pos_encoding_checks.h"
 
 namespace pyllm::cuda {
 namespace {
@@ -46,50 +47,15 @@ __global__ void rotary_embedding_kernel(const int64_t* __restrict__ positions, T
   }
 }
 
-// Heads per token of a [num_tokens, heads * head_size] or [num_tokens, heads,
-// head_size] tensor whose rows are packed.
-int64_t heads_of(const at::Tensor& t, int64_t head_size, const char* name) {
-  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, name,
-              " must be [num_tokens, num_heads * head_size] or [num_tokens, num_heads, "
-              "head_size], got ",
-              t.sizes());
-  const int64_t width = t.dim() == 3 ? t.size(1) * t.size(2) : t.size(1);
-  TORCH_CHECK(width % head_size == 0 && (t.dim() == 2 || t.size(2) == head_size), name,
-              " of shape ", t.sizes(), " does not hold heads of size ", head_size);
-  const bool packed =
-      t.dim() == 2 ? (t.size(1) <= 1 || t.stride(1) == 1)
-                   : (t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == head_size));
-  TORCH_CHECK(packed, name, " must have each token's elements packed, got strides ", t.strides());
-  return width / head_size;
-}
-
 }  // namespace
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  const auto [num_tokens, num_heads, num_kv_heads, rot_dim] =
+      check_rotary_embedding(positions, query, key, head_size, cos_sin_cache);
   check_cuda(query, "query");
-  TORCH_CHECK(head_size > 0, "head_size must be positive, got ", head_size);
-  const int64_t num_heads = heads_of(query, head_size, "query");
-  const int64_t num_kv_heads = heads_of(key, head_size, "key");
-  const int64_t num_tokens = query.size(0);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == num_tokens &&
-                  key.size(0) == num_tokens && positions.scalar_type() == at::kLong &&
-                  positions.is_contiguous(),
-              "positions must be [num_tokens] int64 and contiguous, with query/key rows to match");
-  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "key has dtype ", key.scalar_type(),
-              " but query has ", query.scalar_type());
-  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous() &&
-                  (cos_sin_cache.scalar_type() == query.scalar_type() ||
-                   cos_sin_cache.scalar_type() == at::kFloat),
-              "cos_sin_cache must be a contiguous [max_position, rot_dim] tensor in the query's "
-              "dtype or float32");
-  for (const at::Tensor* t : {&positions, static_cast<const at::Tensor*>(&key), &cos_sin_cache}) {
-    TORCH_CHECK(t->device() == query.device(), "positions/key/cos_sin_cache must be on ",
-                query.device(), ", got ", t->device());
-  }
-  const int64_t rot_dim = cos_sin_cache.size(1);
-  TORCH_CHECK(rot_dim >= 2 && rot_dim % 2 == 0 && rot_dim <= head_size, "rot_dim ", rot_dim,
-              " must be even and <= head_size ", head_size);
+  // The kernel reads positions[token].
+  TORCH_CHECK(positions.is_contiguous(), "positions must be contiguous on CUDA");
   if (num_tokens == 0) return;
 
   const c10::cuda::CUDAGuard device_guard(query.device());

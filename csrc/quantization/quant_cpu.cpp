@@ -50,6 +50,7 @@
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "gguf_blocks.h"
+#include "quant_checks.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -996,46 +997,14 @@ int64_t block_size_of(int64_t type) {
   return size;
 }
 
-int64_t block_bytes_of(int64_t type) {
-  int64_t bytes = 0;
-  dispatch_type(type, [&](auto t) { bytes = Format<decltype(t)::value>::kBytes; });
-  return bytes;
-}
-
-// qweight [N, row_bytes] uint8 for K input features of type qtype; returns N.
-int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t K) {
-  TORCH_CHECK(block_size_of(qtype) != 0, "qtype ", qtype,
-              " is not a supported GGML quantization type");
-  TORCH_CHECK(K % block_size_of(qtype) == 0, "in_features (", K,
-              ") must be a multiple of the block size ", block_size_of(qtype));
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.is_contiguous() &&
-                  qweight.scalar_type() == at::kByte &&
-                  qweight.size(1) == K / block_size_of(qtype) * block_bytes_of(qtype),
-              "qweight must be a contiguous CPU uint8 tensor [out_features, ",
-              K / block_size_of(qtype) * block_bytes_of(qtype), "], got ", qweight.sizes());
-  return qweight.size(0);
-}
 
 }  // namespace
 
 void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
                   int64_t qtype, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 &&
-                  (input.size(1) <= 1 || input.stride(1) == 1),
-              "input must be a CPU tensor [rows, in_features] with packed rows, got ",
-              input.sizes());
+  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias);
   const int64_t M = input.size(0), K = input.size(1);
-  const int64_t N = check_qweight(qweight, qtype, K);
   const auto dtype = input.scalar_type();
-  // out's rows may be strided: a fused projection writes each part into its columns.
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == dtype && out.dim() == 2 &&
-                  out.size(0) == M && out.size(1) == N && (N <= 1 || out.stride(1) == 1),
-              "out must be a CPU tensor [", M, ", ", N, "] with packed rows in input's dtype");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
-                    bias->is_contiguous() && bias->scalar_type() == dtype,
-                "bias must be a contiguous CPU tensor [", N, "] in input's dtype");
-  }
   if (M == 0 || N == 0) return;
   PYLLM_DISPATCH_FLOATING_TYPES(dtype, "quant_linear", [&] {
     const scalar_t* in = input.const_data_ptr<scalar_t>();
@@ -1097,23 +1066,16 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
 
 void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
                      const std::optional<at::Tensor>& rows) {
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(),
-              "out must be a contiguous CPU tensor [rows, in_features], got ", out.sizes());
-  const int64_t K = out.size(1);
-  const int64_t N = check_qweight(qweight, qtype, K);
-  const int64_t R = out.size(0);
+  check_dequantize_rows(out, qweight, qtype, rows);
+  const int64_t K = out.size(1), N = qweight.size(0), R = out.size(0);
   const int64_t* index = nullptr;
   if (rows.has_value()) {
-    TORCH_CHECK(rows->device().is_cpu() && rows->dim() == 1 && rows->is_contiguous() &&
-                    rows->scalar_type() == at::kLong && rows->size(0) == R,
-                "rows must be a contiguous CPU int64 tensor [", R, "] (one per row of out)");
+    // A row past qweight would be read outside it: one pass over the indices.
     index = rows->const_data_ptr<int64_t>();
     for (int64_t i = 0; i < R; ++i) {
       TORCH_CHECK(index[i] >= 0 && index[i] < N, "rows[", i, "] = ", index[i],
                   " is outside [0, ", N, ")");
     }
-  } else {
-    TORCH_CHECK(R == N, "out must have one row per qweight row (", N, ") when rows is None");
   }
   const int64_t row_bytes = qweight.size(1);
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();

@@ -20,6 +20,7 @@
 #include "../cuda_utils.cuh"
 #include "../dispatch_utils.h"
 #include "../ops.h"
+#include "quant_checks.h"
 
 namespace pyllm::cuda {
 namespace {
@@ -400,29 +401,10 @@ void dispatch_format(int64_t qtype, F&& f) {
   }
 }
 
-void check_float_dtype(const at::Tensor& t, const char* name) {
-  const auto dtype = t.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
-              " must be float32, float16 or bfloat16, got ", dtype);
-}
-
-// qweight: uint8 [N, K / block_size * type_size], contiguous, on `device`.
-void check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t K, const at::Device& device) {
-  const FormatInfo info = format_info(qtype);
-  check_cuda(qweight, "qweight");
-  TORCH_CHECK(qweight.device() == device, "qweight must be on ", device, ", got ",
-              qweight.device());
-  TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight must be uint8, got ",
-              qweight.scalar_type());
-  TORCH_CHECK(K % info.block_size == 0, "in_features (", K, ") must be a multiple of qtype ", qtype,
-              "'s block size ", info.block_size);
-  const int64_t row_bytes = K / info.block_size * info.type_size;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == row_bytes && qweight.is_contiguous(),
-              "qweight must be a contiguous uint8 [out_features, ", row_bytes,
-              "] tensor (in_features ", K, " / ", info.block_size, " blocks of ", info.type_size,
-              " bytes), got ", qweight.sizes(), qweight.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK(qweight.size(0) <= INT_MAX && K <= INT_MAX,
-              "qweight is too large: ", qweight.sizes());
+// The kernels index rows and columns with int.
+void check_int_sizes(const at::Tensor& qweight, int64_t K) {
+  TORCH_CHECK(qweight.size(0) <= INT_MAX && K <= INT_MAX, "qweight is too large: ",
+              qweight.sizes());
 }
 
 // Dequantizes weight rows into out [R, K] (contiguous, on qweight's device): row r is
@@ -456,27 +438,11 @@ constexpr int64_t kScratchBytes = int64_t{256} << 20;
 
 void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
                      const std::optional<at::Tensor>& rows) {
+  check_dequantize_rows(out, qweight, qtype, rows);
   check_cuda(out, "out");
-  check_float_dtype(out, "out");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous [rows, ",
-              "in_features] tensor, got ", out.sizes());
-  const int64_t K = out.size(1);
-  check_qweight(qweight, qtype, K, out.device());
-  const int64_t* row_ptr = nullptr;
-  if (rows.has_value()) {
-    check_cuda(*rows, "rows");
-    TORCH_CHECK(rows->device() == out.device(), "rows must be on ", out.device(), ", got ",
-                rows->device());
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(),
-                "rows must be a contiguous 1-D int64 tensor, got ", rows->scalar_type(), " ",
-                rows->sizes());
-    TORCH_CHECK(rows->size(0) == out.size(0), "out must have one row per entry of rows (",
-                rows->size(0), "), got ", out.sizes());
-    row_ptr = rows->data_ptr<int64_t>();
-  } else {
-    TORCH_CHECK(out.size(0) == qweight.size(0), "out must be [", qweight.size(0), ", ", K,
-                "] (every row of qweight) when rows is None, got ", out.sizes());
-  }
+  check_int_sizes(qweight, out.size(1));
+  // Row indices stay on the device: the kernel reads them (pyllm/ops.py checks them).
+  const int64_t* row_ptr = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(out.device());
   launch_dequantize(out, qweight, qtype, row_ptr, 0, c10::cuda::getCurrentCUDAStream());
@@ -484,30 +450,10 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
 
 void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
                   int64_t qtype, const std::optional<at::Tensor>& bias) {
+  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias);
   check_cuda(input, "input");
-  check_float_dtype(input, "input");
-  TORCH_CHECK(input.dim() == 2, "input must be [rows, in_features], got ", input.sizes());
-  TORCH_CHECK(input.stride(1) == 1 || input.size(1) <= 1,
-              "input's rows must be contiguous (stride(1) == 1), got strides ", input.strides());
   const int64_t M = input.size(0), K = input.size(1);
-  check_qweight(qweight, qtype, K, input.device());
-  const int64_t N = qweight.size(0);
-  check_cuda(out, "out");
-  // out's rows may be strided (a view of a wider tensor); each row must be packed.
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
-                  (N <= 1 || out.stride(1) == 1) && out.scalar_type() == input.scalar_type() &&
-                  out.device() == input.device(),
-              "out must be a [", M, ", ", N, "] tensor with packed rows of input's dtype (",
-              input.scalar_type(), ") on ", input.device(), ", got ", out.scalar_type(), " ",
-              out.sizes(), " with strides ", out.strides(), " on ", out.device());
-  if (bias.has_value()) {
-    check_cuda(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                    bias->scalar_type() == input.scalar_type() && bias->device() == input.device(),
-                "bias must be a contiguous [", N, "] tensor of input's dtype (",
-                input.scalar_type(), ") on ", input.device(), ", got ", bias->scalar_type(), " ",
-                bias->sizes(), " on ", bias->device());
-  }
+  check_int_sizes(qweight, K);
   if (M == 0 || N == 0) return;
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -260,9 +260,13 @@ class LlamaForCausalLM(nn.Module):
             num_kv_heads, head_size = key_cache.shape[1], value_cache.shape[3]
             num_blocks, block_size = key_cache.shape[0], key_cache.shape[2] * key_cache.shape[4]
         else:
-            num_blocks, num_kv_heads, head_size, block_size = ops._check_kv_cache(
-                key_cache, value_cache, self.dtype, self.device
-            )
+            # The ops check the caches' layout; the shape says what the step may address.
+            if value_cache.dim() != 4:
+                raise ValueError(
+                    "value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
+                    f"got shape {tuple(value_cache.shape)}"
+                )
+            num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
         if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
             raise ValueError(
                 f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "

@@ -233,14 +233,14 @@ def test_pack_weight_words_layout():
 def test_rms_norm_kernel_rejects_mismatched_out():
     """The kernel itself refuses an out of the wrong shape when called without ops.py."""
     x = torch.randn(4, 64)
-    with pytest.raises(RuntimeError, match="out"):
+    with pytest.raises(ValueError, match="out"):
         torch.ops.pyllm.rms_norm(torch.empty(3, 64), x, torch.ones(64), EPS)
 
 
 def test_small_batch_linear_kernel_rejects_too_many_rows():
     """The kernel itself refuses more rows than it handles when called without ops.py."""
     rows = ops.SMALL_BATCH_MAX_ROWS + 1
-    with pytest.raises(RuntimeError, match="rows"):
+    with pytest.raises(ValueError, match="rows"):
         torch.ops.pyllm.small_batch_linear(
             torch.empty(rows, 8), torch.randn(rows, 64), torch.randn(8, 64), None
         )

@@ -2,15 +2,13 @@
 
 Each case starts from arguments that pass every check, changes one of them, and
 expects the documented TypeError/ValueError with the argument's name in the message.
-The compiled ops are replaced by a recorder during these tests: the checks must fire
-before any kernel is reached (and the baseline test shows the unchanged arguments do
-reach it), so the tests hold whether or not a kernel is implemented yet.
+The compiled ops run for real on tiny tensors: the structural checks are theirs (the C++
+checks header of each family), the Python wrappers add the type and index-value checks.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,23 +18,6 @@ import torch
 import pyllm.ops as ops
 
 NUM_BLOCKS, NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 4, 64, 8
-
-
-class KernelRecorder:
-    """Stands in for torch.ops.pyllm: records which op was called, runs nothing."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args: self.calls.append(name)
-
-
-@pytest.fixture
-def kernels(monkeypatch) -> KernelRecorder:
-    recorder = KernelRecorder()
-    monkeypatch.setattr(ops, "_C", recorder)
-    return recorder
 
 
 # ---------------------------------------------------------------------------
@@ -261,13 +242,6 @@ VALID = {
     "contiguous_attention_decode": valid_contiguous_attention_decode,
     "contiguous_attention_prefill": valid_contiguous_attention_prefill,
 }
-# Functions that end in a kernel call (the others only allocate).
-KERNEL_CALLING = set(VALID) - {
-    "allocate_kv_cache",
-    "paged_attention_v2_workspace",
-    "pack_weight_words",
-    "quant_row_bytes",
-}
 
 
 def test_every_public_function_is_covered():
@@ -281,9 +255,8 @@ def test_every_public_function_is_covered():
 
 
 @pytest.mark.parametrize("function", sorted(VALID))
-def test_valid_arguments_pass_the_checks(function, kernels):
+def test_valid_arguments_pass_the_checks(function):
     getattr(ops, function)(**VALID[function]())
-    assert kernels.calls == ([function] if function in KERNEL_CALLING else [])
 
 
 # ---------------------------------------------------------------------------
@@ -903,7 +876,7 @@ CASES += [
     *cases_for(
         "quant_linear",
         ("qtype_unknown", {"qtype": 99}, ValueError, "qtype"),
-        ("qtype_bool", {"qtype": True}, ValueError, "qtype"),
+        ("qtype_bool", {"qtype": True}, TypeError, "qtype"),
         ("in_features_not_blocks", {"input": torch.randn(2, 96)}, ValueError, "in_features"),
         ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
         ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),
@@ -957,8 +930,7 @@ CASES += [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.function}-{c.name}" for c in CASES])
-def test_bad_argument_raises_naming_it(case: Case, kernels):
+def test_bad_argument_raises_naming_it(case: Case):
     args = case.apply(VALID[case.function]())
     with pytest.raises(case.error, match=case.pattern()):
         getattr(ops, case.function)(**args)
-    assert kernels.calls == []

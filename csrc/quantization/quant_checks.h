@@ -1,0 +1,90 @@
+// The quantized linear ops' argument contracts, checked first by their CPU and CUDA
+// implementations: the GGML block formats they read, and the qweight, input, out,
+// bias and rows tensors. pyllm/ops.py checks the values of rows.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "../check_utils.h"
+#include "../layers/layers_checks.h"
+
+namespace pyllm {
+
+// One GGML block format: its type id, name, weights per block, bytes per block.
+struct QuantType {
+  int64_t id;
+  const char* name;
+  int64_t block, bytes;
+};
+
+inline constexpr QuantType kQuantTypes[] = {
+    {2, "Q4_0", 32, 18},  {3, "Q4_1", 32, 20},    {6, "Q5_0", 32, 22},    {7, "Q5_1", 32, 24},
+    {8, "Q8_0", 32, 34},  {12, "Q4_K", 256, 144}, {13, "Q5_K", 256, 176}, {14, "Q6_K", 256, 210},
+};
+
+inline const QuantType& check_qtype(int64_t qtype) {
+  for (const QuantType& t : kQuantTypes) {
+    if (t.id == qtype) return t;
+  }
+  TORCH_CHECK_VALUE(false,
+                    "qtype must be a supported GGML type id (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, "
+                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ",
+                    qtype);
+}
+
+// qweight [out_features, row bytes] uint8 holding rows of in_features values of type
+// qtype, contiguous, on device. Returns out_features.
+inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t in_features,
+                             const at::Device& device) {
+  check_device("qweight", qweight, device);
+  TORCH_CHECK_VALUE(qweight.scalar_type() == at::kByte,
+                    "qweight must be uint8 (the GGUF blocks' bytes), got ",
+                    dtype_name(qweight.scalar_type()));
+  check_ndim("qweight", qweight, 2, "[out_features, row_bytes]");
+  const QuantType& type = check_qtype(qtype);
+  TORCH_CHECK_VALUE(in_features % type.block == 0, "in_features (", in_features,
+                    ") must be a multiple of ", type.name, "'s block of ", type.block);
+  const int64_t row_bytes = in_features / type.block * type.bytes;
+  TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "qweight must be [out_features, ", row_bytes,
+                    "] (", type.name, " rows of ", in_features, " values), got ",
+                    shape_text(qweight.sizes()));
+  check_contiguous("qweight", qweight);
+  return qweight.size(0);
+}
+
+// Returns out_features. out's rows may be strided (a fused projection writes each
+// part into its columns); each row must be packed.
+inline int64_t check_quant_linear(const at::Tensor& out, const at::Tensor& input,
+                                  const at::Tensor& qweight, int64_t qtype,
+                                  const std::optional<at::Tensor>& bias) {
+  check_linear_input(input);
+  const int64_t N = check_qweight(qweight, qtype, input.size(1), input.device());
+  check_like("out", out, input);
+  check_shape("out", out, {input.size(0), N}, "[rows, out_features]");
+  check_packed_rows("out", out);
+  check_linear_bias(bias, input, N);
+  return N;
+}
+
+inline void check_dequantize_rows(const at::Tensor& out, const at::Tensor& qweight,
+                                  int64_t qtype, const std::optional<at::Tensor>& rows) {
+  check_float_dtype("out", out);
+  check_ndim("out", out, 2, "[rows, in_features]");
+  check_contiguous("out", out);
+  const int64_t num_rows = check_qweight(qweight, qtype, out.size(1), out.device());
+  if (!rows.has_value()) {
+    TORCH_CHECK_VALUE(out.size(0) == num_rows, "out must have qweight's ", num_rows,
+                      " rows when rows is None, got ", out.size(0));
+    return;
+  }
+  check_device("rows", *rows, out.device());
+  check_dtype("rows", *rows, at::kLong);
+  check_shape("rows", *rows, {out.size(0)}, "[R] (one per row of out)");
+  check_contiguous("rows", *rows);
+}
+
+}  // namespace pyllm
