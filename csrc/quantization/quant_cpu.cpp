@@ -46,7 +46,7 @@
 #endif
 #endif
 
-#include "../cpu_packed_tile.h"
+#include "../cpu/packed_tile.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "gguf_blocks.h"
