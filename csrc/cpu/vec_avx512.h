@@ -1,6 +1,7 @@
 // The AVX-512 back end of vec.h (include vec.h, which picks it), for F + BW + DQ +
 // VL (x86-64-v4): Vec16 in one zmm register; with AVX512-BF16, BF16x32 and
-// dot_pairs (vdpbf16ps).
+// dot_pairs (vdpbf16ps). Words16 and its operations serve the kernels that move
+// 32-bit words as stored (AVX-512 only).
 #pragma once
 
 #include <immintrin.h>
@@ -217,5 +218,70 @@ struct WordOps<c10::BFloat16> {
   static Vec16 mac(Vec16 acc, Operand a, Operand b) { return dot_pairs(acc, a, b); }
 };
 #endif
+
+// 16 32-bit words as stored (floats, bf16 pairs), in one zmm: what a kernel moves
+// and transposes without converting it.
+struct Words16 {
+  __m512i v;
+
+  static Words16 zero() { return {_mm512_setzero_si512()}; }
+  // The bits of 16 floats, or of 16 bf16 pairs.
+  static Words16 bits(Vec16 x) { return {_mm512_castps_si512(x.v)}; }
+#ifdef __AVX512BF16__
+  static Words16 bits(BF16x32 x) { return {(__m512i)x.v}; }
+#endif
+
+  // Which words a masked load or store touches: the first n, n in [0, 16].
+  struct Mask {
+    __mmask16 k;
+  };
+  static Mask first(int n) { return {__mmask16((1u << n) - 1)}; }
+  // The masked words of p, zeros elsewhere: words outside the mask are neither
+  // read nor faulted on.
+  static Words16 load(const void* p, Mask m) { return {_mm512_maskz_loadu_epi32(m.k, p)}; }
+  void store(void* p) const { _mm512_storeu_si512(p, v); }
+  // The masked words only; memory outside them is not touched.
+  void store(void* p, Mask m) const { _mm512_mask_storeu_epi32(p, m.k, v); }
+};
+
+// Transposes a 16 x 16 matrix of words held as 16 row vectors (four rounds of
+// unpacks and 128-bit shuffles): turns 16 rows' words into one vector per word
+// with a row per lane, and back.
+inline void transpose16(Words16 (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i].v, r[2 * i + 1].v);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i].v, r[2 * i + 1].v);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k].v = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k].v = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+// dst[0, 8) = src[0, n) and zeros after, n in [0, 8]: a masked load, so src past n
+// is neither read nor faulted on (with n = 0, src may be null).
+inline void copy_first8(c10::BFloat16* dst, const c10::BFloat16* src, int n) {
+  const __m128i x =
+      n > 0 ? _mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), src) : _mm_setzero_si128();
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), x);
+}
+inline void copy_first8(float* dst, const float* src, int n) {
+  const __m256i x = n > 0 ? _mm256_maskz_loadu_epi32(__mmask8((1u << n) - 1), src)
+                          : _mm256_setzero_si256();
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), x);
+}
 
 }  // namespace pyllm::vec
