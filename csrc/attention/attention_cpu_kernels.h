@@ -52,7 +52,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../cpu_vec.h"
+#include "../cpu/vec.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "sizes.h"

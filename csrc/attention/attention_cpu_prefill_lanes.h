@@ -42,6 +42,8 @@ namespace {
 // design above.
 #ifdef __AVX512F__
 
+using vec::Words16;
+
 constexpr int kLaneRows = 2 * kLanes;  // rows per task: RV <= 2 vectors
 constexpr int kKeyTile = 16;           // key tokens per tile
 // Tokens of a tile that always share a cache block (block_size is a multiple of 8).
@@ -57,8 +59,8 @@ struct LaneWords<float> : vec::WordOps<float> {
   // The probabilities of word i's tokens for one row vector (token i).
   static Operand p_word(const Vec16* p_tokens, int i) { return p_tokens[i]; }
   // 16 lanes' output words of word j: head dimension j.
-  static __m512i out_word(const float* acc, int j, int rv, int r, Vec16 inv) {
-    return _mm512_castps_si512((Vec16::load(acc + (size_t(j) * rv + r) * kLanes) * inv).v);
+  static Words16 out_word(const float* acc, int j, int rv, int r, Vec16 inv) {
+    return Words16::bits(Vec16::load(acc + (size_t(j) * rv + r) * kLanes) * inv);
   }
 };
 
@@ -72,52 +74,13 @@ struct LaneWords<c10::BFloat16> : vec::WordOps<c10::BFloat16> {
     return BF16x32::interleave(p_tokens[2 * i], p_tokens[2 * i + 1]);
   }
   // Head dimensions 2j and 2j + 1, rounded to bf16 and paired.
-  static __m512i out_word(const float* acc, int j, int rv, int r, Vec16 inv) {
+  static Words16 out_word(const float* acc, int j, int rv, int r, Vec16 inv) {
     const Vec16 even = Vec16::load(acc + (size_t(2 * j) * rv + r) * kLanes) * inv;
     const Vec16 odd = Vec16::load(acc + (size_t(2 * j + 1) * rv + r) * kLanes) * inv;
-    return (__m512i)BF16x32::interleave(even, odd).v;
+    return Words16::bits(BF16x32::interleave(even, odd));
   }
 };
 #endif
-
-// Elements of one head dimension for 8 consecutive tokens (a tile half's values):
-// n of them loaded (masked: the rest are neither read nor faulted on), zeros after.
-inline void copy_value_half(c10::BFloat16* dst, const c10::BFloat16* src, int n) {
-  const __m128i x = n > 0 ? _mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), src) : _mm_setzero_si128();
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), x);
-}
-inline void copy_value_half(float* dst, const float* src, int n) {
-  const __m256i x = n > 0 ? _mm256_maskz_loadu_epi32(__mmask8((1u << n) - 1), src)
-                          : _mm256_setzero_si256();
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), x);
-}
-
-// Transposes a 16 x 16 matrix of 32-bit words held as 16 row vectors (four
-// rounds of unpacks and 128-bit shuffles): turns 16 rows' words into one
-// vector per word with a row per lane, and back.
-inline void transpose_words(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int k = 0; k < 4; ++k) {
-      t[8 * i + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
-      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(u[8 * i + k], u[8 * i + 4 + k], 0xdd);
-    }
-  }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
-  }
-}
 
 // Per-thread scratch of the lane-row prefill.
 template <typename T>
@@ -258,20 +221,19 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
           k = key_token(t0 + h * kHalfTile);
           v = value_token(t0 + h * kHalfTile);
         }
-        // Keys: an x-group of 4 consecutive tokens is 64 bytes, 8 64-bit words.
+        // Keys: an x-group of 4 consecutive tokens is 64 bytes, 16 words (4 a token).
         for (int c = 0; c < D / X; ++c) {
           for (int quad = 0; quad < 2; ++quad) {
             const int m = std::clamp(n - quad * 4, 0, 4);
-            const __mmask8 words = __mmask8((1u << (2 * m)) - 1);
-            const __m512i x = m > 0 ? _mm512_maskz_loadu_epi64(
-                                          words, k + int64_t(c) * bs * X + quad * 4 * X)
-                                    : _mm512_setzero_si512();
-            _mm512_storeu_si512(kt + (c * kKeyTile + h * kHalfTile + quad * 4) * X, x);
+            const Words16::Mask words = Words16::first(4 * m);
+            const Words16 x = m > 0 ? Words16::load(k + int64_t(c) * bs * X + quad * 4 * X, words)
+                                    : Words16::zero();
+            x.store(kt + (c * kKeyTile + h * kHalfTile + quad * 4) * X);
           }
         }
         // Values: 8 consecutive tokens of a head dimension are 8 contiguous elements.
         for (int d = 0; d < D; ++d) {
-          copy_value_half(vt + d * kKeyTile + h * kHalfTile, v ? v + int64_t(d) * bs : v, n);
+          vec::copy_first8(vt + d * kKeyTile + h * kHalfTile, v ? v + int64_t(d) * bs : v, n);
         }
       }
       at.key[0] = kt;
@@ -383,15 +345,14 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
       }
       for (int j0 = 0; j0 < words; j0 += kLanes) {
         const int n = std::min(kLanes, words - j0);
-        const __mmask16 valid = __mmask16((1u << n) - 1);
-        __m512i w[kLanes];
+        const Words16::Mask valid = Words16::first(n);
+        Words16 w[kLanes];
         for (int l = 0; l < kLanes; ++l) {
-          w[l] = rows_q[l] ? _mm512_maskz_loadu_epi32(valid, rows_q[l] + W::kElems * j0)
-                           : _mm512_setzero_si512();
+          w[l] = rows_q[l] ? Words16::load(rows_q[l] + W::kElems * j0, valid) : Words16::zero();
         }
-        transpose_words(w);
+        vec::transpose16(w);
         for (int j = 0; j < n; ++j) {
-          _mm512_storeu_si512(ws.q_words.data() + (size_t(j0 + j) * RV + r) * kLanes, w[j]);
+          w[j].store(ws.q_words.data() + (size_t(j0 + j) * RV + r) * kLanes);
         }
       }
     }
@@ -420,14 +381,14 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
       const float* acc = ws.acc.data();
       for (int j0 = 0; j0 < words; j0 += kLanes) {
         const int n = std::min(kLanes, words - j0);
-        __m512i w[kLanes];
+        Words16 w[kLanes];
         for (int j = 0; j < kLanes; ++j) {
           w[j] = W::out_word(acc, std::min(j0 + j, words - 1), RV, r, inv);  // past n: any word
         }
-        transpose_words(w);
-        const __mmask16 valid = __mmask16((1u << n) - 1);
+        vec::transpose16(w);
+        const Words16::Mask valid = Words16::first(n);
         for (int l = 0; l < kLanes; ++l) {
-          if (rows_out[l]) _mm512_mask_storeu_epi32(rows_out[l] + W::kElems * j0, valid, w[l]);
+          if (rows_out[l]) w[l].store(rows_out[l] + W::kElems * j0, valid);
         }
       }
     }

@@ -22,13 +22,9 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-#include "../cpu_float_rows.h"
-#include "../cpu_packed_tile.h"
-#include "../cpu_vec.h"
+#include "../cpu/float_rows.h"
+#include "../cpu/packed_tile.h"
+#include "../cpu/vec.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "layers_checks.h"

@@ -21,11 +21,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-#include "../cpu_float_rows.h"
+#include "../cpu/float_rows.h"
 #include "../dispatch_utils.h"
 #include "../ops.h"
 #include "pos_encoding_checks.h"

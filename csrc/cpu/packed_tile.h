@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace pyllm::cpu {
 

@@ -1,0 +1,93 @@
+// quant_linear's integer dot products (an internal header of quant_cpu.cpp, its
+// only includer): the quantized input rows they read, what every back end shares,
+// and the back end this build targets, one header each (as cpu/vec.h picks Vec16's):
+//   quant_dot_avx512.h    AVX-512 BW + VL + VNNI: 64-byte dot products, two groups
+//                         of 32 weights per instruction
+//   quant_dot_avx2.h      AVX2 + FMA: 32-byte dot products (vpdpbusd with AVX-VNNI,
+//                         vpmaddubsw + vpmaddwd without)
+//   quant_dot_portable.h  plain loops
+// Each defines dot_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1): the
+// float32 sums of output columns [n0, n1) for input rows [m0, m0 + R). Where
+// PYLLM_QUANT_AVX2 is defined, group_vector<T> (quant_groups_avx2.h) also serves
+// the dequantization paths.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../cpu/vec.h"
+#include "gguf_blocks.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PYLLM_QUANT_AVX2 1
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PYLLM_QUANT_ZMM 1  // 64-byte integer dot products
+#endif
+#endif
+
+namespace pyllm::cpu {
+namespace {
+
+using namespace pyllm::quant;
+
+// Activations, quantized per row in spans of G values (32; 256 for the K formats,
+// whose integer sums run over a whole block): q[K] int8 in [-127, 127], d[K / G] the
+// span's scale, and per 16 values the sum of q (isum) and the scaled sum d * isum (s).
+
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> s;
+  std::vector<int16_t> isum;  // |sum| <= 16 * 127
+  int64_t K = 0, G = 32;
+  int span_shift = 0;  // log2(G / 32)
+  const int8_t* q_row(int64_t m) const { return q.data() + m * K; }
+  // The scale of group `group` (of 32) of row m.
+  float dx(int64_t m, int64_t group) const { return d[m * (K / G) + (group >> span_shift)]; }
+  const float* s_row(int64_t m) const { return s.data() + m * (K / 16); }
+  const int16_t* isum_row(int64_t m) const { return isum.data() + m * (K / 16); }
+};
+
+// The weight stream runs this far ahead of the block being decoded (a strip's rows
+// are contiguous, so it runs on across rows). The hardware prefetchers alone left
+// batch-1 decode latency-bound: all of TinyLlama Q4_K_M's projections, 2 threads,
+// 10.6 GB/s; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB 17.4, 16 KiB 16.9 (the machine
+// reads 26-30 GB/s with 2 threads; benchmarks/quant_linear.py).
+constexpr int kPrefetchBytes = 8192;
+
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int line = 0; line < kBytes; line += 64)
+    vec::prefetch_l1(blk + kPrefetchBytes + line);
+}
+
+// The K formats (blocks of 256 with small integer sub-block scales), against inputs
+// quantized with one scale per 256: the sub-block scales multiply the 16-bit pair
+// sums as integers, so a whole block's products stay in one int32 accumulator and
+// become float once per block. Offsets: mins (or Q6_K's -32) times the inputs'
+// integer sums per 16, also once per block.
+// Q4_K / Q5_K's 12 scale bytes as 8 scales and 8 mins (bytes), with 32-bit word
+// operations instead of 16 six-bit extractions.
+inline void k_scales_mins(const uint8_t* s, uint64_t& scales, uint64_t& mins) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, s, 4);
+  std::memcpy(&u1, s + 4, 4);
+  std::memcpy(&u2, s + 8, 4);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t sc_hi = (u2 & k4) | (((u0 >> 6) & k2) << 4);
+  const uint32_t m_hi = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
+  scales = uint64_t(u0 & k6) | (uint64_t(sc_hi) << 32);
+  mins = uint64_t(u1 & k6) | (uint64_t(m_hi) << 32);
+}
+
+}  // namespace
+}  // namespace pyllm::cpu
+
+#if defined(PYLLM_QUANT_ZMM)
+#include "quant_dot_avx512.h"
+#elif defined(PYLLM_QUANT_AVX2)
+#include "quant_dot_avx2.h"
+#else
+#include "quant_dot_portable.h"
+#endif

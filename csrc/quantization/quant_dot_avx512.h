@@ -1,0 +1,221 @@
+// The AVX-512 back end of quant_dot.h (BW + VL + VNNI): 64-byte integer dot
+// products, two groups of 32 weights per instruction, over quant_groups_avx2.h's
+// 32-byte groups.
+#pragma once
+
+#include "quant_groups_avx2.h"
+
+namespace pyllm::cpu {
+namespace {
+
+// With AVX-512 VNNI, two groups per instruction: a 64-byte vector holds groups g
+// and g + 1 (contiguous in the inputs), and the integer scales per 16 are spread
+// over 32 lanes of 16 bits once per block. The offsets gather in a vector and are
+// summed once per column. Half the instructions of the 32-byte form (quant_dot_avx2.h), whose
+// batch-1 decode was compute-bound (a thread alone streamed half of what two did).
+template <int64_t T>
+inline __m512i group_pair(const uint8_t* blk, int g) {
+  if constexpr (T == kQ4_K) {
+    const auto* p = reinterpret_cast<const __m256i*>(Format<T>::nibble_bytes(blk, g));
+    const __m256i v = _mm256_loadu_si256(p);
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(group_vector<T>(blk, g)),
+                              group_vector<T>(blk, g + 1), 1);
+  }
+}
+
+template <int64_t T, int R>
+void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 256;
+  // 16-bit lane l of pair j takes scale word idx[j][l]: Q6_K has one per 16 values,
+  // Q4_K / Q5_K one per 32.
+  alignas(64) static const auto idx = [] {
+    std::array<std::array<int16_t, 32>, 4> v{};
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        v[j][l] = static_cast<int16_t>(T == kQ6_K ? 4 * j + l / 8 : 2 * j + l / 16);
+      }
+    }
+    return v;
+  }();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    __m256 off[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      off[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      prefetch_ahead<F::kBytes>(blk);
+      __m256i scale16;  // per 16 values, against the inputs' integer sums
+      __m512i words;    // the integer scales as 16-bit words
+      float d, dmin;
+      if constexpr (T == kQ6_K) {
+        d = half_at(blk + 208);
+        dmin = 32.0f * d;
+        const auto* sc = reinterpret_cast<const __m128i*>(blk + 192);
+        scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc));
+        words = _mm512_castsi256_si512(scale16);
+      } else {
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
+        d = _mm_cvtss_f32(dd);
+        dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        uint64_t scales, mins;
+        k_scales_mins(blk + 4, scales, mins);
+        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
+        scale16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        words = _mm512_castsi128_si512(
+            _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
+      }
+      __m512i iacc[R];
+      for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i u = group_pair<T>(blk, 2 * j);
+        const __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(idx[j].data()), words);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_loadu_si512(x.q_row(m0 + r) + b * 256 + j * 64);
+          iacc[r] = _mm512_dpwssd_epi32(iacc[r], _mm512_maddubs_epi16(u, xv), scale);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = x.d[m * blocks + b];
+        const __m256i is =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.isum_row(m) + 16 * b));
+        off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(scale16, is)),
+                                 _mm256_set1_ps(-dmin * dx), off[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), _mm512_set1_ps(d * dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(off[r]);
+    }
+  }
+}
+
+// The formats of one group per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), eight blocks
+// at a time with AVX-512 VNNI: one gather reads the eight blocks' fp16 scales (and
+// mins), two blocks share each 64-byte dot product, and the per-block scales reach
+// its lanes by one permute per pair. The one-block-at-a-time form (quant_dot_avx2.h) spent most
+// of its instructions on per-block scalars: batch-1 decode of SmolLM2 Q4_1 was
+// compute-bound (one thread 6.8 GB/s, two 10.3).
+template <int64_t T>
+inline void scales8(const uint8_t* blk, __m256& a, __m256& b) {
+  using F = Format<T>;
+  const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                        _mm256_set1_epi32(F::kBytes));
+  const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), at, 1);
+  a = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+  if constexpr (T == kQ4_1 || T == kQ5_1) {
+    b = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)));
+  } else if constexpr (T == kQ8_0) {
+    b = _mm256_setzero_ps();
+  } else {
+    b = _mm256_mul_ps(a, _mm256_set1_ps(T == kQ4_0 ? -8.0f : -16.0f));
+  }
+}
+
+// Lane i: sum of the products of bytes [4i, 4i + 4) (Q8_0's w signed, as dot_s8_s8).
+template <int64_t T>
+inline __m512i dot64(__m512i u, __m512i x) {
+  if constexpr (Format<T>::kSigned) {
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(u), _mm512_setzero_si512(), x);
+    u = _mm512_abs_epi8(u);
+  }
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+}
+
+template <int64_t T, int R>
+void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                  int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 32, whole = blocks / 8 * 8;
+  // Pair j's lanes 0-7 take block 2j's scale, lanes 8-15 block 2j + 1's.
+  alignas(64) static const auto idx = [] {
+    std::array<std::array<int32_t, 16>, 4> v{};
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 16; ++l) v[j][l] = 2 * j + l / 8;
+    }
+    return v;
+  }();
+  const __m512i pair_sums = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    __m256 off[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      off[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < whole; b0 += 8) {
+      const uint8_t* blk = row + b0 * F::kBytes;
+      prefetch_ahead<8 * F::kBytes>(blk);
+      __m256 a, b;
+      scales8<T>(blk, a, b);
+      __m512i u[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* pair = blk + 2 * j * F::kBytes;
+        u[j] = _mm512_inserti64x4(_mm512_castsi256_si512(group_vector<T>(pair, 0)),
+                                  group_vector<T>(pair + F::kBytes, 0), 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 scale =
+            _mm512_castps256_ps512(_mm256_mul_ps(a, _mm256_loadu_ps(&x.d[m * blocks + b0])));
+        const int8_t* q = x.q_row(m) + b0 * 32;
+        for (int j = 0; j < 4; ++j) {
+          const __m512i dot = dot64<T>(u[j], _mm512_loadu_si512(q + 64 * j));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_permutexvar_ps(_mm512_load_si512(idx[j].data()), scale),
+                                   acc[r]);
+        }
+        if constexpr (!F::kSigned) {
+          // The inputs' scaled sums per 16, added in pairs: one per block.
+          const __m512 s16 = _mm512_loadu_ps(x.s_row(m) + 2 * b0);
+          const __m512 s32 = _mm512_permutexvar_ps(
+              pair_sums, _mm512_add_ps(s16, _mm512_permute_ps(s16, 0xB1)));
+          off[r] = _mm256_fmadd_ps(b, _mm512_castps512_ps256(s32), off[r]);
+        }
+      }
+    }
+    // The last blocks (K not a multiple of 256) one at a time.
+    __m256 tail[R];
+    float tail_off[R] = {};
+    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+    for (int64_t b = whole; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      float sa[2], sb[2];
+      F::scales(blk, sa, sb);
+      group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, tail);
+      for (int r = 0; r < R; ++r) {
+        const float* s = x.s_row(m0 + r) + 2 * b;
+        tail_off[r] += sb[0] * (s[0] + s[1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] =
+          _mm512_reduce_add_ps(acc[r]) + hsum(off[r]) + hsum(tail[r]) + tail_off[r];
+    }
+  }
+}
+
+// Output columns [n0, n1) for input rows [m0, m0 + R).
+template <int64_t T, int R>
+void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
+              float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  if constexpr (Format<T>::kGroups == 8) {
+    kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  } else {
+    block32_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  }
+}
+
+}  // namespace
+}  // namespace pyllm::cpu
