@@ -13,7 +13,7 @@ from torch import nn
 
 from pyllm.model.config import ModelConfig
 from pyllm.model.layers import MLP, Attention, RMSNorm
-from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.llama import LlamaForCausalLM, input_norm
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -30,11 +30,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
         """As the Llama layer, `residual` carries the stream and the pre-norms fuse the
         residual add; the post-norms act on each block's output before it is added."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden = self.input_layernorm(hidden, residual)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, workspace)
         hidden = self.post_attention_layernorm(hidden)
         hidden = self.pre_feedforward_layernorm(hidden, residual)

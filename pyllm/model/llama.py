@@ -40,6 +40,14 @@ _C = torch.ops.pyllm
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def input_norm(norm: RMSNorm, hidden, residual):
+    """A layer's first norm: before the first layer the stream starts as the embeddings;
+    after it, the norm fuses the previous layer's residual add."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual), residual
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()
@@ -53,11 +61,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
         """Pre-norm block. `residual` carries the stream between layers, so each norm
         fuses the previous layer's residual add (None before the first layer)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden = self.input_layernorm(hidden, residual)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, workspace)
         hidden = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
