@@ -389,7 +389,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class DeltaMessage(_Response):
@@ -416,7 +416,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class CompletionChoice(_Response):
@@ -436,7 +436,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class ModelCard(_Response):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
@@ -43,6 +45,8 @@ logger = logging.getLogger("pyllm")
 MAX_REQUEST_BYTES = 4 * 2**20
 # JSON cannot carry -inf: a logprob of -inf (a token masked out) is sent as this.
 MIN_LOGPROB = -9999.0
+# The engine settings a given request's output depends on, hashed into system_fingerprint.
+FINGERPRINT_SETTINGS = ("model_path", "torch_dtype", "quantization", "torch_device", "kv_cache")
 
 
 # ----------------------------------------------------------------- middleware
@@ -207,6 +211,7 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.fingerprint = system_fingerprint(getattr(engine.engine, "config", None))
         self.metrics = metrics
         self.max_bytes = max_bytes
         self._token_strings: dict[int, str] = {}
@@ -494,6 +499,7 @@ class OpenAIServing:
             id=jobs[0].request_id,
             created=created,
             model=self.model_name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(progress, jobs),
         )
@@ -521,7 +527,11 @@ class OpenAIServing:
             for i in range(body.n)
         )
         chunk = functools.partial(
-            api.ChatCompletionChunk, id=jobs[0].request_id, created=created, model=self.model_name
+            api.ChatCompletionChunk,
+            id=jobs[0].request_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=self.fingerprint,
         )
         return self._stream(body, jobs, progress, chunk, opening, choice)
 
@@ -558,6 +568,7 @@ class OpenAIServing:
             id=jobs[0].request_id.rsplit("-", 1)[0],
             created=created,
             model=self.model_name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(progress, jobs),
         )
@@ -612,7 +623,11 @@ class OpenAIServing:
         opening = echoes if body.echo else ()
         response_id = jobs[0].request_id.rsplit("-", 1)[0]
         chunk = functools.partial(
-            api.CompletionResponse, id=response_id, created=created, model=self.model_name
+            api.CompletionResponse,
+            id=response_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=self.fingerprint,
         )
         return self._stream(body, jobs, progress, chunk, opening, choice)
 
@@ -720,6 +735,13 @@ async def _cancel_on_disconnect(request: Request):
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+def system_fingerprint(config) -> str:
+    """'pyllm-0.1.0-1a2b3c4d': the version and a hash of the engine settings, so a client
+    can tell when outputs may differ for the same request (as with OpenAI's backends)."""
+    settings = "\0".join(str(getattr(config, name, None)) for name in FINGERPRINT_SETTINGS)
+    return f"pyllm-{__version__}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
 
 
 def _byte_level_decoder(tokenizer) -> dict[str, int] | None:
