@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 PROMPT = "The sky is"
 
@@ -19,3 +21,64 @@ def test_system_fingerprint_is_one_string_everywhere(client, server):
         *client.completions.create(stream=True, stream_options={"include_usage": True}, **text),
     ]
     assert {c.system_fingerprint for c in chunks} == {fingerprint}
+
+
+# ------------------------------------------------------------------ null fields
+
+# Fields OpenAI's spec marks nullable (tool_choice: accepted and ignored).
+CHAT_NULLABLE = [
+    "n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "temperature",
+    "top_p", "stop", "seed", "top_logprobs", "user", "stream_options", "logit_bias",
+    "max_completion_tokens", "response_format", "tools", "tool_choice",
+]  # fmt: skip
+COMPLETION_NULLABLE = [
+    "n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
+    "temperature", "top_p", "stop", "seed", "user", "stream_options", "logit_bias",
+    "best_of", "suffix",
+]  # fmt: skip
+
+
+def _base(path: str, model: str) -> dict:
+    # Seeded: a null temperature samples, and must sample as when it is left out.
+    body = {"model": model, "max_tokens": 4, "temperature": 0, "seed": 7}
+    return {**body, "messages": MESSAGES} if "chat" in path else {**body, "prompt": PROMPT}
+
+
+def _texts(response) -> list[str]:
+    assert response.status_code == 200, response.text[:500]
+    choices = response.json()["choices"]
+    return [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+
+
+@pytest.mark.parametrize(
+    "path, field",
+    [("/v1/chat/completions", f) for f in CHAT_NULLABLE]
+    + [("/v1/completions", f) for f in COMPLETION_NULLABLE],
+)
+def test_null_means_the_default(http, server, path, field):
+    base = _base(path, server.model)
+    with_null = {**base, field: None}
+    reference = {k: v for k, v in base.items() if k != field}
+    assert _texts(http.post(path, json=with_null)) == _texts(http.post(path, json=reference))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_default_sent_as_null(http, server, path):
+    """A client that serializes every unset field as null."""
+    fields = CHAT_NULLABLE if "chat" in path else COMPLETION_NULLABLE
+    body = {**_base(path, server.model), **dict.fromkeys(fields)}
+    body["temperature"] = 0
+    (text,) = _texts(http.post(path, json=body))
+    assert text
+
+
+def test_max_tokens_null_means_the_default(http, server):
+    body = {**_base("/v1/chat/completions", server.model), "max_completion_tokens": 3}
+    r = http.post("/v1/chat/completions", json={**body, "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_null_keeps_other_types_strict(http, server):
+    body = {**_base("/v1/chat/completions", server.model), "n": "2"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
