@@ -224,9 +224,7 @@ class OpenAIServing:
             raise RequestError(
                 f"model {requested!r} does not exist; this server serves {self.model_name!r}",
                 "model",
-                # 400 as the project's API contract asks (OpenAI itself answers 404);
-                # the code still says model_not_found.
-                status_code=400,
+                status_code=404,  # as OpenAI: its clients raise NotFoundError
                 code="model_not_found",
             )
 

@@ -100,8 +100,8 @@ CASES = [
     Case("best_of zero", 400, "best_of", COMPLETIONS, completion(best_of=0)),
     Case("best_of above n, streamed", 400, "best_of", COMPLETIONS, completion(best_of=3, stream=True)),  # noqa: E501
     # Who and what.
-    Case("unknown model", 400, "model", body=chat(model="gpt-9"), code="model_not_found"),
-    Case("unknown model (completions)", 400, "model", COMPLETIONS, completion(model="gpt-9")),
+    Case("unknown model", 404, "model", body=chat(model="gpt-9"), code="model_not_found"),
+    Case("unknown model (completions)", 404, "model", COMPLETIONS, completion(model="gpt-9"), code="model_not_found"),  # noqa: E501
     Case("missing API key", 401, headers={"Authorization": ""}, code="invalid_api_key"),
     Case("wrong API key", 401, headers={"Authorization": "Bearer wrong"}, code="invalid_api_key"),
     Case("API key as a prefix", 401, headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),

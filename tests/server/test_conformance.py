@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
@@ -82,3 +83,25 @@ def test_null_keeps_other_types_strict(http, server):
     body = {**_base("/v1/chat/completions", server.model), "n": "2"}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+# ---------------------------------------------------------------- unknown model
+
+
+def _assert_model_not_found(error: openai.NotFoundError) -> None:
+    assert error.status_code == 404
+    body = error.response.json()["error"]
+    assert body["code"] == "model_not_found" and body["param"] == "model"
+    assert body["type"] == "invalid_request_error" and "gpt-9" in body["message"]
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as chat:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES, max_tokens=2)
+    _assert_model_not_found(chat.value)
+    with pytest.raises(openai.NotFoundError) as completion:
+        client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
+    _assert_model_not_found(completion.value)
+    with pytest.raises(openai.NotFoundError) as retrieve:
+        client.models.retrieve("gpt-9")
+    _assert_model_not_found(retrieve.value)
