@@ -473,3 +473,20 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    """The body of every 4xx and 5xx, as error_body builds it."""
+
+    error: ErrorInfo
+
+
+class HealthStatus(_Response):
+    status: str

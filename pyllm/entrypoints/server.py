@@ -27,8 +27,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from pyllm import __version__
@@ -778,6 +779,7 @@ def create_app(
     _add_error_handlers(app)
     _add_status_routes(app, engine, metrics)
     _add_api_routes(app, serving)
+    _add_openapi_schemas(app)
     # Outermost last: the size check runs before authentication reads anything.
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
@@ -822,14 +824,79 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
+# What each error status means, for the OpenAPI document.
+_ERRORS = {
+    400: "An invalid request; error.param names the field at fault",
+    401: "A missing or wrong API key (when the server has one)",
+    404: "An unknown model (code model_not_found)",
+    413: "A request body over the size limit",
+    503: "The engine has stopped",
+}
+_STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
+
+
+def _responses(ok: type[BaseModel], *errors: int, chunk: type[BaseModel] | None = None):
+    """The `responses` of a route for the OpenAPI document: `ok` as the 200 body (and
+    server-sent `chunk`s, if it streams), and the errors, each in OpenAI's shape."""
+    responses: dict = {
+        status: {"model": api.ErrorResponse, "description": _ERRORS[status]} for status in errors
+    }
+    responses[200] = {"model": ok, "description": "Successful Response"}
+    if chunk is not None:
+        schema = {"type": "string", "description": _STREAM_DOC.format(chunk.__name__)}
+        responses[200]["content"] = {"text/event-stream": {"schema": schema}}
+    return responses
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` declaring a JSON request body: the handler reads and checks it
+    itself (bounded in size, errors in OpenAI's shape), so FastAPI must not."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _add_openapi_schemas(app: FastAPI) -> None:
+    """Adds the request bodies (and stream chunks), which no route declares as a
+    parameter, to the document's components."""
+    generate = app.openapi
+    models = [
+        (api.ChatCompletionRequest, "validation"),
+        (api.CompletionRequest, "validation"),
+        (api.ChatCompletionChunk, "serialization"),
+    ]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()
+            _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schemas["$defs"])
+            _drop_422(document)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _drop_422(document: dict) -> None:
+    """FastAPI documents a 422 for every route with a parameter; the only one here is a
+    path string, which nothing refuses, and the server's own errors are never 422."""
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        document["components"]["schemas"].pop(name, None)
+
+
 def _add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
-    @app.get("/health")
+    health_503 = {"model": api.HealthStatus, "description": _ERRORS[503]}
+
+    @app.get("/health", responses={200: {"model": api.HealthStatus}, 503: health_503})
     async def health():
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
@@ -844,22 +911,30 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
             id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(api.ModelList, 401))
     async def list_models():
         return Response(
             api.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
         )
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404))
     async def get_model(model_id: str):
         serving._check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_json_body(api.ChatCompletionRequest),
+        responses=_responses(api.ChatCompletionResponse, *_ERRORS, chunk=api.ChatCompletionChunk),
+    )
     async def chat_completions(request: Request):
         return await serving.chat(request)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=_json_body(api.CompletionRequest),
+        responses=_responses(api.CompletionResponse, *_ERRORS, chunk=api.CompletionResponse),
+    )
     async def completions(request: Request):
         return await serving.completions(request)
 

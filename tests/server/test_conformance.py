@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -105,3 +106,72 @@ def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as retrieve:
         client.models.retrieve("gpt-9")
     _assert_model_not_found(retrieve.value)
+
+
+# ------------------------------------------------------------------------ OpenAPI
+
+
+def _resolve(document: dict, schema: dict) -> dict:
+    while "$ref" in schema:
+        name = schema["$ref"].removeprefix("#/components/schemas/")
+        schema = document["components"]["schemas"][name]
+    return schema
+
+
+def _refs(node) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+@pytest.fixture(scope="module")
+def openapi(server) -> dict:
+    response = httpx.get(f"{server.base_url}/openapi.json", timeout=10)
+    assert response.status_code == 200
+    return response.json()
+
+
+@pytest.mark.parametrize(
+    "path, required, response_name",
+    [
+        ("/v1/chat/completions", "messages", "ChatCompletionResponse"),
+        ("/v1/completions", "prompt", "CompletionResponse"),
+    ],
+)
+def test_openapi_declares_the_bodies(openapi, path, required, response_name):
+    operation = openapi["paths"][path]["post"]
+    body = operation["requestBody"]
+    assert body["required"] is True
+    request = _resolve(openapi, body["content"]["application/json"]["schema"])
+    assert required in request["required"] and "n" in request["properties"]
+    ok = operation["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/" + response_name)
+    assert "text/event-stream" in ok
+    response = _resolve(openapi, ok["application/json"]["schema"])
+    assert response["properties"]["system_fingerprint"]["type"] == "string"
+    for status in ("400", "401", "404", "413"):
+        _assert_error_schema(openapi, operation["responses"][status])
+
+
+def _assert_error_schema(openapi: dict, response: dict) -> None:
+    schema = _resolve(openapi, response["content"]["application/json"]["schema"])
+    error = _resolve(openapi, schema["properties"]["error"])
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
+
+
+def test_openapi_declares_the_other_routes(openapi):
+    models = openapi["paths"]["/v1/models"]["get"]["responses"]
+    assert models["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ModelList")
+    _assert_error_schema(openapi, models["401"])
+    model = openapi["paths"]["/v1/models/{model_id}"]["get"]["responses"]
+    _assert_error_schema(openapi, model["404"])
+    assert "422" not in model  # nothing here answers FastAPI's validation errors
+
+
+def test_openapi_refs_all_resolve(openapi):
+    names = set(openapi["components"]["schemas"])
+    missing = {r for r in _refs(openapi) if r.removeprefix("#/components/schemas/") not in names}
+    assert not missing
