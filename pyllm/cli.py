@@ -83,6 +83,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _origins(value: str) -> list[str]:
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pyllm.entrypoints.server import run_server
 
@@ -95,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        cors_origins=args.cors_origins,
     )
     return 0
 
@@ -157,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         "--served-model-name", default=None, help="the model's name in the API (default: file name)"
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--cors-origins",
+        type=_origins,
+        default=None,
+        help="browser origins allowed to call the API, comma-separated, or '*' for any "
+        "(default: none, no CORS headers)",
+    )
     _engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 

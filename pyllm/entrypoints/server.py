@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -769,9 +770,11 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
-    stops the engine thread."""
+    stops the engine thread. `cors_origins`: the browser origins allowed to call it
+    (["*"]: any); none, no CORS headers."""
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
     serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
@@ -784,6 +787,14 @@ def create_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    if cors_origins:
+        # Outermost: a preflight carries no API key, and a page must read errors too.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     return app
 
 
@@ -952,6 +963,7 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    cors_origins: list[str] | None = None,
 ) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM."""
     import prometheus_client
@@ -965,7 +977,7 @@ def run_server(
     config = EngineConfig(**engine_options)
     engine = AsyncEngine(LLMEngine(config))
     name = served_model_name or default_model_name(config.model_path)
-    app = create_app(engine, name, api_key=api_key)
+    app = create_app(engine, name, api_key=api_key, cors_origins=cors_origins)
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
     uvicorn.run(

@@ -1,13 +1,23 @@
-"""Where the server follows OpenAI's API beyond its happy path, against the shared server."""
+"""Where the server follows OpenAI's API beyond its happy path: system_fingerprint, null
+request fields, unknown models, the OpenAPI document, CORS. Most against the shared server;
+CORS against an app built in process over a stand-in engine (nothing reaches a model).
+"""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
+from starlette.testclient import TestClient
+
+from pyllm import cli
+from pyllm.engine.async_engine import AsyncEngine
+from pyllm.entrypoints import server as server_module
+from pyllm.entrypoints.server import create_app
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 PROMPT = "The sky is"
+ORIGIN = "https://app.example"
 
 # ------------------------------------------------------------- system_fingerprint
 
@@ -175,3 +185,73 @@ def test_openapi_refs_all_resolve(openapi):
     names = set(openapi["components"]["schemas"])
     missing = {r for r in _refs(openapi) if r.removeprefix("#/components/schemas/") not in names}
     assert not missing
+
+
+# --------------------------------------------------------------------------- CORS
+
+
+class _StandInEngine:
+    """Enough of LLMEngine for an app whose requests never reach the model."""
+
+    tokenizer = None
+    max_model_len = 64
+
+
+def _app_client(**options) -> TestClient:
+    app = create_app(AsyncEngine(_StandInEngine()), "stand-in", **options)
+    return TestClient(app)
+
+
+def _preflight(client: TestClient, origin: str = ORIGIN):
+    headers = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    return client.options("/v1/chat/completions", headers=headers)
+
+
+def test_cors_preflight_and_responses_for_allowed_origins():
+    client = _app_client(api_key="k", cors_origins=[ORIGIN])
+    preflight = _preflight(client)  # no API key: a browser's preflight carries none
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    models = client.get("/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer k"})
+    assert models.status_code == 200
+    assert models.headers["access-control-allow-origin"] == ORIGIN
+    refused = client.get("/v1/models", headers={"Origin": ORIGIN})  # the browser reads errors too
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ORIGIN
+    other = client.get(
+        "/v1/models", headers={"Origin": "https://other.example", "Authorization": "Bearer k"}
+    )  # noqa: E501
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    assert _preflight(client, "https://other.example").status_code == 400
+
+
+def test_cors_any_origin():
+    client = _app_client(cors_origins=["*"])
+    assert _preflight(client, "https://any.example").headers["access-control-allow-origin"] == "*"
+    models = client.get("/v1/models", headers={"Origin": "https://any.example"})
+    assert models.headers["access-control-allow-origin"] == "*"
+
+
+def test_no_cors_by_default(http):
+    """The shared server runs without --cors-origins."""
+    models = http.get("/v1/models", headers={"Origin": ORIGIN})
+    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    preflight = http.options(
+        "/v1/chat/completions",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_serve_options_reach_the_server(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw))
+    assert cli.main(["serve", "--cors-origins", f"{ORIGIN}, https://b.example"]) == 0
+    assert seen["cors_origins"] == [ORIGIN, "https://b.example"]
+    assert cli.main(["serve"]) == 0
+    assert seen["cors_origins"] is None
