@@ -33,6 +33,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_SEED = 2**63 - 1
+# The default limit on a request's sequences: prompts x n (or best_of, if larger).
+MAX_SEQS_PER_REQUEST = 256
 
 
 class RequestError(ValueError):

@@ -208,11 +208,17 @@ class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into responses."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_bytes: int
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        max_bytes: int,
+        max_seqs: int = api.MAX_SEQS_PER_REQUEST,
     ):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.max_seqs = max_seqs
         self.fingerprint = system_fingerprint(getattr(engine.engine, "config", None))
         self.metrics = metrics
         self.max_bytes = max_bytes
@@ -229,6 +235,19 @@ class OpenAIServing:
                 status_code=404,  # as OpenAI: its clients raise NotFoundError
                 code="model_not_found",
             )
+
+    def _check_num_seqs(self, body, num_prompts: int) -> None:
+        """Refuses more sequences than the limit, naming the field that asked for them."""
+        best_of = getattr(body, "best_of", None) or 0
+        per_prompt = max(body.n, best_of)
+        if num_prompts * per_prompt <= self.max_seqs:
+            return
+        factor = "best_of" if best_of > body.n else "n"
+        raise RequestError(
+            f"prompts x {factor} must be at most {self.max_seqs} per request, "
+            f"got {num_prompts} x {per_prompt}",
+            "prompt" if num_prompts > self.max_seqs else factor,
+        )
 
     def _validate(self, body, ids: list[int], params: SamplingParams, prompt_field: str):
         try:
@@ -248,6 +267,7 @@ class OpenAIServing:
     async def _prepare_chat(self, body: api.ChatCompletionRequest) -> list[_Job]:
         body.check()
         self._check_model(body.model)
+        self._check_num_seqs(body, 1)
         params = body.to_sampling_params()
         messages = body.template_messages()
 
@@ -267,10 +287,12 @@ class OpenAIServing:
     async def _prepare_completion(self, body: api.CompletionRequest) -> list[_Job]:
         body.check()
         self._check_model(body.model)
+        prompts = body.prompts()
+        self._check_num_seqs(body, len(prompts))
         params = body.to_sampling_params()
         base_id = api.random_id("cmpl")
         jobs = []
-        for i, prompt in enumerate(body.prompts()):
+        for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
                 text = prompt
@@ -771,13 +793,19 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     cors_origins: list[str] | None = None,
+    max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
     stops the engine thread. `cors_origins`: the browser origins allowed to call it
-    (["*"]: any); none, no CORS headers."""
+    (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
+    (prompts x n, or best_of if larger) one request may ask for."""
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
+    serving = OpenAIServing(
+        engine, served_model_name, metrics, max_request_bytes, max_seqs_per_request
+    )
     app.state.serving = serving
     _add_error_handlers(app)
     _add_status_routes(app, engine, metrics)
@@ -964,6 +992,7 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     cors_origins: list[str] | None = None,
+    max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM."""
     import prometheus_client
@@ -977,7 +1006,13 @@ def run_server(
     config = EngineConfig(**engine_options)
     engine = AsyncEngine(LLMEngine(config))
     name = served_model_name or default_model_name(config.model_path)
-    app = create_app(engine, name, api_key=api_key, cors_origins=cors_origins)
+    app = create_app(
+        engine,
+        name,
+        api_key=api_key,
+        cors_origins=cors_origins,
+        max_seqs_per_request=max_seqs_per_request,
+    )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
     uvicorn.run(

@@ -1,6 +1,7 @@
 """Where the server follows OpenAI's API beyond its happy path: system_fingerprint, null
-request fields, unknown models, the OpenAPI document, CORS. Most against the shared server;
-CORS against an app built in process over a stand-in engine (nothing reaches a model).
+request fields, unknown models, the OpenAPI document, CORS and the per-request limit on
+sequences. Most against the shared server; CORS and a non-default limit against an app
+built in process over a stand-in engine (nothing there reaches a model).
 """
 
 from __future__ import annotations
@@ -248,10 +249,35 @@ def test_no_cors_by_default(http):
     assert "access-control-allow-origin" not in preflight.headers
 
 
+# ----------------------------------------------------------- sequences per request
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 5}, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 5}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "n"),
+        ("/v1/completions", {"prompt": [[1, 2]] * 2, "best_of": 3}, "best_of"),
+    ],
+)
+def test_sequences_per_request_limit(path, body, param):
+    client = _app_client(max_seqs_per_request=4)
+    r = client.post(path, json={"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "at most 4 " in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
 def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
     monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw))
-    assert cli.main(["serve", "--cors-origins", f"{ORIGIN}, https://b.example"]) == 0
+    origins = f"{ORIGIN}, https://b.example"
+    assert cli.main(["serve", "--cors-origins", origins, "--max-seqs-per-request", "8"]) == 0
     assert seen["cors_origins"] == [ORIGIN, "https://b.example"]
+    assert seen["max_seqs_per_request"] == 8
     assert cli.main(["serve"]) == 0
-    assert seen["cors_origins"] is None
+    assert seen["cors_origins"] is None and seen["max_seqs_per_request"] == 256
+    seen.clear()
+    assert cli.main(["serve", "--max-seqs-per-request", "0"]) == 2 and not seen
