@@ -83,11 +83,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _origins(value: str) -> list[str]:
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pyllm.entrypoints.server import run_server
 
     if args.port is not None and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_seqs_per_request < 1:
+        raise ValueError(
+            f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
+        )
     run_server(
         _engine_options(args),
         host=args.host,
@@ -95,6 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        cors_origins=args.cors_origins,
+        max_seqs_per_request=args.max_seqs_per_request,
     )
     return 0
 
@@ -157,6 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         "--served-model-name", default=None, help="the model's name in the API (default: file name)"
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--cors-origins",
+        type=_origins,
+        default=None,
+        help="browser origins allowed to call the API, comma-separated, or '*' for any "
+        "(default: none, no CORS headers)",
+    )
+    serve.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="the most sequences one request may ask for: prompts x n (or best_of)",
+    )
     _engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 

@@ -2,9 +2,10 @@
 
 Requests are parsed strictly (a string is not an integer, a float is not an integer, a
 boolean is not a number), so a wrong type is a 400 naming the field rather than a silent
-coercion. Unknown fields are ignored, as OpenAI-compatible servers commonly do, except
-those that would change the meaning of the request and cannot be honoured (tools,
-response formats other than text, suffix): those are refused.
+coercion; a null for a field OpenAI marks nullable means its default. Unknown fields are
+ignored, as OpenAI-compatible servers commonly do, except those that would change the
+meaning of the request and cannot be honoured (tools, response formats other than text,
+suffix): those are refused.
 
 Each request model turns itself into engine `SamplingParams` with `to_sampling_params`;
 vLLM's extension fields (top_k, min_p, repetition_penalty, repeat_last_n, min_tokens,
@@ -15,11 +16,12 @@ fields of the same name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pyllm.sampling.params import SamplingParams
 
@@ -31,6 +33,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_SEED = 2**63 - 1
+# The default limit on a request's sequences: prompts x n (or best_of, if larger).
+MAX_SEQS_PER_REQUEST = 256
 
 
 class RequestError(ValueError):
@@ -58,6 +62,26 @@ def error_body(message: str, type: str, param: str | None, code: str | None) -> 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients that serialize every field send null for those they leave unset; OpenAI's
+        # spec marks them nullable, meaning the default.
+        if not isinstance(data, dict):
+            return data
+        defaulted = _nullable_with_default(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _nullable_with_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields typed `X | None` whose default is not None: null there means the default."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if field.default is not None and type(None) in get_args(field.annotation)
+    )
 
 
 # -------------------------------------------------------------------- requests
@@ -97,13 +121,14 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    # `| None` with a default: null means the default (see _Strict).
+    n: int | None = 1
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extension fields.
@@ -217,7 +242,7 @@ class _SamplingRequest(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
@@ -261,7 +286,7 @@ class CompletionRequest(_SamplingRequest):
     # A string, a list of strings, one prompt's token ids, or a list of those.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
     # vLLM's extension: the top k logprobs of every prompt token, in choices[].prompt_logprobs.
@@ -389,7 +414,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class DeltaMessage(_Response):
@@ -416,7 +441,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class CompletionChoice(_Response):
@@ -436,7 +461,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: None = None
+    system_fingerprint: str
 
 
 class ModelCard(_Response):
@@ -450,3 +475,20 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    """The body of every 4xx and 5xx, as error_body builds it."""
+
+    error: ErrorInfo
+
+
+class HealthStatus(_Response):
+    status: str

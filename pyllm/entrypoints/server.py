@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -26,10 +27,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
+from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
@@ -43,6 +47,8 @@ logger = logging.getLogger("pyllm")
 MAX_REQUEST_BYTES = 4 * 2**20
 # JSON cannot carry -inf: a logprob of -inf (a token masked out) is sent as this.
 MIN_LOGPROB = -9999.0
+# The engine settings a given request's output depends on, hashed into system_fingerprint.
+FINGERPRINT_SETTINGS = ("model_path", "torch_dtype", "quantization", "torch_device", "kv_cache")
 
 
 # ----------------------------------------------------------------- middleware
@@ -202,11 +208,18 @@ class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into responses."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, max_bytes: int
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        max_bytes: int,
+        max_seqs: int = api.MAX_SEQS_PER_REQUEST,
     ):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.max_seqs = max_seqs
+        self.fingerprint = system_fingerprint(getattr(engine.engine, "config", None))
         self.metrics = metrics
         self.max_bytes = max_bytes
         self._token_strings: dict[int, str] = {}
@@ -219,11 +232,22 @@ class OpenAIServing:
             raise RequestError(
                 f"model {requested!r} does not exist; this server serves {self.model_name!r}",
                 "model",
-                # 400 as the project's API contract asks (OpenAI itself answers 404);
-                # the code still says model_not_found.
-                status_code=400,
+                status_code=404,  # as OpenAI: its clients raise NotFoundError
                 code="model_not_found",
             )
+
+    def _check_num_seqs(self, body, num_prompts: int) -> None:
+        """Refuses more sequences than the limit, naming the field that asked for them."""
+        best_of = getattr(body, "best_of", None) or 0
+        per_prompt = max(body.n, best_of)
+        if num_prompts * per_prompt <= self.max_seqs:
+            return
+        factor = "best_of" if best_of > body.n else "n"
+        raise RequestError(
+            f"prompts x {factor} must be at most {self.max_seqs} per request, "
+            f"got {num_prompts} x {per_prompt}",
+            "prompt" if num_prompts > self.max_seqs else factor,
+        )
 
     def _validate(self, body, ids: list[int], params: SamplingParams, prompt_field: str):
         try:
@@ -243,6 +267,7 @@ class OpenAIServing:
     async def _prepare_chat(self, body: api.ChatCompletionRequest) -> list[_Job]:
         body.check()
         self._check_model(body.model)
+        self._check_num_seqs(body, 1)
         params = body.to_sampling_params()
         messages = body.template_messages()
 
@@ -262,10 +287,12 @@ class OpenAIServing:
     async def _prepare_completion(self, body: api.CompletionRequest) -> list[_Job]:
         body.check()
         self._check_model(body.model)
+        prompts = body.prompts()
+        self._check_num_seqs(body, len(prompts))
         params = body.to_sampling_params()
         base_id = api.random_id("cmpl")
         jobs = []
-        for i, prompt in enumerate(body.prompts()):
+        for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
                 text = prompt
@@ -494,6 +521,7 @@ class OpenAIServing:
             id=jobs[0].request_id,
             created=created,
             model=self.model_name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(progress, jobs),
         )
@@ -521,7 +549,11 @@ class OpenAIServing:
             for i in range(body.n)
         )
         chunk = functools.partial(
-            api.ChatCompletionChunk, id=jobs[0].request_id, created=created, model=self.model_name
+            api.ChatCompletionChunk,
+            id=jobs[0].request_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=self.fingerprint,
         )
         return self._stream(body, jobs, progress, chunk, opening, choice)
 
@@ -558,6 +590,7 @@ class OpenAIServing:
             id=jobs[0].request_id.rsplit("-", 1)[0],
             created=created,
             model=self.model_name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(progress, jobs),
         )
@@ -612,7 +645,11 @@ class OpenAIServing:
         opening = echoes if body.echo else ()
         response_id = jobs[0].request_id.rsplit("-", 1)[0]
         chunk = functools.partial(
-            api.CompletionResponse, id=response_id, created=created, model=self.model_name
+            api.CompletionResponse,
+            id=response_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=self.fingerprint,
         )
         return self._stream(body, jobs, progress, chunk, opening, choice)
 
@@ -722,6 +759,13 @@ async def _cancel_on_disconnect(request: Request):
             await watcher
 
 
+def system_fingerprint(config) -> str:
+    """'pyllm-0.1.0-1a2b3c4d': the version and a hash of the engine settings, so a client
+    can tell when outputs may differ for the same request (as with OpenAI's backends)."""
+    settings = "\0".join(str(getattr(config, name, None)) for name in FINGERPRINT_SETTINGS)
+    return f"pyllm-{__version__}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+
+
 def _byte_level_decoder(tokenizer) -> dict[str, int] | None:
     """GPT-2's map from a byte-level BPE token's characters back to bytes, if the
     vocabulary is byte-level (a space is spelled 'Ġ'); else None."""
@@ -748,20 +792,37 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    cors_origins: list[str] | None = None,
+    max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
-    stops the engine thread."""
+    stops the engine thread. `cors_origins`: the browser origins allowed to call it
+    (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
+    (prompts x n, or best_of if larger) one request may ask for."""
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_request_bytes)
+    serving = OpenAIServing(
+        engine, served_model_name, metrics, max_request_bytes, max_seqs_per_request
+    )
     app.state.serving = serving
     _add_error_handlers(app)
     _add_status_routes(app, engine, metrics)
     _add_api_routes(app, serving)
+    _add_openapi_schemas(app)
     # Outermost last: the size check runs before authentication reads anything.
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    if cors_origins:
+        # Outermost: a preflight carries no API key, and a page must read errors too.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     return app
 
 
@@ -802,14 +863,79 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
+# What each error status means, for the OpenAPI document.
+_ERRORS = {
+    400: "An invalid request; error.param names the field at fault",
+    401: "A missing or wrong API key (when the server has one)",
+    404: "An unknown model (code model_not_found)",
+    413: "A request body over the size limit",
+    503: "The engine has stopped",
+}
+_STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
+
+
+def _responses(ok: type[BaseModel], *errors: int, chunk: type[BaseModel] | None = None):
+    """The `responses` of a route for the OpenAPI document: `ok` as the 200 body (and
+    server-sent `chunk`s, if it streams), and the errors, each in OpenAI's shape."""
+    responses: dict = {
+        status: {"model": api.ErrorResponse, "description": _ERRORS[status]} for status in errors
+    }
+    responses[200] = {"model": ok, "description": "Successful Response"}
+    if chunk is not None:
+        schema = {"type": "string", "description": _STREAM_DOC.format(chunk.__name__)}
+        responses[200]["content"] = {"text/event-stream": {"schema": schema}}
+    return responses
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` declaring a JSON request body: the handler reads and checks it
+    itself (bounded in size, errors in OpenAI's shape), so FastAPI must not."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _add_openapi_schemas(app: FastAPI) -> None:
+    """Adds the request bodies (and stream chunks), which no route declares as a
+    parameter, to the document's components."""
+    generate = app.openapi
+    models = [
+        (api.ChatCompletionRequest, "validation"),
+        (api.CompletionRequest, "validation"),
+        (api.ChatCompletionChunk, "serialization"),
+    ]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()
+            _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schemas["$defs"])
+            _drop_422(document)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _drop_422(document: dict) -> None:
+    """FastAPI documents a 422 for every route with a parameter; the only one here is a
+    path string, which nothing refuses, and the server's own errors are never 422."""
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        document["components"]["schemas"].pop(name, None)
+
+
 def _add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
-    @app.get("/health")
+    health_503 = {"model": api.HealthStatus, "description": _ERRORS[503]}
+
+    @app.get("/health", responses={200: {"model": api.HealthStatus}, 503: health_503})
     async def health():
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)
@@ -824,22 +950,30 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
             id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(api.ModelList, 401))
     async def list_models():
         return Response(
             api.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
         )
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404))
     async def get_model(model_id: str):
         serving._check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_json_body(api.ChatCompletionRequest),
+        responses=_responses(api.ChatCompletionResponse, *_ERRORS, chunk=api.ChatCompletionChunk),
+    )
     async def chat_completions(request: Request):
         return await serving.chat(request)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=_json_body(api.CompletionRequest),
+        responses=_responses(api.CompletionResponse, *_ERRORS, chunk=api.CompletionResponse),
+    )
     async def completions(request: Request):
         return await serving.completions(request)
 
@@ -857,6 +991,8 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    cors_origins: list[str] | None = None,
+    max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM."""
     import prometheus_client
@@ -870,7 +1006,13 @@ def run_server(
     config = EngineConfig(**engine_options)
     engine = AsyncEngine(LLMEngine(config))
     name = served_model_name or default_model_name(config.model_path)
-    app = create_app(engine, name, api_key=api_key)
+    app = create_app(
+        engine,
+        name,
+        api_key=api_key,
+        cors_origins=cors_origins,
+        max_seqs_per_request=max_seqs_per_request,
+    )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
     uvicorn.run(

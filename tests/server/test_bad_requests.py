@@ -99,9 +99,13 @@ CASES = [
     Case("best_of below n", 400, "best_of", COMPLETIONS, completion(n=3, best_of=2)),
     Case("best_of zero", 400, "best_of", COMPLETIONS, completion(best_of=0)),
     Case("best_of above n, streamed", 400, "best_of", COMPLETIONS, completion(best_of=3, stream=True)),  # noqa: E501
+    # Sequences per request: prompts x n (or best_of), at most 256 by default.
+    Case("too many prompts", 400, "prompt", COMPLETIONS, completion(prompt=["Hi"] * 257)),
+    Case("prompts x n too many", 400, "n", COMPLETIONS, completion(prompt=["a", "b", "c"], n=100)),
+    Case("prompts x best_of too many", 400, "best_of", COMPLETIONS, completion(prompt=[[1]] * 3, best_of=100)),  # noqa: E501
     # Who and what.
-    Case("unknown model", 400, "model", body=chat(model="gpt-9"), code="model_not_found"),
-    Case("unknown model (completions)", 400, "model", COMPLETIONS, completion(model="gpt-9")),
+    Case("unknown model", 404, "model", body=chat(model="gpt-9"), code="model_not_found"),
+    Case("unknown model (completions)", 404, "model", COMPLETIONS, completion(model="gpt-9"), code="model_not_found"),  # noqa: E501
     Case("missing API key", 401, headers={"Authorization": ""}, code="invalid_api_key"),
     Case("wrong API key", 401, headers={"Authorization": "Bearer wrong"}, code="invalid_api_key"),
     Case("API key as a prefix", 401, headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),
