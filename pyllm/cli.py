@@ -103,7 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
-        cors_origins=args.cors_origins,
+        allowed_origins=args.allowed_origins,
         max_seqs_per_request=args.max_seqs_per_request,
     )
     return 0
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
-        "--cors-origins",
+        "--allowed-origins",
         type=_origins,
         default=None,
         help="browser origins allowed to call the API, comma-separated, or '*' for any "

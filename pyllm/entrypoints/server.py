@@ -792,11 +792,11 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
-    cors_origins: list[str] | None = None,
+    allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
-    stops the engine thread. `cors_origins`: the browser origins allowed to call it
+    stops the engine thread. `allowed_origins`: the browser origins allowed to call it
     (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
     (prompts x n, or best_of if larger) one request may ask for."""
     if max_seqs_per_request < 1:
@@ -815,11 +815,11 @@ def create_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
-    if cors_origins:
+    if allowed_origins:
         # Outermost: a preflight carries no API key, and a page must read errors too.
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(cors_origins),
+            allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
@@ -991,7 +991,7 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
-    cors_origins: list[str] | None = None,
+    allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
 ) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM."""
@@ -1010,7 +1010,7 @@ def run_server(
         engine,
         name,
         api_key=api_key,
-        cors_origins=cors_origins,
+        allowed_origins=allowed_origins,
         max_seqs_per_request=max_seqs_per_request,
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,

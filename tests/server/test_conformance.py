@@ -213,7 +213,7 @@ def _preflight(client: TestClient, origin: str = ORIGIN):
 
 
 def test_cors_preflight_and_responses_for_allowed_origins():
-    client = _app_client(api_key="k", cors_origins=[ORIGIN])
+    client = _app_client(api_key="k", allowed_origins=[ORIGIN])
     preflight = _preflight(client)  # no API key: a browser's preflight carries none
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
@@ -232,14 +232,14 @@ def test_cors_preflight_and_responses_for_allowed_origins():
 
 
 def test_cors_any_origin():
-    client = _app_client(cors_origins=["*"])
+    client = _app_client(allowed_origins=["*"])
     assert _preflight(client, "https://any.example").headers["access-control-allow-origin"] == "*"
     models = client.get("/v1/models", headers={"Origin": "https://any.example"})
     assert models.headers["access-control-allow-origin"] == "*"
 
 
 def test_no_cors_by_default(http):
-    """The shared server runs without --cors-origins."""
+    """The shared server runs without --allowed-origins."""
     models = http.get("/v1/models", headers={"Origin": ORIGIN})
     assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
     preflight = http.options(
@@ -274,10 +274,10 @@ def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
     monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw))
     origins = f"{ORIGIN}, https://b.example"
-    assert cli.main(["serve", "--cors-origins", origins, "--max-seqs-per-request", "8"]) == 0
-    assert seen["cors_origins"] == [ORIGIN, "https://b.example"]
+    assert cli.main(["serve", "--allowed-origins", origins, "--max-seqs-per-request", "8"]) == 0
+    assert seen["allowed_origins"] == [ORIGIN, "https://b.example"]
     assert seen["max_seqs_per_request"] == 8
     assert cli.main(["serve"]) == 0
-    assert seen["cors_origins"] is None and seen["max_seqs_per_request"] == 256
+    assert seen["allowed_origins"] is None and seen["max_seqs_per_request"] == 256
     seen.clear()
     assert cli.main(["serve", "--max-seqs-per-request", "0"]) == 2 and not seen
