@@ -88,28 +88,27 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
   }
 }
 
-// Output columns [n0, n1) for input rows [m0, m0 + R). Groups alternate between
-// two sets of sums, so that two multiply-add chains are in flight. The offsets
-// (b * dx * sum(qx)) go per block: one scalar per row for a block of 32, two 8-lane
-// products per row for the 16 halves of a block of 256.
+// Output columns [n0, n1) for input rows [m0, m0 + R). Blocks of 256 (K-quants)
+// take kquant_rows; blocks of 32 alternate between two sets of sums, so that two
+// multiply-add chains are in flight, and their offsets (b * dx * sum(qx)) go per
+// block, one scalar per row.
 template <int64_t T, int R>
 void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
   using F = Format<T>;
   if constexpr (F::kGroups == 8) {
     kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
-    return;
-  }
-  const int64_t blocks = K / F::kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc[2][R];
-    float offset[2][R];
-    for (int r = 0; r < R; ++r) {
-      acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-      offset[0][r] = offset[1][r] = 0.0f;
-    }
-    if constexpr (F::kGroups == 1) {
+  } else {
+    static_assert(F::kGroups == 1, "blocks of 32 are one group");
+    const int64_t blocks = K / F::kBlock;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      __m256 acc[2][R];
+      float offset[2][R];
+      for (int r = 0; r < R; ++r) {
+        acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+        offset[0][r] = offset[1][r] = 0.0f;
+      }
       // Within a block of 32 both halves share a and b: b * dx * (sum of both halves).
       auto block = [&](int64_t b, int set) {
         float a[2], off[2];
@@ -130,30 +129,10 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
         block(b + 1, 1);
       }
       if (b < blocks) block(b, 0);
-    } else {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = row + b * F::kBytes;
-        prefetch_ahead<F::kBytes>(blk);
-        alignas(32) float a[16], off[16];
-        F::scales(blk, a, off);
-        for (int g = 0; g < 8; g += 2) {
-          const int64_t group = b * 8 + g;
-          group_step<T, R>(group_vector<T>(blk, g), a[2 * g], a[2 * g + 1], x, m0, group,
-                           acc[0]);
-          group_step<T, R>(group_vector<T>(blk, g + 1), a[2 * g + 2], a[2 * g + 3], x, m0,
-                           group + 1, acc[1]);
-        }
-        const __m256 off_lo = _mm256_load_ps(off), off_hi = _mm256_load_ps(off + 8);
-        for (int r = 0; r < R; ++r) {
-          const float* s = x.s_row(m0 + r) + 16 * b;
-          acc[0][r] = _mm256_fmadd_ps(off_lo, _mm256_loadu_ps(s), acc[0][r]);
-          acc[1][r] = _mm256_fmadd_ps(off_hi, _mm256_loadu_ps(s + 8), acc[1][r]);
-        }
+      for (int r = 0; r < R; ++r) {
+        out[r * out_stride + n] =
+            hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (offset[0][r] + offset[1][r]);
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      out[r * out_stride + n] =
-          hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (offset[0][r] + offset[1][r]);
     }
   }
 }
