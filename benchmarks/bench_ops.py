@@ -74,10 +74,23 @@ def bench_decode_case(args, batch: int, context: int, copy_gbs: float) -> list[d
             out, exp_sums, max_logits, tmp_out, q, *common
         ),
     }
+    window = args.sliding_window
+    if window:
+        # The same calls within a sliding window: they read only the blocks from the one
+        # that holds the window's start (GB/s counts those).
+        variants[f"v1 window {window}"] = lambda: torch.ops.pyllm.paged_attention_v1(
+            out, q, *common, window
+        )
+        variants[f"v2 window {window}"] = lambda: torch.ops.pyllm.paged_attention_v2(
+            out, exp_sums, max_logits, tmp_out, q, *common, window
+        )
     rows = []
     for name, fn in variants.items():
         seconds = time_call(fn, args.device)
-        gbs = moved / seconds / 1e9
+        read = context
+        if "window" in name:
+            read = context - max(0, context - window) // args.block_size * args.block_size
+        gbs = (moved - kv_bytes * (1 - read / context)) / seconds / 1e9
         rows.append(
             dict(
                 op=f"paged_attention_{name}",
@@ -251,6 +264,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=None)
     parser.add_argument("--tokens", type=int, default=512, help="tokens for the non-decode ops")
     parser.add_argument("--skip-small-ops", action="store_true")
+    parser.add_argument(
+        "--sliding-window", type=int, default=0, help="also time decode within this window"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         args.batches = args.batches or [1, 8, 32, 64]

@@ -64,9 +64,9 @@ run bench.log 60 "$py" benchmarks/quant_linear.py --device cuda --shape tinyllam
 
 step "decode attention and the other ops (benchmarks/bench_ops.py --device cuda)"
 run bench.log 45 "$py" benchmarks/bench_ops.py --device cuda
-step "the H200 target case: bf16, head 128, batch 64, context 4096"
+step "the H200 target case: bf16, head 128, batch 64, context 4096 (and within a 512 window)"
 run bench.log 30 "$py" benchmarks/bench_ops.py --device cuda --batches 64 --contexts 4096 \
-  --skip-small-ops
+  --skip-small-ops --sliding-window 512
 
 step "paged vs contiguous KV (benchmarks/kv_modes.py --device cuda)"
 run bench.log 30 "$py" benchmarks/kv_modes.py --device cuda

@@ -47,7 +47,7 @@ namespace pyllm {
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       int64_t block_size, int64_t max_seq_len,                                \
-      const std::optional<at::Tensor>& alibi_slopes);                         \
+      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window); \
                                                                                \
   void paged_attention_v2(                                                    \
       at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,          \
@@ -55,14 +55,15 @@ namespace pyllm {
       const at::Tensor& key_cache, const at::Tensor& value_cache,             \
       int64_t num_kv_heads, double scale, const at::Tensor& block_tables,     \
       const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,    \
-      const std::optional<at::Tensor>& alibi_slopes);                         \
+      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window); \
                                                                                \
   void paged_attention_prefill(                                               \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       const at::Tensor& query_start_loc, int64_t block_size,                  \
-      int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes);  \
+      int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,   \
+      int64_t sliding_window);                                                \
                                                                                \
   void rotary_embedding(const at::Tensor& positions, at::Tensor& query,       \
                         at::Tensor& key, int64_t head_size,                   \
@@ -107,13 +108,14 @@ namespace pyllm {
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
-      int64_t max_seq_len);                                                   \
+      int64_t max_seq_len, int64_t sliding_window);                           \
                                                                                \
   void contiguous_attention_prefill(                                          \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
-      const at::Tensor& query_start_loc, int64_t max_query_len);
+      const at::Tensor& query_start_loc, int64_t max_query_len,               \
+      int64_t sliding_window);
 
 // The same set of functions, once for each device the library is built for.
 namespace cpu {

@@ -176,6 +176,7 @@ def paged_attention_v1(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Decode attention: one query token per sequence over its paged KV.
 
@@ -184,18 +185,23 @@ def paged_attention_v1(
     number of cached tokens, including this step's); max_seq_len >= max(seq_lens).
     GQA/MQA when num_heads is a multiple of num_kv_heads. alibi_slopes:
     ``[num_heads]`` float32, adds ``slope * (key_position - query_position)``.
+    sliding_window: None or 0 for full causal attention; otherwise the query at position
+    p sees only keys at positions ``> p - sliding_window`` (its last sliding_window
+    positions). Cache blocks that hold no key of any query's window are never read, so
+    their block_tables entries may name blocks the sequence no longer owns.
     """
+    sliding_window = sliding_window or 0
     _check_args(
         _C.paged_attention_v1, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
-        max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
+        max_seq_len=max_seq_len, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v1(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, max_seq_len, alibi_slopes,
+        block_size, max_seq_len, alibi_slopes, sliding_window,
     )  # fmt: skip
 
 
@@ -232,6 +238,7 @@ def paged_attention_v2(
     block_size: int,
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Decode attention split into partitions of PARTITION_SIZE tokens, then merged.
 
@@ -239,18 +246,21 @@ def paged_attention_v2(
     exp_sums, max_logits: ``[num_seqs, num_heads, num_partitions]`` float32; tmp_out:
     ``[num_seqs, num_heads, num_partitions, head_size]`` in the query's dtype, with
     num_partitions = ceil(max_seq_len / PARTITION_SIZE) (see paged_attention_v2_workspace).
+    With a sliding window, partitions wholly before it are neither computed nor merged.
     """
+    sliding_window = sliding_window or 0
     _check_args(
         _C.paged_attention_v2, out=out, exp_sums=exp_sums, max_logits=max_logits,
         tmp_out=tmp_out, query=query, key_cache=key_cache, value_cache=value_cache,
         num_kv_heads=num_kv_heads, scale=scale, block_tables=block_tables, seq_lens=seq_lens,
         block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
-        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
     )  # fmt: skip
 
 
@@ -267,6 +277,7 @@ def paged_attention_prefill(
     block_size: int,
     max_query_len: int,
     alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Causal attention for several query tokens per sequence over its paged KV.
 
@@ -276,18 +287,24 @@ def paged_attention_prefill(
     ``seq_lens[s] - q_len_s + i`` and attends to the cached keys at positions up to
     its own, so this step's keys must already be written by reshape_and_cache. Used
     for prompts, prompt chunks after earlier chunks, and prefix-cache hits.
+    sliding_window: None or 0 for full causal attention; otherwise the query at position
+    p sees only keys at positions ``> p - sliding_window`` (its last sliding_window
+    positions). Cache blocks that hold no key of any query's window are never read, so
+    their block_tables entries may name blocks the sequence no longer owns.
     """
+    sliding_window = sliding_window or 0
     _check_args(
         _C.paged_attention_prefill, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
         block_size=block_size, max_query_len=max_query_len, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        query_start_loc, block_size, max_query_len, alibi_slopes,
+        query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window,
     )  # fmt: skip
 
 
@@ -521,6 +538,7 @@ def contiguous_attention_decode(
     seq_slots: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
+    sliding_window: int | None = None,
 ) -> None:
     """Decode attention over the contiguous cache: paged_attention_v1 with slots.
 
@@ -528,18 +546,20 @@ def contiguous_attention_decode(
     contiguous views; seq_slots: ``[num_seqs]`` int32, each sequence's slot; seq_lens:
     ``[num_seqs]`` int32, cached tokens including this step's (at most the slot's
     committed tokens when the cache is a KVArena view); max_seq_len >= max(seq_lens).
-    GQA/MQA when num_heads is a multiple of num_kv_heads.
+    GQA/MQA when num_heads is a multiple of num_kv_heads. sliding_window: as for
+    paged_attention_v1.
     """
+    sliding_window = sliding_window or 0
     _check_args(
         _C.contiguous_attention_decode, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
-        seq_lens=seq_lens, max_seq_len=max_seq_len,
+        seq_lens=seq_lens, max_seq_len=max_seq_len, sliding_window=sliding_window,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.contiguous_attention_decode(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        max_seq_len,
+        max_seq_len, sliding_window,
     )  # fmt: skip
 
 
@@ -554,6 +574,7 @@ def contiguous_attention_prefill(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int,
+    sliding_window: int | None = None,
 ) -> None:
     """Causal prefill over the contiguous cache: paged_attention_prefill with slots.
 
@@ -562,15 +583,18 @@ def contiguous_attention_prefill(
     seq_slots, seq_lens: ``[num_seqs]`` int32. Query token i of sequence s sits at
     position ``seq_lens[s] - q_len_s + i`` and attends to the cached keys up to its own
     (written first by write_kv_contiguous): prompts, later chunks of a chunked prefill.
+    sliding_window: as for paged_attention_prefill.
     """
+    sliding_window = sliding_window or 0
     _check_args(
         _C.contiguous_attention_prefill, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
         seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max_query_len,
+        sliding_window=sliding_window,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.contiguous_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        query_start_loc, max_query_len,
+        query_start_loc, max_query_len, sliding_window,
     )  # fmt: skip

@@ -53,6 +53,12 @@ inline void check_scale(double scale) {
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
 }
 
+// 0: no window; otherwise a query attends to the last sliding_window positions.
+inline void check_sliding_window(int64_t sliding_window) {
+  TORCH_CHECK_VALUE(sliding_window >= 0 && sliding_window <= INT32_MAX,
+                    "sliding_window must be 0 (none) or a positive int32, got ", sliding_window);
+}
+
 inline void check_positive(const char* name, int64_t value) {
   TORCH_CHECK_VALUE(value > 0, name, " must be a positive int, got ", value);
 }
@@ -115,12 +121,14 @@ inline PagedKVShape check_paged_attention_v1(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-    int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+    int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window) {
   const AttentionDims d = check_attention_io(out, query, num_kv_heads);
   const PagedKVShape cache = check_paged_common(d, query, key_cache, value_cache, num_kv_heads,
                                                 scale, block_size, alibi_slopes);
   check_block_tables_layout(block_tables, seq_lens, d.num_tokens, query.device());
   check_positive("max_seq_len", max_seq_len);
+  check_sliding_window(sliding_window);
   return cache;
 }
 
@@ -153,10 +161,12 @@ inline PagedKVShape check_paged_attention_v2(
     const at::Tensor& tmp_out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-    int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
-  const PagedKVShape cache =
-      check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                               block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+    int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window) {
+  const PagedKVShape cache = check_paged_attention_v1(out, query, key_cache, value_cache,
+                                                      num_kv_heads, scale, block_tables, seq_lens,
+                                                      block_size, max_seq_len, alibi_slopes,
+                                                      sliding_window);
   check_v2_workspace(exp_sums, max_logits, tmp_out, query, max_seq_len);
   return cache;
 }
@@ -165,13 +175,15 @@ inline PagedKVShape check_paged_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    int64_t block_size, int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
+    int64_t block_size, int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t sliding_window) {
   const AttentionDims d = check_attention_io(out, query, num_kv_heads);
   const PagedKVShape cache = check_paged_common(d, query, key_cache, value_cache, num_kv_heads,
                                                 scale, block_size, alibi_slopes);
   const int64_t num_seqs = check_query_start_loc(query_start_loc, query.device());
   check_block_tables_layout(block_tables, seq_lens, num_seqs, query.device());
   check_positive("max_query_len", max_query_len);
+  check_sliding_window(sliding_window);
   return cache;
 }
 
@@ -197,10 +209,12 @@ inline ContiguousKVShape check_contiguous_common(const at::Tensor& out, const at
 inline ContiguousKVShape check_contiguous_attention_decode(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-    const at::Tensor& seq_slots, const at::Tensor& seq_lens, int64_t max_seq_len) {
+    const at::Tensor& seq_slots, const at::Tensor& seq_lens, int64_t max_seq_len,
+    int64_t sliding_window) {
   const ContiguousKVShape cache = check_contiguous_common(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, -1);
   check_positive("max_seq_len", max_seq_len);
+  check_sliding_window(sliding_window);
   return cache;
 }
 
@@ -208,12 +222,13 @@ inline ContiguousKVShape check_contiguous_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& seq_slots, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    int64_t max_query_len) {
+    int64_t max_query_len, int64_t sliding_window) {
   check_attention_io(out, query, num_kv_heads);
   const int64_t num_seqs = check_query_start_loc(query_start_loc, query.device());
   const ContiguousKVShape cache = check_contiguous_common(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs);
   check_positive("max_query_len", max_query_len);
+  check_sliding_window(sliding_window);
   return cache;
 }
 

@@ -22,21 +22,26 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
                              const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                              const Addressing& addressing, const at::Tensor& seq_lens,
-                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes) {
+                             int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+                             int sliding_window) {
   check_addressing(op, addressing, seq_lens, shape, max_seq_len);
   const int64_t num_seqs = shape.num_tokens;
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const int bs = int(shape.block_size);
+  // Each sequence's keys: from the block holding its window's start to its end.
+  auto first_key = [&](int64_t s) { return block_start(window_start(lens[s] - 1, sliding_window), bs); };
 
   int64_t work = 0;  // query rows x key tokens of the whole call
-  for (int64_t s = 0; s < num_seqs; ++s) work += int64_t(lens[s]) * shape.num_heads;
+  for (int64_t s = 0; s < num_seqs; ++s) work += int64_t(lens[s] - first_key(s)) * shape.num_heads;
 
-  // Tasks (seq, kv_head), longest sequences first.
+  // Tasks (seq, kv_head), most keys first.
   std::vector<int64_t> order(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lens[a] - first_key(a) > lens[b] - first_key(b);
+  });
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
     const auto cache = make_cache<scalar_t>(key_cache, value_cache, addressing, shape);
@@ -45,7 +50,7 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
     // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
     auto keys_of = [&](int64_t i) {
       const int64_t seq = order[i / num_kv_heads];
-      return KeyRange{seq, int(i % num_kv_heads), 0, lens[seq]};
+      return KeyRange{seq, int(i % num_kv_heads), first_key(seq), lens[seq]};
     };
     run_tasks(num_seqs * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
       const KeyRange keys = keys_of(i);
@@ -53,8 +58,9 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
       const int kv_head = keys.kv_head;
       const int seq_len = keys.t_end;
       decode_rows(ws.rows, q, query.stride(0), seq, kv_head, group, head_size, float(scale), alibi,
-                  seq_len, seq_len);
-      attend(cache, seq, kv_head, 0, seq_len, following >= 0 ? keys_of(following) : KeyRange{}, ws);
+                  seq_len, seq_len, sliding_window);
+      attend(cache, seq, kv_head, keys.t_begin, seq_len,
+             following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
       for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
     }, work);
@@ -65,14 +71,14 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
   const char* op = "paged_attention_v1";
-  const PagedKVShape cache =
-      check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                               block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+  const PagedKVShape cache = check_paged_attention_v1(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+      max_seq_len, alibi_slopes, sliding_window);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
-                   block_tables, seq_lens, max_seq_len, alibi_slopes);
+                   block_tables, seq_lens, max_seq_len, alibi_slopes, int(sliding_window));
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -80,11 +86,11 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
   const char* op = "paged_attention_v2";
   const PagedKVShape cache = check_paged_attention_v2(
       out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
-      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes);
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   const int64_t num_seqs = shape.num_tokens, num_heads = shape.num_heads;
   // Each workspace tensor may hold more partitions than needed; index each by its own.
@@ -95,6 +101,13 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   const int group = int(num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const int window = int(sliding_window);
+  // Each sequence's keys start at the block holding its window's start; the
+  // partitions before that one are neither computed nor merged.
+  auto first_key = [&](int64_t s) {
+    return block_start(window_start(lens[s] - 1, window), int(shape.block_size));
+  };
+  auto first_partition = [&](int64_t s) { return first_key(s) / int(kPartitionSize); };
 
   // Tasks (seq, kv_head, partition) for the partitions that hold tokens. All
   // but each sequence's last are full, so the order hardly matters.
@@ -104,7 +117,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   };
   std::vector<Part> parts;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int p = 0; p < num_partitions(lens[s]); ++p) parts.push_back({s, p});
+    for (int p = first_partition(s); p < num_partitions(lens[s]); ++p) parts.push_back({s, p});
   }
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v2", [&] {
@@ -117,7 +130,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
     auto keys_of = [&](int64_t i) {
       const Part part = parts[i / num_kv_heads];
       const int t_begin = part.partition * int(kPartitionSize);
-      return KeyRange{part.seq, int(i % num_kv_heads), t_begin,
+      return KeyRange{part.seq, int(i % num_kv_heads), std::max(t_begin, first_key(part.seq)),
                       std::min<int>(lens[part.seq], t_begin + kPartitionSize)};
     };
     run_tasks(
@@ -127,7 +140,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
           const int kv_head = keys.kv_head;
           const int seq_len = lens[part.seq];
           decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size,
-                      float(scale), alibi, seq_len, keys.t_end);
+                      float(scale), alibi, seq_len, keys.t_end, window);
           attend(cache, part.seq, kv_head, keys.t_begin, keys.t_end,
                  following >= 0 ? keys_of(following) : KeyRange{}, ws);
           for (int g = 0; g < group; ++g) {
@@ -143,14 +156,15 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
     at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> merged(head_size);
       for (int64_t sh = begin; sh < end; ++sh) {
-        const int parts_here = num_partitions(lens[sh / num_heads]);
+        const int64_t seq = sh / num_heads;
+        const int first = first_partition(seq), parts_here = num_partitions(lens[seq]);
         const float* m = maxes + sh * maxes_parts;
         const float* l = sums + sh * sums_parts;
         float global_max = kNegInf;
-        for (int p = 0; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
+        for (int p = first; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
         std::fill(merged.begin(), merged.end(), 0.0f);
         float total = 0.0f;
-        for (int p = 0; p < parts_here; ++p) {
+        for (int p = first; p < parts_here; ++p) {
           const float w = l[p] * std::exp(m[p] - global_max);
           total += w;
           const scalar_t* src = partial + (sh * partial_parts + p) * head_size;
@@ -172,7 +186,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
                               const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                               const Addressing& addressing, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc,
-                              const std::optional<at::Tensor>& alibi_slopes) {
+                              const std::optional<at::Tensor>& alibi_slopes, int sliding_window) {
   const int64_t num_seqs = seq_lens.size(0);
   check_addressing(op, addressing, seq_lens, shape, std::numeric_limits<int32_t>::max());
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -188,12 +202,13 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int tile = std::max(1, kPrefillRowsPerTask / group);  // query tokens per task
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const int bs = int(shape.block_size);
 #ifdef __AVX512F__
   // float32, and bfloat16 with AVX512-BF16: query rows in lanes (see prefill_lanes).
   if (query.scalar_type() == at::kFloat) {
     const auto cache = make_cache<float>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(),
-                  shape.num_heads, num_seqs, lens, starts, float(scale), alibi);
+                  shape.num_heads, num_seqs, lens, starts, float(scale), alibi, sliding_window);
     return;
   }
 #endif
@@ -202,16 +217,18 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
     const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
                   out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
-                  float(scale), alibi);
+                  float(scale), alibi, sliding_window);
     return;
   }
 #endif
 
-  // Tasks (seq, kv_head, query tile), the most key positions first.
+  // Tasks (seq, kv_head, query tile), the most key positions first. A tile reads
+  // keys from the block holding its first row's window start to its last row.
   struct Tile {
     int64_t seq;
     int first;  // first query token of the tile, relative to the sequence's
     int count;
+    int first_key;
     int64_t cost;
   };
   std::vector<Tile> tiles;
@@ -219,8 +236,9 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
     const int q_len = starts[s + 1] - starts[s];
     for (int i = 0; i < q_len; i += tile) {
       const int count = std::min(tile, q_len - i);
-      const int last_pos = lens[s] - q_len + i + count - 1;
-      tiles.push_back({s, i, count, int64_t(last_pos + 1) * count});
+      const int first_pos = lens[s] - q_len + i, last_pos = first_pos + count - 1;
+      const int first_key = block_start(window_start(first_pos, sliding_window), bs);
+      tiles.push_back({s, i, count, first_key, int64_t(last_pos + 1 - first_key) * count});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(),
@@ -237,7 +255,8 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
     auto keys_of = [&](int64_t i) {
       const Tile& t = tiles[i / num_kv_heads];
       const int q_len = starts[t.seq + 1] - starts[t.seq];
-      return KeyRange{t.seq, int(i % num_kv_heads), 0, lens[t.seq] - q_len + t.first + t.count};
+      return KeyRange{t.seq, int(i % num_kv_heads), t.first_key,
+                      lens[t.seq] - q_len + t.first + t.count};
     };
     run_tasks(
         int64_t(tiles.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
@@ -256,10 +275,11 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
               rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
               rows.query_pos[r] = pos;
               rows.last_key[r] = pos;
+              rows.first_key[r] = window_start(pos, sliding_window);
               if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
             }
           }
-          attend(cache, t.seq, kv_head, 0, rows.last_key[rows.count - 1] + 1,
+          attend(cache, t.seq, kv_head, t.first_key, rows.last_key[rows.count - 1] + 1,
                  following >= 0 ? keys_of(following) : KeyRange{}, ws);
           for (int j = 0; j < t.count; ++j) {
             const int64_t token = starts[t.seq] + t.first + j;
@@ -274,14 +294,15 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t block_size,
-                             int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes) {
+                             int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,
+                             int64_t sliding_window) {
   const char* op = "paged_attention_prefill";
   const PagedKVShape cache = check_paged_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      query_start_loc, block_size, max_query_len, alibi_slopes);
+      query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
-                    block_tables, seq_lens, query_start_loc, alibi_slopes);
+                    block_tables, seq_lens, query_start_loc, alibi_slopes, int(sliding_window));
 }
 
 // ---------------------------------------------------------------------------
@@ -290,29 +311,31 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
 void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
-                                 const at::Tensor& seq_lens, int64_t max_seq_len) {
+                                 const at::Tensor& seq_lens, int64_t max_seq_len,
+                                 int64_t sliding_window) {
   const char* op = "contiguous_attention_decode";
-  const ContiguousKVShape cache = check_contiguous_attention_decode(
-      out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, max_seq_len);
+  const ContiguousKVShape cache =
+      check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
+                                        seq_slots, seq_lens, max_seq_len, sliding_window);
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                   seq_lens, max_seq_len, std::nullopt);
+                   seq_lens, max_seq_len, std::nullopt, int(sliding_window));
 }
 
 void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                  int64_t max_query_len) {
+                                  int64_t max_query_len, int64_t sliding_window) {
   const char* op = "contiguous_attention_prefill";
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-      query_start_loc, max_query_len);
+      query_start_loc, max_query_len, sliding_window);
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                    seq_lens, query_start_loc, std::nullopt);
+                    seq_lens, query_start_loc, std::nullopt, int(sliding_window));
 }
 
 }  // namespace pyllm::cpu

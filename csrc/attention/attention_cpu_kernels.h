@@ -27,9 +27,15 @@
 // Softmax and accumulation are float32; bf16/f16 are converted on load.
 //
 // Masking is by selection, never arithmetic: logits of keys a row may not see
-// (past its causal limit, or cache slots past the sequence end, which may hold
-// garbage including NaN) are replaced by -inf, and value lanes past the range
-// are replaced by zeros. A sequence with seq_len 0 gets zeros in out.
+// (past its causal limit, before its sliding window, or cache slots past the
+// sequence end, which may hold garbage including NaN) are replaced by -inf, and
+// value lanes past the range are replaced by zeros. A sequence with seq_len 0
+// gets zeros in out.
+//
+// Sliding window (sliding_window > 0): the query at position p sees keys
+// (p - sliding_window, p]. A task starts at the cache block holding its first
+// row's first key, so blocks wholly before every row's window are never read
+// (they may have been handed to another sequence).
 //
 // Memory: at long contexts decode reads each K/V byte once and does little
 // arithmetic per byte, so the aim is to stream the cache near the machine's
@@ -157,6 +163,7 @@ struct Rows {
   float scale = 1.0f;            // applied to q . k before the alibi bias
   std::vector<float> q_tiled;    // [count][D/x][64 bytes]: q's x-groups repeated (KeyOps)
   std::vector<int> last_key;     // [count] last key position the row attends (inclusive)
+  std::vector<int> first_key;    // [count] first key position it attends (its window's start)
   std::vector<int> query_pos;    // [count] position of the row's query token (for alibi)
   std::vector<float> alibi;      // [count] slope, or empty when there is no alibi
   std::vector<float> max_logit;  // [count] running max of the logits seen
@@ -169,6 +176,7 @@ struct Rows {
     scale = scale_;
     q_tiled.resize(size_t(rows) * (head_size / x) * kLanes);
     last_key.resize(rows);
+    first_key.assign(rows, 0);
     query_pos.resize(rows);
     alibi.resize(with_alibi ? rows : 0);
     max_logit.assign(rows, kNegInf);
@@ -277,7 +285,12 @@ void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset,
                        Vec16::iota() + Vec16::set1(float(first_pos - rows.query_pos[row])), logit);
     }
     const int visible = std::clamp(rows.last_key[row] - first_pos + 1, 0, kTokens);
-    logit.keep_first(visible, kNegInf).store(logits + size_t(row) * kLogitsStride + offset);
+    logit = logit.keep_first(visible, kNegInf);
+    const int before_window = rows.first_key[row] - first_pos;  // lanes below it are hidden
+    if (before_window > 0) {
+      logit = logit.keep_where_le(Vec16::set1(float(before_window)), Vec16::iota(), kNegInf);
+    }
+    logit.store(logits + size_t(row) * kLogitsStride + offset);
   }
 }
 
@@ -532,7 +545,7 @@ struct KeyRange {
   int t_end = 0;
 };
 
-// t_begin is a multiple of kPartitionSize; every row's last_key is < t_end.
+// t_begin is a multiple of the block size; every row's last_key is < t_end.
 // Memory: cache blocks are scattered, which defeats the hardware prefetcher at
 // every block, so the key pass prefetches the key block two ahead (to L1) and
 // the value block of the same position (to L2, for the value pass), and the
@@ -645,12 +658,20 @@ void run_tasks(int64_t num_tasks, const F& task, int64_t work = kMinParallelWork
 }
 
 
+// The first key position the query at query_pos sees (0 without a window).
+inline int window_start(int query_pos, int sliding_window) {
+  return sliding_window > 0 ? std::max(0, query_pos - sliding_window + 1) : 0;
+}
+
+// The cache block that holds key position `pos`, as its first token position.
+inline int block_start(int pos, int block_size) { return pos / block_size * block_size; }
+
 // Sets up the decode rows of (seq, kv_head): its group of query heads, all at
-// position seq_len - 1, limited to keys before t_end.
+// position seq_len - 1, limited to keys before t_end and within the window.
 template <typename scalar_t>
 void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t seq,
                  int kv_head, int group, int head_size, float scale, const float* alibi,
-                 int seq_len, int t_end) {
+                 int seq_len, int t_end, int sliding_window) {
   constexpr int X = PagedCache<scalar_t>::kX;
   rows.reset(group, head_size, X, scale, alibi != nullptr);
   const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
@@ -658,6 +679,7 @@ void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, 
     rows.set_query(g, q + g * head_size);
     rows.query_pos[g] = seq_len - 1;
     rows.last_key[g] = std::min(seq_len, t_end) - 1;
+    rows.first_key[g] = window_start(seq_len - 1, sliding_window);
     if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
   }
 }

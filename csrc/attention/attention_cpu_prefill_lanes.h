@@ -27,8 +27,9 @@ namespace {
 //   2. online softmax per lane, in base 2 (logits times scale * log2 e): the
 //      tile's max and sum are plain vector ops over the 16 tokens (no
 //      horizontal reductions), with causal masking by selection (key position
-//      <= the lane's query position) on the tiles that cross a row's limit.
-//      Tiles past every row's limit are never read.
+//      <= the lane's query position, and with a sliding window > the query
+//      position - window) on the tiles that cross a row's limit. Tiles past
+//      every row's limit, or wholly before every row's window, are never read.
 //   3. values: p is made words of the dtype (bf16: tokens 2i, 2i + 1 rounded
 //      and paired) and meets the value block's words ([D, block_size]: bf16
 //      (v[2i][d], v[2i + 1][d]), or v[i][d]) broadcast per head dimension,
@@ -171,17 +172,29 @@ inline void pv_tile(const TileAddress<T>& at, const Vec16 (&p)[RV][kKeyTile],
 template <int RV>
 struct LaneRowsState {
   Vec16 query_pos[RV];  // position of each lane's query token (padding lanes: the last row's)
+  Vec16 first_key[RV];  // the first key position each lane sees (its window's start)
   Vec16 slope[RV];      // alibi slopes times log2(e) (zero without alibi)
   Vec16 max_logit[RV];  // in base 2: logit * log2(e)
   Vec16 exp_sum[RV];
 };
 
-// Attends the task's rows to keys [0, last_key] of (seq, kv_head); first_pos is
-// the smallest query position of the rows (tiles wholly at or before it need no mask).
+// The keys a lane-row task reads: [first_key, last_key] of (seq, kv_head).
+// first_pos is the smallest query position of the rows (tiles wholly at or
+// before it need no causal mask); with a sliding window, tiles that start
+// before last_first_key (the last row's window start) need the window's mask.
+struct LaneKeys {
+  int first_key;
+  int last_key;
+  int first_pos;
+  int last_first_key;
+};
+
+// Attends the task's rows to their keys (see LaneKeys) of (seq, kv_head).
 template <typename T, int RV>
-void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int first_pos,
-                  int last_key, float scale, bool with_alibi, LaneRowsState<RV>& st,
+void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, const LaneKeys& keys,
+                  float scale, bool with_alibi, bool windowed, LaneRowsState<RV>& st,
                   LaneWorkspace<T>& ws) {
+  const int last_key = keys.last_key;
   constexpr int X = PagedCache<T>::kX;
   const int bs = cache.block_size, D = cache.head_size;
   for (int r = 0; r < RV; ++r) {
@@ -197,9 +210,12 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
   };
   constexpr float kLog2e = 1.44269504f;
   const Vec16 vscale = Vec16::set1(scale * kLog2e);
-  for (int t0 = 0; t0 <= last_key; t0 += kKeyTile) {
+  for (int t0 = keys.first_key / kKeyTile * kKeyTile; t0 <= last_key; t0 += kKeyTile) {
     TileAddress<T> at;
-    if (t0 + kKeyTile - 1 <= last_key) {
+    // A half wholly before every row's window may sit in a block the sequence
+    // no longer owns: it is never looked up (the copy below zeroes it).
+    const bool first_half_unseen = t0 + kHalfTile <= keys.first_key;
+    if (t0 + kKeyTile - 1 <= last_key && !first_half_unseen) {
       for (int h = 0; h < 2; ++h) {
         at.key[h] = key_token(t0 + h * kHalfTile);
         at.value[h] = value_token(t0 + h * kHalfTile);
@@ -207,14 +223,16 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
       at.key_stride = int64_t(bs) * X;
       at.value_stride = bs;
     } else {
-      // The last tile: copy the tokens up to last_key, zeros after, with masked
-      // loads (masked-off elements are neither read nor faulted on). A half
-      // with no such token is all zeros and its block is not looked up: it may
-      // lie past the sequence's blocks.
+      // The last tile (or a first one that starts before the windows): copy the
+      // tokens up to last_key, zeros after, with masked loads (masked-off
+      // elements are neither read nor faulted on). A half with no such token is
+      // all zeros and its block is not looked up: it may lie past the
+      // sequence's blocks, or before its window.
       T* kt = ws.key_tile.data();
       T* vt = ws.value_tile.data();
       for (int h = 0; h < 2; ++h) {
-        const int n = std::clamp(last_key - t0 - h * kHalfTile + 1, 0, kHalfTile);
+        const bool unseen = h == 0 && first_half_unseen;
+        const int n = unseen ? 0 : std::clamp(last_key - t0 - h * kHalfTile + 1, 0, kHalfTile);
         const T* k = nullptr;
         const T* v = nullptr;
         if (n > 0) {
@@ -256,8 +274,9 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
 
     // 2. online softmax in base 2 (scale * log2(e) folded into the logits, so
     // exp(logit - max) is one exp2); key token t0 + i is visible to a lane iff
-    // t0 + i <= its query_pos.
-    const bool masked = t0 + kKeyTile - 1 > first_pos;
+    // first_key <= t0 + i <= its query_pos.
+    const bool masked = t0 + kKeyTile - 1 > keys.first_pos;
+    const bool window_masked = windowed && t0 < keys.last_first_key;
     Vec16 alpha[RV];
     for (int r = 0; r < RV; ++r) {
       Vec16 tile_max = st.max_logit[r];
@@ -266,16 +285,23 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
         const Vec16 key_pos = Vec16::set1(float(t0 + i));
         if (with_alibi) x = Vec16::fmadd(st.slope[r], key_pos - st.query_pos[r], x);
         if (masked) x = x.keep_where_le(key_pos, st.query_pos[r], kNegInf);
+        if (window_masked) x = x.keep_where_le(st.first_key[r], key_pos, kNegInf);
         s[r][i] = x;
         tile_max = Vec16::max(tile_max, x);
       }
-      // Every lane sees key 0, so max_logit is finite from the first tile on and
-      // alpha = 2^-inf = 0 there.
-      alpha[r] = (st.max_logit[r] - tile_max).exp2_nonpositive();
+      // Without a window every lane sees the first tile's key 0, so max_logit is
+      // finite from the first tile on and alpha = 2^-inf = 0 there. With one, a
+      // lane may see nothing yet (max -inf): it shifts by 0, so its alpha and
+      // weights are 2^-inf = 0 rather than NaN.
+      const Vec16 shift =
+          windowed ? tile_max.keep_where_le(Vec16::set1(-std::numeric_limits<float>::max()),
+                                            tile_max, 0.0f)
+                   : tile_max;
+      alpha[r] = (st.max_logit[r] - shift).exp2_nonpositive();
       st.max_logit[r] = tile_max;
       Vec16 sum = Vec16::zero();
       for (int i = 0; i < kKeyTile; ++i) {
-        s[r][i] = (s[r][i] - tile_max).exp2_nonpositive();
+        s[r][i] = (s[r][i] - shift).exp2_nonpositive();
         sum = sum + s[r][i];
       }
       st.exp_sum[r] = Vec16::fmadd(st.exp_sum[r], alpha[r], sum);
@@ -291,7 +317,7 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, int firs
 template <typename T>
 void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride, T* out,
                    int64_t num_heads, int64_t num_seqs, const int32_t* lens, const int32_t* starts,
-                   float scale, const float* alibi) {
+                   float scale, const float* alibi, int sliding_window) {
   const int num_kv_heads = cache.num_kv_heads, D = cache.head_size;
   const int group = int(num_heads / num_kv_heads);
   struct Task {
@@ -307,8 +333,10 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     const int rows = q_len * group;
     for (int r = 0; r < rows; r += kLaneRows) {
       const int count = std::min(kLaneRows, rows - r);
+      const int first_pos = lens[s] - q_len + r / group;
       const int last_pos = lens[s] - q_len + (r + count - 1) / group;
-      tasks.push_back({s, r, count, int64_t(last_pos + 1) * count});
+      const int first_key = window_start(first_pos, sliding_window);
+      tasks.push_back({s, r, count, int64_t(last_pos + 1 - first_key) * count});
       work += tasks.back().cost;
     }
   }
@@ -322,11 +350,12 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     const int pos0 = lens[t.seq] - q_len;  // position of query token 0
     ws.reset(D, RV);
     LaneRowsState<RV> st;
-    alignas(64) float qpos[RV * kLanes], slope[RV * kLanes];
+    alignas(64) float qpos[RV * kLanes], first_key[RV * kLanes], slope[RV * kLanes];
     for (int lane = 0; lane < RV * kLanes; ++lane) {
       const int row = t.first_row + std::min(lane, t.count - 1);  // padding: repeat the last row
       const int token = row / group, g = row % group;
       qpos[lane] = float(pos0 + token);
+      first_key[lane] = float(window_start(pos0 + token, sliding_window));
       slope[lane] = alibi ? alibi[kv_head * group + g] * 1.44269504f : 0.0f;  // base 2
     }
     // Query words: 16 rows' words at a time, transposed to a row per lane
@@ -358,11 +387,16 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     }
     for (int r = 0; r < RV; ++r) {
       st.query_pos[r] = Vec16::load(qpos + r * kLanes);
+      st.first_key[r] = Vec16::load(first_key + r * kLanes);
       st.slope[r] = Vec16::load(slope + r * kLanes);
     }
-    const int first_pos = pos0 + t.first_row / group;
-    const int last_key = pos0 + (t.first_row + t.count - 1) / group;
-    attend_lanes<T, RV>(cache, t.seq, kv_head, first_pos, last_key, scale, alibi != nullptr, st, ws);
+    LaneKeys keys;
+    keys.first_pos = pos0 + t.first_row / group;
+    keys.last_key = pos0 + (t.first_row + t.count - 1) / group;
+    keys.first_key = window_start(keys.first_pos, sliding_window);
+    keys.last_first_key = window_start(keys.last_key, sliding_window);
+    attend_lanes<T, RV>(cache, t.seq, kv_head, keys, scale, alibi != nullptr, sliding_window > 0,
+                        st, ws);
     // Normalize, make words of the dtype (bf16: dims 2j, 2j + 1 of a lane's row
     // in one word) and transpose 16 rows' words at a time back to rows.
     for (int r = 0; r < RV; ++r) {

@@ -51,7 +51,13 @@ struct DecodeParams {
   float scale;
   int partition_size;  // tokens per partition (a multiple of block_size); 0: whole sequence
   int max_partitions;  // exp_sums/max_logits/tmp_out's partition dimension
+  int sliding_window;  // 0: none; else the query sees the last sliding_window positions
 };
+
+// The first key position a decode query sees: the start of its sliding window.
+__device__ __forceinline__ int decode_window_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 ? max(0, seq_len - sliding_window) : 0;
+}
 
 // Compile-time shape of the per-lane work for one (dtype, head size, block size).
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
@@ -98,8 +104,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     return;
   }
+  // v2: a partition wholly before the window is skipped here and by the reduce.
+  const int window_start = decode_window_start(seq_len, p.sliding_window);
+  if (partitioned && part_start + p.partition_size <= window_start) return;
   const int part_end = partitioned ? min(seq_len, part_start + p.partition_size) : seq_len;
-  const int first_block = part_start / BLOCK_SIZE;
+  // Blocks wholly before the window are never read (they may be another sequence's).
+  const int first_block = max(part_start, window_start) / BLOCK_SIZE;
   const int end_block = (part_end + BLOCK_SIZE - 1) / BLOCK_SIZE;
 
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
@@ -199,22 +209,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
 
     // Sum over the group lanes (lane bits 3 and 4), mask tokens outside the
-    // partition, and take the block's max over the token lanes (bits 0..2).
+    // partition and the window, and take the block's max over the token lanes
+    // (bits 0..2).
     float block_max = -INFINITY;
 #pragma unroll
     for (int j = 0; j < S::kTokensPerLane; ++j) {
       logit[j] += __shfl_xor_sync(0xffffffffu, logit[j], 8);
       logit[j] += __shfl_xor_sync(0xffffffffu, logit[j], 16);
       const int pos = block_start + token_lane + kTokenLanes * j;
-      logit[j] = pos < part_end ? logit[j] + alibi_slope * static_cast<float>(pos - query_pos)
-                                : -INFINITY;
+      logit[j] = pos < part_end && pos >= window_start
+                     ? logit[j] + alibi_slope * static_cast<float>(pos - query_pos)
+                     : -INFINITY;
       block_max = fmaxf(block_max, logit[j]);
     }
 #pragma unroll
     for (int mask = 1; mask < kTokenLanes; mask <<= 1) {
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, mask));
     }
-    // The block's first token is always inside the partition, so m_new is finite.
+    // Every block read holds a visible token (the first one the window's start),
+    // so m_new is finite.
     const float m_new = fmaxf(m, block_max);
     const float correction = __expf(m - m_new);  // 0 on the first block (m = -inf)
     float block_sum = 0.f;
@@ -326,7 +339,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                                   const float* __restrict__ max_logits,
                                   const T* __restrict__ tmp_out, const int* __restrict__ seq_lens,
                                   int head_size, int partition_size, int num_partitions,
-                                  int max_partitions) {
+                                  int max_partitions, int sliding_window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int64_t row = static_cast<int64_t>(seq) * gridDim.x + head;
@@ -334,23 +347,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // Clamped to the partitions the first kernel computed (seq_lens beyond
   // max_seq_len are a caller error; this keeps them inside the workspace).
   const int parts = min(num_partitions, (seq_lens[seq] + partition_size - 1) / partition_size);
+  // Partitions wholly before the sliding window were not computed.
+  const int first = decode_window_start(seq_lens[seq], sliding_window) / partition_size;
   const float* sums = exp_sums + row * max_partitions;
   const float* maxes = max_logits + row * max_partitions;
   const T* partial = tmp_out + row * max_partitions * head_size;
 
-  if (parts <= 1) {
+  if (parts - first <= 1) {
     // Zero partitions: empty sequence. One: the partition's output is the answer.
     for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
-      out_row[d] = parts == 1 ? partial[d] : from_float<T>(0.f);
+      out_row[d] = parts - first == 1 ? partial[static_cast<int64_t>(first) * head_size + d]
+                                      : from_float<T>(0.f);
     }
     return;
   }
   float total_max = -INFINITY;
-  for (int i = 0; i < parts; ++i) total_max = fmaxf(total_max, maxes[i]);
+  for (int i = first; i < parts; ++i) total_max = fmaxf(total_max, maxes[i]);
   for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
     float total_sum = 0.f;
     float o = 0.f;
-    for (int i = 0; i < parts; ++i) {
+    for (int i = first; i < parts; ++i) {
       const float w = sums[i] * __expf(maxes[i] - total_max);
       total_sum += w;
       o += w * to_float(partial[static_cast<int64_t>(i) * head_size + d]);

@@ -22,9 +22,6 @@
 //       decode kernel issues one iteration early because later loads depend on it.
 // This shape keeps the paged kernels computing the expressions they computed
 // before the contiguous layout existed.
-//
-// UNVERIFIED ON A GPU: the contiguous addressing was compiled, never run, on a
-// machine without one.
 #pragma once
 
 #include <cstdint>

@@ -42,6 +42,7 @@ struct PrefillParams {
   int num_kv_heads;
   int block_size;  // tokens per block (kTokenTile for the contiguous layout)
   float scale;
+  int sliding_window;  // 0: none; else a query sees the last sliding_window positions
 };
 
 // Shared memory of one block, in floats. Key rows are padded by 4 floats so
@@ -126,8 +127,12 @@ __global__ void __launch_bounds__(kPrefillThreads)
   const int context = seq_len - q_len;
   const int row0 = tile.y * kQueryTile;
   const int rows = min(kQueryTile, q_len - row0);
-  // The tile's last query attends to keys [0, kv_end).
+  // The tile's last query attends to keys before kv_end, its first one to keys
+  // from kv_begin on (its sliding window's start). Keys before kv_begin are never
+  // read: their blocks may be another sequence's.
   const int kv_end = context + row0 + rows;
+  const int window = p.sliding_window;
+  const int kv_begin = window > 0 ? max(0, context + row0 - window + 1) : 0;
 
   const int tid = threadIdx.x;
   const int row = tid / kRowLanes;
@@ -173,7 +178,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
     for (int e = 0; e < 4; ++e) acc[k][e] = 0.f;
   }
 
-  for (int kt0 = 0; kt0 < kv_end; kt0 += kKeyTile) {
+  for (int kt0 = kv_begin / kKeyTile * kKeyTile; kt0 < kv_end; kt0 += kKeyTile) {
     __syncthreads();  // the previous tile's readers are done (and q_tile is written)
 
     // Gather the key tile: chunk (g, t) is x-group g of token kt0 + t; consecutive
@@ -183,7 +188,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int g = c / kKeyTile;
       const int pos = kt0 + t;
       float k[X];
-      if (pos < kv_end) {
+      if (pos < kv_end && pos >= kv_begin) {
         const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
         load16_as_float(k_head + p.kv.key_step(ref) + (g * p.block_size + offset) * X, k);
@@ -196,20 +201,20 @@ __global__ void __launch_bounds__(kPrefillThreads)
     }
     // Gather the value tile, transposed to [token][dim]: chunk (d, tc) holds X
     // consecutive tokens of dimension d, all in one cache block (X divides
-    // block_size, and kt0 is a multiple of kKeyTile). Tokens at or past kv_end
-    // become 0: unwritten slots may hold NaN bits.
+    // block_size, and kt0 is a multiple of kKeyTile). Tokens outside [kv_begin,
+    // kv_end) become 0: unwritten slots may hold NaN bits.
     constexpr int kChunksPerDim = kKeyTile / X;
     for (int c = tid; c < HEAD_SIZE * kChunksPerDim; c += kPrefillThreads) {
       const int tc = c % kChunksPerDim;
       const int d = c / kChunksPerDim;
       const int pos = kt0 + tc * X;
       float v[X];
-      if (pos < kv_end) {
+      if (pos < kv_end && pos + X > kv_begin) {
         const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
         load16_as_float(v_head + p.kv.value_step(ref) + d * p.block_size + offset, v);
 #pragma unroll
-        for (int e = 0; e < X; ++e) v[e] = pos + e < kv_end ? v[e] : 0.f;
+        for (int e = 0; e < X; ++e) v[e] = pos + e < kv_end && pos + e >= kv_begin ? v[e] : 0.f;
       } else {
 #pragma unroll
         for (int e = 0; e < X; ++e) v[e] = 0.f;
@@ -237,13 +242,14 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
     }
     // Causal mask: key positions up to the query's own (which also bounds them
-    // by kv_end); alibi adds slope * (key_pos - query_pos) <= 0.
+    // by kv_end), and within its window; alibi adds slope * (key_pos - query_pos) <= 0.
     const int pos0 = kt0 + col;
     const int pos1 = kt0 + col + kRowLanes;
-    s0 = row_valid && pos0 <= query_pos
+    const int row_first = window > 0 ? query_pos - window + 1 : 0;
+    s0 = row_valid && pos0 <= query_pos && pos0 >= row_first
              ? s0 + alibi_slope * static_cast<float>(pos0 - query_pos)
              : -INFINITY;
-    s1 = row_valid && pos1 <= query_pos
+    s1 = row_valid && pos1 <= query_pos && pos1 >= row_first
              ? s1 + alibi_slope * static_cast<float>(pos1 - query_pos)
              : -INFINITY;
 

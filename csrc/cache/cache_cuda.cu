@@ -1,9 +1,6 @@
 // CUDA cache ops: write new keys/values into the paged cache or the contiguous
 // arena views, copy blocks within each layer's cache (copy-on-write), and swap
 // blocks between devices.
-//
-// write_kv_contiguous is UNVERIFIED ON A GPU: compiled and linked on a machine
-// without one, never run.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>

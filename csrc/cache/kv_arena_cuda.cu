@@ -7,8 +7,6 @@
 // on libcuda.so (absent on build machines without a GPU) and does not rely on the
 // layout of torch's internal c10::cuda::DriverAPI struct, which changes between
 // torch releases.
-//
-// UNVERIFIED ON A GPU: written and compiled on a machine without one.
 #include <cuda.h>
 #include <cuda_runtime.h>
 

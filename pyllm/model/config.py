@@ -64,6 +64,14 @@ class ModelConfig:
     # Added to every RMSNorm weight at load: HF's Gemma stores w for a scale of 1 + w.
     norm_weight_offset: float = 0.0
 
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: it attends to the whole sequence)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -311,27 +319,13 @@ def _gguf_rope_scaling(
 
 
 def resolve_max_model_len(config: ModelConfig, asked: int | None) -> int:
-    """asked, or the model's context by default. The attention kernels have no window
-    yet, so a model with sliding-window layers runs within its window, where every
-    layer sees the whole sequence and the result is exact."""
+    """asked, or the model's context by default."""
     limit = config.max_position_embeddings
     if asked is not None and not 1 <= asked <= limit:
         raise ValueError(
             f"max_model_len must lie in [1, {limit}] (max_position_embeddings), got {asked}"
         )
-    window = config.sliding_window
-    windowed = window is not None and (
-        not config.layer_types or "sliding_attention" in config.layer_types
-    )
-    if not windowed or window >= limit:
-        return asked or limit
-    if asked is not None and asked > window:
-        raise NotImplementedError(
-            f"max_model_len {asked} exceeds sliding_window={window} ({config.source}); "
-            "sliding-window attention is not implemented, so such a model runs with "
-            f"max_model_len <= {window}"
-        )
-    return asked or window
+    return asked or limit
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:

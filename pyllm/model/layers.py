@@ -434,10 +434,12 @@ class Attention(nn.Module):
 
     The projection's output row is [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]; rotary and the
     cache write work in place on row views of it, so q, k and v are never copied.
+    With sliding_window set, each query sees only the last sliding_window positions.
     """
 
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, dtype, device, sliding_window: int | None = None):
         super().__init__()
+        self.sliding_window = sliding_window or 0
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -487,14 +489,14 @@ class Attention(nn.Module):
             _C.paged_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                block_size, meta.max_query_len, None,
+                block_size, meta.max_query_len, None, self.sliding_window,
             )  # fmt: skip
         if P < T:
             if v2_workspace is None:
                 _C.paged_attention_v1(
                     out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                     meta.decode_block_tables, meta.decode_seq_lens, block_size,
-                    meta.max_decode_seq_len, None,
+                    meta.max_decode_seq_len, None, self.sliding_window,
                 )  # fmt: skip
             else:
                 exp_sums, max_logits, tmp_out = v2_workspace
@@ -502,6 +504,7 @@ class Attention(nn.Module):
                     out[P:], exp_sums, max_logits, tmp_out, q[P:], key_cache, value_cache,
                     self.num_kv_heads, self.scale, meta.decode_block_tables,
                     meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
+                    self.sliding_window,
                 )  # fmt: skip
         return self.o_proj(out.view(T, self.q_size))
 
@@ -518,12 +521,13 @@ class Attention(nn.Module):
             _C.contiguous_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len,
+                meta.max_query_len, self.sliding_window,
             )  # fmt: skip
         if P < T:
             _C.contiguous_attention_decode(
                 out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
+                self.sliding_window,
             )  # fmt: skip
 
 

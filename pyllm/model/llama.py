@@ -49,10 +49,10 @@ def input_norm(norm: RMSNorm, hidden, residual):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, dtype, device, sliding_window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device)
+        self.self_attn = Attention(config, dtype, device, sliding_window)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
@@ -77,7 +77,8 @@ class LlamaModel(nn.Module):
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
         self.embed_tokens.qpart: QuantPart | None = None
         self.layers = nn.ModuleList(
-            layer_cls(config, dtype, device) for _ in range(config.num_hidden_layers)
+            layer_cls(config, dtype, device, config.layer_window(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 

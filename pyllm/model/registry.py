@@ -125,6 +125,12 @@ def _qwen3_gguf(key: Callable[..., Any], meta: dict[str, Any]) -> Fields:
     return {"qk_norm": True}
 
 
+def _phi3_gguf(key: Callable[..., Any], meta: dict[str, Any]) -> Fields:
+    # llama.cpp's converter keeps the checkpoint's window (2047 for Phi-3-mini-4k).
+    window = meta.get("phi3.attention.sliding_window")
+    return {"sliding_window": int(window) if window else None}
+
+
 _LLAMA = "pyllm.model.llama:LlamaForCausalLM"
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -134,7 +140,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _LLAMA, _qwen2_hf),
         Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _LLAMA, _qwen3_hf, _qwen3_gguf),
         # Phi-3: q/k/v and gate/up already fused in the checkpoint, LongRoPE.
-        Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _LLAMA, _llama_hf),
+        Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _LLAMA, _llama_hf, _phi3_gguf),
         Family(
             "gemma3",
             ("Gemma3ForCausalLM",),

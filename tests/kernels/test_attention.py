@@ -47,11 +47,13 @@ def reference_attention(
     positions: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention in float64 for one sequence.
 
     query [n, Hq, D] at key positions `positions` [n]; keys/values [L, Hkv, D] at
-    positions 0..L-1. Query i attends to keys at positions <= positions[i].
+    positions 0..L-1. Query i attends to keys at positions <= positions[i], and with a
+    sliding window to those > positions[i] - sliding_window.
     """
     num_heads = query.shape[1]
     if keys.shape[0] == 0:
@@ -66,23 +68,32 @@ def reference_attention(
     if alibi_slopes is not None:
         distance = (key_pos[None, :] - query_pos[:, None]).double()
         scores = scores + alibi_slopes.double()[:, None, None] * distance[None]
-    scores = scores.masked_fill((key_pos[None, :] > query_pos[:, None])[None], float("-inf"))
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if sliding_window:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - sliding_window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def reference_decode(query, kv: PagedKV, scale, alibi_slopes=None) -> torch.Tensor:
+def reference_decode(query, kv: PagedKV, scale, alibi_slopes=None, window=None) -> torch.Tensor:
     outs = []
     for s, n in enumerate(kv.seq_lens.tolist()):
         positions = torch.tensor([n - 1])
         outs.append(
             reference_attention(
-                query[s : s + 1], kv.keys[s], kv.values[s], positions, scale, alibi_slopes
-            )
+                query[s : s + 1],
+                kv.keys[s],
+                kv.values[s],
+                positions,
+                scale,
+                alibi_slopes,
+                window,
+            )  # fmt: skip
         )
     return torch.cat(outs)
 
 
-def reference_prefill(query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=None):
+def reference_prefill(query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=None, window=None):
     """Query tokens of sequence s are its last q_lens[s] tokens among its first
     seq_lens[s]; keys beyond seq_lens[s] (later chunks already in the cache) are unseen."""
     outs, start = [], 0
@@ -96,6 +107,7 @@ def reference_prefill(query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=
                 positions,
                 scale,
                 alibi_slopes,
+                window,
             )
         )
         start += q_len
@@ -120,6 +132,18 @@ def poison_unowned_slots(kv: PagedKV) -> None:
     kv.value_cache.masked_fill_(unowned[:, None, None, :], float("nan"))
 
 
+def poison_blocks_before_window(kv: PagedKV, first_positions, window) -> None:
+    """Sets to NaN each sequence's cache blocks that hold no key of any query's window
+    (the first query, at first_positions[s], has the earliest window): a kernel must
+    not read them, as they may belong to another sequence by then."""
+    block_size = kv.value_cache.shape[3]
+    tables = kv.block_tables.cpu().long()
+    for s, first in enumerate(first_positions):
+        for b in range(max(0, first - window + 1) // block_size):
+            kv.key_cache[tables[s, b]] = float("nan")
+            kv.value_cache[tables[s, b]] = float("nan")
+
+
 def random_query(num_tokens, num_heads, head_size, dtype, device, strided=False):
     """[num_tokens, num_heads, head_size]; with strided=True a row view of a wider fused
     qkv tensor, as a model's attention layer passes it."""
@@ -136,19 +160,19 @@ def random_alibi(num_heads, device):
     return (-torch.rand(num_heads, dtype=torch.float32) * 0.5).to(device)
 
 
-def run_v1(query, kv, num_kv_heads, scale, alibi_slopes=None):
+def run_v1(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None):
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
     max_seq_len = max(max(kv.seq_lens.tolist(), default=1), 1)
     with kernel_threads():
         ops.paged_attention_v1(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
-            kv.seq_lens, block_size, max_seq_len, alibi_slopes,
+            kv.seq_lens, block_size, max_seq_len, alibi_slopes, window,
         )  # fmt: skip
     return out
 
 
-def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None):
+def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None):
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
     max_seq_len = max(max(kv.seq_lens.tolist(), default=1), 1)
@@ -159,12 +183,12 @@ def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None):
         ops.paged_attention_v2(
             out, exp_sums, max_logits, tmp_out, query, kv.key_cache, kv.value_cache,
             num_kv_heads, scale, kv.block_tables, kv.seq_lens, block_size, max_seq_len,
-            alibi_slopes,
+            alibi_slopes, window,
         )  # fmt: skip
     return out
 
 
-def run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=None):
+def run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=None, window=None):
     device = query.device
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
@@ -173,24 +197,26 @@ def run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=N
         ops.paged_attention_prefill(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
             torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc.to(device),
-            block_size, max(max(q_lens, default=1), 1), alibi_slopes,
+            block_size, max(max(q_lens, default=1), 1), alibi_slopes, window,
         )  # fmt: skip
     return out
 
 
 def check_decode(
     seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
-    alibi=False, strided=False,
+    alibi=False, strided=False, window=None,
 ):  # fmt: skip
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, device)
     poison_unowned_slots(kv)
+    if window:
+        poison_blocks_before_window(kv, [n - 1 for n in seq_lens], window)
     query = random_query(len(seq_lens), num_heads, head_size, dtype, device, strided)
     scale = 1.0 / math.sqrt(head_size)
     slopes = random_alibi(num_heads, device) if alibi else None
-    expected = reference_decode(query, kv, scale, slopes)
-    out_v1 = run_v1(query, kv, num_kv_heads, scale, slopes)
+    expected = reference_decode(query, kv, scale, slopes, window)
+    out_v1 = run_v1(query, kv, num_kv_heads, scale, slopes, window)
     assert_close(out_v1, expected, dtype)
-    out_v2 = run_v2(query, kv, num_kv_heads, scale, slopes)
+    out_v2 = run_v2(query, kv, num_kv_heads, scale, slopes, window)
     assert_close(out_v2, expected, dtype)
     # v2 rounds each partition's result to the dtype before merging; with one
     # partition it must match v1 exactly, with more within the dtype's tolerance.
@@ -199,18 +225,21 @@ def check_decode(
 
 def check_prefill(
     seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
-    alibi=False, strided=False, cache_lens=None,
+    alibi=False, strided=False, cache_lens=None, window=None,
 ):  # fmt: skip
     """cache_lens: tokens written to the cache per sequence (>= seq_lens; the extra
     tokens stand for later chunks and must stay unseen)."""
     cache_lens = cache_lens or seq_lens
     kv = make_paged_kv(cache_lens, num_kv_heads, head_size, block_size, dtype, device)
     poison_unowned_slots(kv)
+    if window:
+        first_positions = [n - q for n, q in zip(seq_lens, q_lens, strict=True)]
+        poison_blocks_before_window(kv, first_positions, window)
     query = random_query(sum(q_lens), num_heads, head_size, dtype, device, strided)
     scale = 1.0 / math.sqrt(head_size)
     slopes = random_alibi(num_heads, device) if alibi else None
-    expected = reference_prefill(query, kv, seq_lens, q_lens, scale, slopes)
-    out = run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, slopes)
+    expected = reference_prefill(query, kv, seq_lens, q_lens, scale, slopes, window)
+    out = run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, slopes, window)
     assert_close(out, expected, dtype)
 
 
@@ -420,3 +449,75 @@ def test_prefill_sequence_without_new_tokens(dtype, device):
 def test_prefill_unseen_later_tokens(dtype, device):
     """Tokens cached beyond seq_lens (a later chunk written early) stay unseen."""
     check_prefill([20, 100], [20, 30], 8, 2, 64, 16, dtype, device, cache_lens=[64, 180])
+
+
+# ---------------------------------------------------------------------------
+# Sliding window.
+
+
+def window_sizes(block_size: int) -> list[int]:
+    """A window of one token, one smaller than a block, one a few blocks long, and one
+    wider than a v2 partition (partitions wholly before it are skipped)."""
+    return [1, block_size // 2 + 1, 3 * block_size + 5, PARTITION + 40]
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_sliding_window(dtype, block_size, device):
+    """v1 and v2 see only the last `window` positions; the blocks wholly before each
+    window hold NaN, so a kernel that reads them fails."""
+    seq_lens = [1, 7, 2 * block_size, 5 * block_size + 3, 2 * PARTITION + block_size + 3]
+    for window in window_sizes(block_size):
+        check_decode(seq_lens, 8, 2, 64, block_size, dtype, device, window=window)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_sliding_window_heads_and_alibi(dtype, device):
+    for (num_heads, num_kv_heads), head_size in [((12, 1), 128), ((4, 4), 80)]:
+        check_decode([3, 300, 1100], num_heads, num_kv_heads, head_size, 16, dtype, device,
+                     alibi=True, window=37)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize(
+    "heads", [(8, 2, 64), (12, 1, 128)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}"
+)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_sliding_window(dtype, block_size, heads, device):
+    """Prompts, a prefix-cache continuation and a long prompt, each query seeing only
+    its own window; blocks before every window of a sequence hold NaN."""
+    num_heads, num_kv_heads, head_size = heads
+    seq_lens = [1, 19, 2 * block_size, block_size + 29, 700]
+    q_lens = [1, 19, 2 * block_size, 21, 700]
+    for window in window_sizes(block_size):
+        check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
+                      device, window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("window", [5, 100])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_sliding_window_chunked(dtype, window, device):
+    """A prompt fed in chunks larger than the window gives the whole prompt's outputs;
+    before each chunk, the blocks outside its first query's window become NaN."""
+    num_heads, num_kv_heads, head_size, block_size = 8, 2, 64, 16
+    prompt_len, chunks = 600, [250, 300, 50]
+    kv = make_paged_kv([prompt_len], num_kv_heads, head_size, block_size, dtype, device)
+    scale = 1.0 / math.sqrt(head_size)
+    query = random_query(prompt_len, num_heads, head_size, dtype, device)
+    expected = reference_prefill(query, kv, [prompt_len], [prompt_len], scale, window=window)
+    full = run_prefill(query, kv, num_kv_heads, scale, [prompt_len], [prompt_len], window=window)
+    assert_close(full, expected, dtype)
+    done, outputs = 0, []
+    for n in chunks:
+        poison_blocks_before_window(kv, [done], window)
+        outputs.append(
+            run_prefill(
+                query[done : done + n], kv, num_kv_heads, scale, [done + n], [n], window=window
+            )  # fmt: skip
+        )
+        done += n
+    assert_close(torch.cat(outputs), expected, dtype)

@@ -58,9 +58,10 @@ _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 # References and helpers (plain PyTorch).
 
 
-def reference_attention(query, keys, values, positions, scale):
+def reference_attention(query, keys, values, positions, scale, window=None):
     """Causal attention in float64 for one sequence: query [n, Hq, D] at `positions`,
-    keys/values [L, Hkv, D] at positions 0..L-1."""
+    keys/values [L, Hkv, D] at positions 0..L-1; with a window, only keys at positions
+    > position - window."""
     if keys.shape[0] == 0:
         return torch.zeros(query.shape, dtype=torch.float64)
     group = query.shape[1] // keys.shape[1]
@@ -68,7 +69,10 @@ def reference_attention(query, keys, values, positions, scale):
     k = keys.double().cpu().repeat_interleave(group, dim=1)
     v = values.double().cpu().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    hidden = torch.arange(keys.shape[0])[None, :] > positions.cpu()[:, None]
+    key_pos, query_pos = torch.arange(keys.shape[0])[None, :], positions.cpu()[:, None]
+    hidden = key_pos > query_pos
+    if window:
+        hidden |= key_pos <= query_pos - window
     scores = scores.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
@@ -118,7 +122,15 @@ def random_query(num_tokens, num_heads, head_size, dtype, device):
     return torch.randn(num_tokens, num_heads, head_size).to(dtype).to(device)
 
 
-def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens):
+def poison_tiles_before_window(arena, slots, first_positions, window):
+    """NaN in each slot's tiles that hold no key of any of its queries' windows."""
+    for slot, first in zip(slots, first_positions, strict=True):
+        tiles = max(0, first - window + 1) // TILE
+        arena.key_cache(0)[slot, :, :tiles] = POISON
+        arena.value_cache(0)[slot, :, :tiles] = POISON
+
+
+def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window=None):
     out = torch.full_like(query, POISON)
     device = query.device
     with kernel_threads():
@@ -126,11 +138,12 @@ def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens):
             out, query, arena.key_cache(0), arena.value_cache(0), num_kv_heads, scale,
             torch.tensor(slots, dtype=torch.int32, device=device),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), max(max(seq_lens), 1),
+            window,
         )  # fmt: skip
     return out
 
 
-def run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens):
+def run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window=None):
     out = torch.full_like(query, POISON)
     device = query.device
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -139,22 +152,22 @@ def run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens):
             out, query, arena.key_cache(0), arena.value_cache(0), num_kv_heads, scale,
             torch.tensor(slots, dtype=torch.int32, device=device),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), starts.to(device),
-            max(max(q_lens), 1),
+            max(max(q_lens), 1), window,
         )  # fmt: skip
     return out
 
 
-def paged_decode(kv, query, num_kv_heads, scale):
+def paged_decode(kv, query, num_kv_heads, scale, window=None):
     out = torch.full_like(query, POISON)
     with kernel_threads():
         ops.paged_attention_v1(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
-            kv.seq_lens, kv.value_cache.shape[3], max(kv.seq_lens.tolist()),
+            kv.seq_lens, kv.value_cache.shape[3], max(kv.seq_lens.tolist()), None, window,
         )  # fmt: skip
     return out
 
 
-def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens):
+def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window=None):
     out = torch.full_like(query, POISON)
     device = query.device
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -162,7 +175,7 @@ def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens):
         ops.paged_attention_prefill(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
             torch.tensor(seq_lens, dtype=torch.int32, device=device), starts.to(device),
-            kv.value_cache.shape[3], max(max(q_lens), 1),
+            kv.value_cache.shape[3], max(max(q_lens), 1), None, window,
         )  # fmt: skip
     return out
 
@@ -171,16 +184,18 @@ def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens):
 # Decode and prefill against the reference and the paged kernels.
 
 
-def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len):
+def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len, window=None):
     num_heads, num_kv_heads = heads
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, TILE, dtype, device)
     arena = arena_like(kv, slots, max_model_len, dtype, device)
+    if window:
+        poison_tiles_before_window(arena, slots, [n - 1 for n in seq_lens], window)
     query = random_query(len(seq_lens), num_heads, head_size, dtype, device)
     scale = 1.0 / math.sqrt(head_size)
-    out = run_decode(arena, query, num_kv_heads, scale, slots, seq_lens)
+    out = run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window)
     expected = torch.cat(
         [
-            reference_attention(query[s : s + 1], k, v, torch.tensor([n - 1]), scale)
+            reference_attention(query[s : s + 1], k, v, torch.tensor([n - 1]), scale, window)
             for s, (n, k, v) in enumerate(zip(seq_lens, kv.keys, kv.values, strict=True))
         ]
     )
@@ -189,7 +204,7 @@ def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len
     # Not on CUDA, where contiguous decode splits long sequences into partitions when
     # the (sequence, head) pairs leave SMs idle, and paged v1 never splits.
     if device == "cpu":
-        assert torch.equal(out, paged_decode(kv, query, num_kv_heads, scale))
+        assert torch.equal(out, paged_decode(kv, query, num_kv_heads, scale, window))
 
 
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")
@@ -204,20 +219,27 @@ def test_decode_long(device, dtype):
     check_decode([4000, 33], [6, 1], (8, 2), 128, dtype, device, max_model_len=4096)
 
 
-def check_prefill(seq_lens, q_lens, slots, heads, head_size, dtype, device, max_model_len):
+def check_prefill(
+    seq_lens, q_lens, slots, heads, head_size, dtype, device, max_model_len, window=None
+):
     num_heads, num_kv_heads = heads
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, TILE, dtype, device)
     arena = arena_like(kv, slots, max_model_len, dtype, device)
+    if window:
+        first_positions = [n - q for n, q in zip(seq_lens, q_lens, strict=True)]
+        poison_tiles_before_window(arena, slots, first_positions, window)
     query = random_query(sum(q_lens), num_heads, head_size, dtype, device)
     scale = 1.0 / math.sqrt(head_size)
-    out = run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens)
+    out = run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window)
     expected, start = [], 0
     for n, q_len, k, v in zip(seq_lens, q_lens, kv.keys, kv.values, strict=True):
         positions = torch.arange(n - q_len, n)
-        expected.append(reference_attention(query[start : start + q_len], k, v, positions, scale))
+        q = query[start : start + q_len]
+        expected.append(reference_attention(q, k, v, positions, scale, window))
         start += q_len
     assert_close(out, torch.cat(expected), dtype)
-    assert torch.equal(out, paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens))
+    paged = paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window)
+    assert torch.equal(out, paged)
 
 
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")
@@ -280,6 +302,18 @@ def test_chunked_prefill_equals_one_shot(device, dtype):
         for q, k, v in zip(queries, keys, values, strict=True)
     ]
     assert_close(one_shot, torch.cat(expected), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 9, 40, 530])
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_sliding_window(device, dtype, window):
+    """Decode and prefill with windows smaller than a tile, a few tiles, and past one
+    chunk; the tiles before each window hold NaN."""
+    check_decode(SEQ_LENS, SLOTS, (8, 2), 64, dtype, device, max_model_len=640, window=window)
+    q_lens = [1, 15, 16, 17, 600]
+    check_prefill(SEQ_LENS, q_lens, SLOTS, (12, 1), 128, dtype, device, max_model_len=640,
+                  window=window)  # fmt: skip
+    check_prefill([600], [40], [2], (8, 2), 64, dtype, device, max_model_len=640, window=window)
 
 
 # ---------------------------------------------------------------------------

@@ -579,6 +579,8 @@ ATTENTION_COMMON = [
     ),
     ("seq_lens_int64", {"seq_lens": lambda a: a["seq_lens"].long()}, TypeError, "seq_lens"),
     ("alibi_slopes_shape", {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes"),
+    ("sliding_window_negative", {"sliding_window": -1}, ValueError, "sliding_window"),
+    ("sliding_window_float", {"sliding_window": 4.5}, TypeError, "sliding_window"),
     (
         "alibi_slopes_bfloat16",
         {"alibi_slopes": lambda a: a["alibi_slopes"].bfloat16()},
@@ -589,6 +591,12 @@ ATTENTION_COMMON = [
 
 for _function in ("paged_attention_v1", "paged_attention_v2", "paged_attention_prefill"):
     CASES += cases_for(_function, *ATTENTION_COMMON)
+for _function in ("contiguous_attention_decode", "contiguous_attention_prefill"):
+    CASES += cases_for(
+        _function,
+        ("sliding_window_negative", {"sliding_window": -2}, ValueError, "sliding_window"),
+        ("sliding_window_huge", {"sliding_window": 2**40}, ValueError, "sliding_window"),
+    )
 
 CASES += [
     *cases_for(

@@ -66,10 +66,27 @@ def test_greedy_tokens_match_hf(hf_gemma3, ours):
     expected = out[:, width:].tolist()
     # Widened to float32, as HF loads it; batched, in chunks of 16 prompt tokens.
     model, config = load_model(gemma3_gguf(), dtype="float32", quantization="none")
-    assert config.architecture == "gemma3" and model.max_model_len == config.sliding_window
+    assert config.architecture == "gemma3" and model.max_model_len == 32768
     result = run_sequences(model, prompts, max_new_tokens=NEW_TOKENS, chunk_size=16)
     for i, (got, ref) in enumerate(zip(result.generated, expected, strict=True)):
         assert got == ref, f"prompt {i}: {ours.decode(got)!r} != {ours.decode(ref)!r}"
+
+
+def test_prompt_past_the_sliding_window_matches_hf(hf_gemma3, ours):
+    """An 800-token prompt, past the 512-token window of the local layers, prefilled in
+    chunks of 256: the local layers must drop the keys that leave their window."""
+    tokenizer, hf = hf_gemma3
+    colours = ["red", "green", "blue", "amber"]
+    text = " ".join(f"Item {i}: the {colours[i % 4]} box holds {i * 7 % 13} marbles."
+                    for i in range(60))  # fmt: skip
+    ids = ours.encode(text + " Question: how many marbles does the box of item 3 hold?")
+    assert len(ids) > 512 + 256
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)  # fmt: skip
+    model, _ = load_model(gemma3_gguf(), dtype="float32", quantization="none")
+    result = run_sequences(model, [ids], max_new_tokens=16, chunk_size=256)
+    assert result.generated[0] == out[0, len(ids) :].tolist()
 
 
 def test_quantized_weights_follow_the_widened_ones(ours):

@@ -225,8 +225,9 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
             (1 + np.log(cfg.max_position_embeddings / cfg.original_max_position_embeddings)
              / np.log(cfg.original_max_position_embeddings)) ** 0.5
         )  # fmt: skip
-    if arch == "gemma3":
+    if getattr(cfg, "sliding_window", None) and arch in ("gemma3", "phi3"):
         metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+    if arch == "gemma3":
         parts = _GEMMA_PARTS
     tensors = {}
     for name, value in hf_model.state_dict().items():
@@ -262,16 +263,17 @@ def _global_rope(cfg) -> dict:
 
 
 # variant -> (family, HF config overrides). Gemma 3 from GGUF: llama.cpp's layer pattern
-# (every sixth layer global) and query scale (1 / sqrt(head_dim)); its window holds the
-# test sequences.
+# (every sixth layer global) and query scale (1 / sqrt(head_dim)); its window (10) is
+# shorter than the longer test sequence.
 GGUF_VARIANTS = {
     "llama": ("llama", {}),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
-    "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 64,
+    "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 10,
                           "query_pre_attn_scalar": 64}),
     "phi3": ("phi3", {}),
+    "phi3-window": ("phi3", {"sliding_window": 10}),
     "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0 + 0.1 * i for i in range(32)],

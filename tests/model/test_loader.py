@@ -205,23 +205,23 @@ def test_longrope_cache_takes_long_factors_past_the_original_context():
         torch.testing.assert_close(cache[position], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_bounds_max_model_len():
-    """Without a window in the kernels, a windowed model runs within its window (where
-    the result is exact) and refuses a longer context by name."""
+def test_sliding_window_leaves_max_model_len_and_marks_layers():
+    """A windowed model runs at its whole context; each layer knows its own window."""
     from pyllm.model.config import resolve_max_model_len
 
     mistral = ModelConfig.from_hf_dict(
         _hf_config(architectures=["MistralForCausalLM"], sliding_window=64)
     )
-    assert resolve_max_model_len(mistral, None) == 64
-    assert resolve_max_model_len(mistral, 32) == 32
-    with pytest.raises(NotImplementedError, match="sliding_window=64"):
-        resolve_max_model_len(mistral, 65)
-    # A window as long as the context limits nothing.
-    wide = ModelConfig.from_hf_dict(
-        _hf_config(architectures=["MistralForCausalLM"], sliding_window=256)
+    assert resolve_max_model_len(mistral, None) == 256
+    assert resolve_max_model_len(mistral, 100) == 100
+    with pytest.raises(ValueError, match="max_model_len"):
+        resolve_max_model_len(mistral, 257)
+    assert [mistral.layer_window(i) for i in range(mistral.num_hidden_layers)] == [64] * 2
+    # Qwen2 keeps a window in its config that is off unless use_sliding_window is set.
+    qwen = ModelConfig.from_hf_dict(
+        _hf_config(architectures=["Qwen2ForCausalLM"], sliding_window=32)
     )
-    assert resolve_max_model_len(wide, None) == 256
+    assert qwen.layer_window(0) is None
 
 
 def test_config_variants_that_load():
