@@ -1,4 +1,5 @@
-"""The `pyllm` command: `pyllm generate PROMPT...`, `pyllm serve`, more as they land."""
+"""The `pyllm` command: `pyllm generate PROMPT...`, `pyllm serve`, `pyllm bench`,
+`pyllm export-tokenizer DIR`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="most tokens of one prompt per step while other prompts wait "
+        "(default: a quarter of --max-num-batched-tokens)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
     group.add_argument(
@@ -49,6 +57,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=False if args.no_prefix_caching else None,
@@ -92,6 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.port is not None and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.max_seqs_per_request < 1:
         raise ValueError(
             f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
@@ -105,7 +116,19 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         allowed_origins=args.allowed_origins,
         max_seqs_per_request=args.max_seqs_per_request,
+        shutdown_timeout=args.shutdown_timeout,
     )
+    return 0
+
+
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from pyllm.model.default_model import default_model_path
+    from pyllm.model.tokenizer import Tokenizer
+    from pyllm.model.tokenizer.export import export_hf_tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(args.model or default_model_path())
+    for path in export_hf_tokenizer(tokenizer, args.output_dir):
+        print(path)
     return 0
 
 
@@ -180,8 +203,27 @@ def main(argv: list[str] | None = None) -> int:
         default=256,
         help="the most sequences one request may ask for: prompts x n (or best_of)",
     )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
+        "ended (new ones get 503 meanwhile)",
+    )
     _engine_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    export = commands.add_parser(
+        "export-tokenizer",
+        help="write the model's tokenizer as HF tokenizer.json + tokenizer_config.json",
+    )
+    export.add_argument("output_dir", help="the directory to write (made if missing)")
+    export.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)",
+    )
+    export.set_defaults(handler=_export_tokenizer)
 
     bench = commands.add_parser("bench", help="prompt-processing and generation speed")
     bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")

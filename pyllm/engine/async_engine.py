@@ -65,11 +65,18 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: _RequestStream
+    priority: int = 0
+    group: str | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _AbortAll:
+    reason: str
 
 
 _STOP = object()
@@ -83,6 +90,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._closing: str | None = None  # why new requests are refused, once set
         # Each counter has one writer (the event loop, the engine thread), so no lock.
         self._num_submitted = 0
         self._num_taken = 0
@@ -121,18 +129,25 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative outputs, the last one with finished=True.
+        priority and group as in LLMEngine.add_request.
 
         If the caller stops iterating early (a client disconnected, a task was
         cancelled), the request is aborted and its KV blocks freed.
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+        if not self.is_running or self._closing:
+            raise EngineDeadError(self._closing or "the engine is not running")
         stream = _RequestStream(asyncio.get_running_loop())
         self._num_submitted += 1
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream))
+        command = _Add(request_id, list(prompt_token_ids), params, stream, priority, group)
+        self._commands.put(command)
         finished = False
         try:
             while not finished:
@@ -148,6 +163,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """Ends every request, running or queued, with EngineDeadError(reason), and
+        refuses new ones the same way: the last step of a graceful shutdown."""
+        self._closing = reason
+        self._commands.put(_AbortAll(reason))
 
     # --------------------------------------------------------- engine thread
 
@@ -180,13 +201,21 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._num_taken += 1
                 self._add(command)
+            elif isinstance(command, _AbortAll):
+                for request_id in list(self._streams):
+                    self._fail(request_id, EngineDeadError(command.reason))
             else:
                 self._abort(command.request_id)
 
     def _add(self, command: _Add) -> None:
         try:
             self.engine.add_request(
-                command.request_id, None, command.params, command.prompt_token_ids
+                command.request_id,
+                None,
+                command.params,
+                command.prompt_token_ids,
+                command.priority,
+                command.group,
             )
         except Exception as error:  # refused: this request fails, the loop goes on
             self._send(command.stream, error)

@@ -21,6 +21,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
+    # A prompt's share of a step while other prompts compete (None: a quarter of
+    # max_num_batched_tokens); see pyllm.engine.scheduler.
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
     kv_cache_memory: float | None = None  # GiB; default 2 on CPU
     gpu_memory_utilization: float = 0.9  # share of free GPU memory for the KV cache
@@ -68,6 +71,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
+            raise ValueError(
+                f"long_prefill_token_threshold must be a positive integer, got {threshold!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

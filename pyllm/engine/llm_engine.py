@@ -72,7 +72,10 @@ class LLMEngine:
         self.max_model_len = self.model.max_model_len
         self.kv_caches, self.kv_manager = self._allocate_kv_cache()
         self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs
+            self.kv_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(
             self.model,
@@ -132,9 +135,15 @@ class LLMEngine:
         prompt: str | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        group: str | None = None,
     ) -> None:
         """Queues a request; raises ValueError (a ParamError naming the field) if it cannot
-        run."""
+        run. priority: lower values are scheduled first (vLLM's meaning); group: the
+        client the request belongs to (requests of one group share the engine fairly
+        with other groups; default: the request alone)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ParamError(f"priority must be an integer, got {priority!r}", "priority")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -152,7 +161,15 @@ class LLMEngine:
             seq_params = params
             if params.seed is not None and i > 0:  # distinct samples, still reproducible
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
-            seqs.append(Sequence(f"{request_id}-{i}", prompt_token_ids, seq_params))
+            seqs.append(
+                Sequence(
+                    f"{request_id}-{i}",
+                    prompt_token_ids,
+                    seq_params,
+                    priority,
+                    group or request_id,
+                )  # fmt: skip
+            )
         if params.prompt_logprobs is not None:  # the first sequence computes the prompt
             seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
         request = _Request(

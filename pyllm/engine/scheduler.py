@@ -1,17 +1,33 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
-(`max_num_seqs`). Running sequences go first, oldest first: a decode costs one token,
-an unfinished prompt its next chunk. What is left of the budget goes to waiting
-prompts, first come first served, so a long prompt is prefilled over several steps
-while the others keep decoding. When KV memory runs out, the newest running sequence
-is preempted: its blocks are freed and it waits to be recomputed, ahead of newer
-arrivals. Nothing is dropped.
+(`max_num_seqs`). The policy, in order:
+
+1. Decodes: every running sequence with one pending token, oldest first, one token
+   each. They come first, so generation never waits behind a prompt.
+2. Prompts share what is left: running prompts (chunked prefills, oldest first), then
+   waiting sequences. While more than one prompt competes, a first pass gives each at
+   most `long_prefill_token_threshold` tokens, and running prompts leave that many to
+   the waiting ones, so long prompts' chunks never shut new arrivals out; a second
+   pass hands what is still left to them in the same order. Alone, a prompt takes the
+   whole budget.
+3. Waiting sequences are taken by `priority` (lower first), then from the client group
+   with the fewest running sequences (a group is one API request, or one generate
+   call), then in arrival order: a request of many prompts (or a large n) cannot hold
+   every slot while another client waits. A waiting group with fewer running
+   sequences than the largest group by two or more may take a slot from it when the
+   sequence cap is reached: the largest group's newest sequence is preempted.
+
+When KV memory runs out, the lowest-priority, newest running sequence is preempted:
+its memory is freed and it waits to be recomputed, ahead of newer arrivals of its
+group. Nothing is dropped.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pyllm.engine.kv_manager import KVCacheManager
@@ -38,26 +54,74 @@ class ScheduledBatch:
         return self.prefills + self.decodes
 
 
+def _order(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival)
+
+
+class WaitingQueue:
+    """Waiting sequences by client group, each group's in (priority, arrival) order."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, list[Sequence]] = {}
+
+    def add(self, seq: Sequence) -> None:
+        group = self._groups.setdefault(seq.group, [])
+        bisect.insort(group, seq, key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        group = self._groups[seq.group]
+        group.remove(seq)
+        if not group:
+            del self._groups[seq.group]
+
+    def next(self, running: Counter) -> Sequence | None:
+        """The sequence to admit next: priority, then the group with the fewest running
+        sequences, then arrival."""
+        heads = (group[0] for group in self._groups.values())
+        return min(heads, key=lambda s: (s.priority, running[s.group], s.arrival), default=None)
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (s for g in self._groups.values() for s in g)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._groups.get(seq.group, ())
+
+
 class Scheduler:
     def __init__(
         self,
         kv_manager: KVCacheManager,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 256,
+        long_prefill_token_threshold: int | None = None,
     ):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = max(1, max_num_batched_tokens // 4)
+        if long_prefill_token_threshold < 1:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}"
+            )
         self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # oldest first
+        self.running_per_group: Counter[str] = Counter()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -65,49 +129,103 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-
-        # Running sequences first, oldest first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_pending_tokens, budget)
-            while not self.kv_manager.can_append(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.num_preempted += 1
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # seq preempted itself: nothing newer is left to run
-            self.kv_manager.append_slots(seq, num_new)
-            self._add_to_batch(batch, seq, num_new)
-            budget -= num_new
-            i += 1
-
-        # Then waiting prompts, first come first served, unless this step had to
-        # preempt (then memory is the bottleneck, not compute).
-        while (
-            self.waiting
-            and budget > 0
-            and batch.num_preempted == 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            if not seq.block_table:
-                self.kv_manager.match_prefix(seq)
-            num_new = min(seq.num_pending_tokens, budget)
-            if not self.kv_manager.can_append(seq, num_new):
-                # Give back the prefix blocks it took; it tries again next step.
-                self.kv_manager.free(seq)
-                break
-            self.waiting.popleft()
-            self.kv_manager.append_slots(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add_to_batch(batch, seq, num_new)
-            budget -= num_new
+        grants: dict[int, int] = {}  # id(seq) -> tokens this step
+        self._rebalance(batch)
+        rebalanced = batch.num_preempted
+        budget = self._schedule_decodes(batch, grants)
+        prompts = [s for s in self.running if id(s) not in grants]
+        # Waiting prompts join unless this step had to preempt for memory (then memory,
+        # not compute, is the bottleneck).
+        admit = batch.num_preempted == rebalanced
+        competing = len(prompts) + (len(self.waiting) if admit else 0) > 1
+        cap = self.long_prefill_token_threshold if competing else budget
+        # While sequences wait, running prompts leave `cap` tokens of the first pass to
+        # them: a new prompt starts within a step however many long ones are running.
+        room = budget - cap if admit and self.waiting else budget
+        for seq in prompts:
+            if seq.status is SequenceStatus.RUNNING and room > 0:
+                granted = self._grant(seq, min(cap, room), grants, batch, preempt=True)
+                room -= granted
+                budget -= granted
+        admit = batch.num_preempted == rebalanced  # the first pass may have preempted
+        while admit and budget > 0 and (seq := self._admit(min(cap, budget), grants)):
+            prompts.append(seq)
+            budget -= grants[id(seq)]
+        for seq in prompts:  # the second pass: what the cap left over, if it fits
+            if budget > 0 and seq.status is SequenceStatus.RUNNING:
+                budget -= self._grant(seq, budget, grants, batch, preempt=False)
+        for seq in prompts:
+            if seq.status is SequenceStatus.RUNNING and grants.get(id(seq)):
+                self._add_to_batch(batch, seq, grants[id(seq)])
         return batch
+
+    def _rebalance(self, batch: ScheduledBatch) -> None:
+        """At the sequence cap, the next waiting sequence's group takes a slot from the
+        group holding the most running sequences if that one holds two or more more:
+        its newest sequence is preempted."""
+        if len(self.running) < self.max_num_seqs:
+            return
+        seq = self.waiting.next(self.running_per_group)
+        if seq is None:
+            return
+        largest, held = self.running_per_group.most_common(1)[0]
+        if held >= self.running_per_group[seq.group] + 2:
+            victim = max((s for s in self.running if s.group == largest), key=_order)
+            self._preempt(victim)
+            batch.num_preempted += 1
+
+    def _schedule_decodes(self, batch: ScheduledBatch, grants: dict[int, int]) -> int:
+        """Grants one token to every running decode (oldest first); returns the budget left."""
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and _is_decode(seq):
+                if self._grant(seq, 1, grants, batch, preempt=True):
+                    self._add_to_batch(batch, seq, 1)
+                    budget -= 1
+        return budget
+
+    def _grant(self, seq: Sequence, most: int, grants, batch, preempt: bool) -> int:
+        """Up to `most` more of seq's pending tokens this step, preempting sequences
+        without a grant when memory is short (if preempt); returns how many."""
+        have = grants.get(id(seq), 0)
+        extra = min(seq.num_pending_tokens - have, most)
+        if extra <= 0:
+            return 0
+        while not self.kv_manager.can_append(seq, have + extra):
+            if not preempt:
+                return 0
+            victim = max((s for s in self.running if s is seq or id(s) not in grants), key=_order)
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                grants.pop(id(seq), None)
+                return 0
+        self.kv_manager.append_slots(seq, have + extra)
+        grants[id(seq)] = have + extra
+        return extra
+
+    def _admit(self, most: int, grants: dict[int, int]) -> Sequence | None:
+        """Starts the next waiting sequence with up to `most` tokens, or returns None
+        when the sequence cap or free memory does not allow it."""
+        seq = self.waiting.next(self.running_per_group)
+        if seq is None or len(self.running) >= self.max_num_seqs:
+            return None
+        if not seq.block_table:
+            self.kv_manager.match_prefix(seq)
+        num_new = min(seq.num_pending_tokens, most)
+        if not self.kv_manager.can_append(seq, num_new):
+            # Give back the prefix blocks it took; it tries again next step.
+            self.kv_manager.free(seq)
+            return None
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.running_per_group[seq.group] += 1
+        self.kv_manager.append_slots(seq, num_new)
+        grants[id(seq)] = num_new
+        return seq
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
@@ -119,23 +237,29 @@ class Scheduler:
             batch.prefills.append((seq, num_new))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._leave_running(seq)
         self.kv_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        # Ahead of newer arrivals, behind older preempted ones.
-        position = 0
-        while position < len(self.waiting) and self.waiting[position].arrival < seq.arrival:
-            position += 1
-        self.waiting.insert(position, seq)
+        self.waiting.add(seq)  # its arrival puts it ahead of newer ones of its group
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.running_per_group[seq.group] -= 1
+        if not self.running_per_group[seq.group]:
+            del self.running_per_group[seq.group]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends seq (stop condition, length or abort) and frees its blocks."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _is_decode(seq: Sequence) -> bool:
+    return seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0

@@ -34,6 +34,11 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Scheduling: lower priority values run first; sequences of one group (an API
+    # request, or a generate call; by default the sequence's own request) share the
+    # engine fairly with other groups.
+    priority: int = 0
+    group: str = ""
     # Order of arrival; unique, so it is also the sequence's key in the sampler.
     arrival: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
@@ -58,6 +63,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.group = self.group or self.request_id
 
     @property
     def num_tokens(self) -> int:

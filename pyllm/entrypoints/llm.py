@@ -36,7 +36,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: one per prompt, lower runs first (as vLLM's)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts is None and prompt_token_ids is None:
@@ -48,6 +50,8 @@ class LLM:
             sampling_params = [sampling_params] * count
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+        if priority is not None and len(priority) != count:
+            raise ValueError(f"got {len(priority)} priorities for {count} prompts")
         ids = []
         try:
             for i in range(count):
@@ -57,6 +61,7 @@ class LLM:
                     prompts[i] if prompts is not None else None,
                     sampling_params[i],
                     prompt_token_ids[i] if prompt_token_ids is not None else None,
+                    priority[i] if priority is not None else 0,
                 )
                 ids.append(request_id)
         except Exception:

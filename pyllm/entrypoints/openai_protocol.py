@@ -138,6 +138,8 @@ class _SamplingRequest(_Strict):
     repeat_last_n: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    # Lower runs first when requests wait for the engine (vLLM's meaning).
+    priority: int | None = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -492,3 +494,48 @@ class ErrorResponse(_Response):
 
 class HealthStatus(_Response):
     status: str
+
+
+# ---------------------------------------------- vLLM's /tokenize, /detokenize, /version
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True  # messages only
+    # Default: BOS and the like for a prompt; none for messages (the template writes them).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        if self.messages is not None:
+            chat = ChatCompletionRequest(messages=self.messages)
+            chat.check()
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return ChatCompletionRequest(messages=self.messages).template_messages()
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str

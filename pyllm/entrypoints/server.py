@@ -2,13 +2,14 @@
 
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
     GET  /v1/models, GET /health, GET /metrics
+    POST /tokenize, POST /detokenize, GET /version    (vLLM's)
 
 A request is parsed, checked, tokenized and validated against the engine in its
 handler, before anything reaches the engine, so every client mistake is a 4xx in
 OpenAI's error shape {"error": {"message", "type", "param", "code"}}. The engine runs
 in its own thread (AsyncEngine); a handler only awaits its request's outputs. A client
 that goes away (a dropped stream, a closed connection) has its request aborted, which
-frees its KV blocks.
+frees its KV blocks. On SIGTERM the server drains (_GracefulServer) and exits 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -49,6 +51,9 @@ MAX_REQUEST_BYTES = 4 * 2**20
 MIN_LOGPROB = -9999.0
 # The engine settings a given request's output depends on, hashed into system_fingerprint.
 FINGERPRINT_SETTINGS = ("model_path", "torch_dtype", "quantization", "torch_device", "kv_cache")
+SHUTTING_DOWN = "the server is shutting down"
+RETRY_AFTER_S = 5  # what a 503 during shutdown tells the client to wait
+ABORT_GRACE_S = 5  # for streams to send their last event once the engine ends them
 
 
 # ----------------------------------------------------------------- middleware
@@ -68,6 +73,39 @@ async def _send_json(send, status: int, body: dict, headers: list | None = None)
         }
     )
     await send({"type": "http.response.body", "body": payload})
+
+
+@dataclass
+class DrainState:
+    """HTTP requests in flight, and whether the server has begun to shut down."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
+class _Drain:
+    """Counts the requests in flight; once draining, answers new ones with 503 and
+    Retry-After (a load balancer or client retries elsewhere, or after the restart).
+    /metrics still answers, so the drain can be watched."""
+
+    def __init__(self, app, state: DrainState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            headers = [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
+            if scope["path"] == "/health":
+                return await _send_json(send, 503, {"status": "shutting down"}, headers)
+            body = error_body(SHUTTING_DOWN, "server_error", None, "server_shutting_down")
+            return await _send_json(send, 503, body, headers)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
 
 class _ContentLengthLimit:
@@ -91,15 +129,19 @@ class _ContentLengthLimit:
         await self.app(scope, receive, send)
 
 
+_PROTECTED = ("/v1", "/tokenize", "/detokenize")
+
+
 class _ApiKeyAuth:
-    """With an API key set, every /v1/ request needs `Authorization: Bearer <key>`."""
+    """With an API key set, every request to the model (/v1/, /tokenize, /detokenize)
+    needs `Authorization: Bearer <key>`."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             # Constant time: how much of the key matched must not show in the timing.
             if not hmac.compare_digest(given, self.expected):
@@ -193,6 +235,8 @@ class _Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str = ""
+    priority: int = 0
+    group: str | None = None  # the HTTP request: its prompts share the engine fairly
 
 
 @dataclass
@@ -282,7 +326,7 @@ class OpenAIServing:
         except Exception as error:  # the template refused these messages
             raise RequestError(f"messages could not be rendered: {error}", "messages") from None
         self._validate(body, ids, params, "messages")
-        return [_Job(api.random_id("chatcmpl"), ids, params)]
+        return [_Job(api.random_id("chatcmpl"), ids, params, priority=body.priority)]
 
     async def _prepare_completion(self, body: api.CompletionRequest) -> list[_Job]:
         body.check()
@@ -301,18 +345,21 @@ class OpenAIServing:
             self._validate(body, ids, params, "prompt")
             if body.echo and not text:
                 text = self.tokenizer.decode(ids)
-            jobs.append(_Job(f"{base_id}-{i}", ids, params, text))
+            jobs.append(_Job(f"{base_id}-{i}", ids, params, text, body.priority, base_id))
         return jobs
 
     # ---------------------------------------------------------- running
+
+    def _generate(self, job: _Job) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(
+            job.request_id, job.prompt_token_ids, job.params, job.priority, job.group
+        )
 
     async def _outputs(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every job, as they come; aborts all on exit."""
         if len(jobs) == 1:
             job = jobs[0]
-            async for output in self.engine.generate(
-                job.request_id, job.prompt_token_ids, job.params
-            ):
+            async for output in self._generate(job):
                 yield 0, output
             return
         # A bounded queue: a slow consumer makes the pumps wait, and the engine's
@@ -321,9 +368,7 @@ class OpenAIServing:
 
         async def pump(index: int, job: _Job) -> None:
             try:
-                async for output in self.engine.generate(
-                    job.request_id, job.prompt_token_ids, job.params
-                ):
+                async for output in self._generate(job):
                     await merged.put((index, output))
             except Exception as error:
                 await merged.put((index, error))
@@ -493,6 +538,40 @@ class OpenAIServing:
             )
             result.append(found)
         return result
+
+    # ---------------------------------------------------------- tokenizer
+
+    async def tokenize(self, request: Request) -> api.TokenizeResponse:
+        body = await _read_request(request, api.TokenizeRequest, self.max_bytes)
+        body.check()
+        self._check_model(body.model)
+        if body.messages is not None:
+            messages = body.template_messages()
+            try:
+                text = await asyncio.to_thread(
+                    self.tokenizer.apply_chat_template,
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except Exception as error:  # the template refused these messages
+                raise RequestError(f"messages could not be rendered: {error}", "messages") from None
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, special)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return api.TokenizeResponse(
+            count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, request: Request) -> api.DetokenizeResponse:
+        body = await _read_request(request, api.DetokenizeRequest, self.max_bytes)
+        self._check_model(body.model)
+        try:
+            text = await asyncio.to_thread(self.tokenizer.decode, body.tokens)
+        except ValueError as error:  # an id outside the vocabulary
+            raise RequestError(str(error), "tokens") from None
+        return api.DetokenizeResponse(prompt=text)
 
     # ---------------------------------------------------------- chat
 
@@ -711,6 +790,9 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         except (RequestError, ValueError) as error:
             yield _sse(error_body(str(error), "invalid_request_error", None, None))
             yield "data: [DONE]\n\n"
+        except EngineDeadError as error:  # shut down (or the engine stopped): expected
+            yield _sse(error_body(str(error), "server_error", None, "server_shutting_down"))
+            yield "data: [DONE]\n\n"
         except Exception as error:
             logger.exception("stream failed")
             yield _sse(error_body(f"internal error: {error}", "server_error", None, None))
@@ -807,6 +889,7 @@ def create_app(
         engine, served_model_name, metrics, max_request_bytes, max_seqs_per_request
     )
     app.state.serving = serving
+    app.state.drain = DrainState()
     _add_error_handlers(app)
     _add_status_routes(app, engine, metrics)
     _add_api_routes(app, serving)
@@ -815,6 +898,7 @@ def create_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+    app.add_middleware(_Drain, state=app.state.drain)
     if allowed_origins:
         # Outermost: a preflight carries no API key, and a page must read errors too.
         app.add_middleware(
@@ -902,6 +986,8 @@ def _add_openapi_schemas(app: FastAPI) -> None:
         (api.ChatCompletionRequest, "validation"),
         (api.CompletionRequest, "validation"),
         (api.ChatCompletionChunk, "serialization"),
+        (api.TokenizeRequest, "validation"),
+        (api.DetokenizeRequest, "validation"),
     ]
 
     def openapi() -> dict:
@@ -962,6 +1048,28 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return Response(model_card().model_dump_json(), media_type="application/json")
 
     @app.post(
+        "/tokenize",
+        openapi_extra=_json_body(api.TokenizeRequest),
+        responses=_responses(api.TokenizeResponse, 400, 401, 404, 413, 503),
+    )
+    async def tokenize(request: Request):
+        response = await serving.tokenize(request)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @app.post(
+        "/detokenize",
+        openapi_extra=_json_body(api.DetokenizeRequest),
+        responses=_responses(api.DetokenizeResponse, 400, 401, 404, 413, 503),
+    )
+    async def detokenize(request: Request):
+        response = await serving.detokenize(request)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @app.get("/version", responses=_responses(api.VersionResponse))
+    async def version():
+        return api.VersionResponse(version=__version__)
+
+    @app.post(
         "/v1/chat/completions",
         openapi_extra=_json_body(api.ChatCompletionRequest),
         responses=_responses(api.ChatCompletionResponse, *_ERRORS, chunk=api.ChatCompletionChunk),
@@ -984,6 +1092,63 @@ def default_model_name(model_path: str) -> str:
     return name.removesuffix(".gguf")
 
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, draining on SIGTERM/SIGINT instead of closing open streams.
+
+    On the first signal, new requests get 503 (the socket stays open to say so) while
+    those in flight run on for up to `shutdown_timeout` seconds; then the engine ends
+    what is left with an error, which each open stream sends as its last event before
+    [DONE]; then uvicorn stops with no request running, and the process exits 0. A
+    second signal skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: DrainState,
+                 shutdown_timeout: float):  # fmt: skip
+        super().__init__(config)
+        self.engine = engine
+        self.drain = drain
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurry = False
+        self._drainer: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._loop is None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        # A signal handler runs between two bytecodes of the loop's own thread.
+        self._loop.call_soon_threadsafe(self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self._drainer is None:
+            self.drain.draining = True
+            self._drainer = asyncio.create_task(self._drain_then_exit())
+        else:
+            self._hurry = True
+
+    async def _drain_then_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        logger.info(
+            "shutting down: %d request(s) in flight may run for up to %g s; new ones "
+            "get 503 (signal again to stop now)",
+            self.drain.in_flight,
+            self.shutdown_timeout,
+        )
+        deadline = loop.time() + self.shutdown_timeout
+        while self.drain.in_flight and loop.time() < deadline and not self._hurry:
+            await asyncio.sleep(0.05)
+        if self.drain.in_flight:
+            logger.info("shutdown: ending %d request(s) still running", self.drain.in_flight)
+            self.engine.abort_all(SHUTTING_DOWN)
+            deadline = loop.time() + ABORT_GRACE_S
+            while self.drain.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
 def run_server(
     engine_options: dict,
     host: str = "127.0.0.1",
@@ -993,14 +1158,17 @@ def run_server(
     log_level: str = "info",
     allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
+    shutdown_timeout: float = 30.0,
 ) -> None:
-    """Loads the engine, then serves until SIGINT/SIGTERM."""
+    """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
+    says."""
     import prometheus_client
-    import uvicorn
 
     from pyllm.engine.config import EngineConfig
     from pyllm.engine.llm_engine import LLMEngine
 
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series: this process is ours
     config = EngineConfig(**engine_options)
@@ -1015,10 +1183,7 @@ def run_server(
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=5,
+    server_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S
     )
+    _GracefulServer(server_config, engine, app.state.drain, shutdown_timeout).run()

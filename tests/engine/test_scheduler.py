@@ -26,8 +26,10 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[int
         assert not batch.is_empty, "scheduler stalled with work left"
         assert batch.num_tokens <= scheduler.max_num_batched_tokens
         per_step.append(batch.num_tokens)
+        assert len({id(seq) for seq, _ in batch.all()}) == len(batch.all()), "scheduled twice"
         for seq, n in batch.all():
             seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens
             if seq.num_computed_tokens == seq.num_tokens:  # prompt complete: sample
                 seq.append_token(7)
                 if seq.num_output_tokens >= seq.sampling_params.max_tokens:

@@ -69,23 +69,14 @@ def _wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
+def start_server(log_dir: Path, extra_args: list[str] = (), api_key: str = API_KEY) -> Server:
+    """A `pyllm serve` process with SERVER_ARGS (+ extra_args), healthy; stop it with
+    stop_server."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log_path = log_dir / "server.log"
     command = [sys.executable, "-m", "pyllm", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--api-key", API_KEY, *SERVER_ARGS]
+    command += ["--api-key", api_key, *SERVER_ARGS, *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYLLM_API_KEY", None)
     with open(log_path, "wb") as log:
@@ -94,11 +85,31 @@ def server(tmp_path_factory) -> Server:
         )
     try:
         _wait_until_healthy(process, base_url, log_path)
-        headers = {"Authorization": f"Bearer {API_KEY}"}
+        headers = {"Authorization": f"Bearer {api_key}"}
         card = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]
-        yield Server(base_url, API_KEY, card["id"], card["max_model_len"], process, log_path)
+    except BaseException:
+        stop_server(process)
+        raise
+    return Server(base_url, api_key, card["id"], card["max_model_len"], process, log_path)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    started = start_server(tmp_path_factory.mktemp("server"))
+    try:
+        yield started
     finally:
-        _stop(process)
+        stop_server(started.process)
 
 
 @pytest.fixture

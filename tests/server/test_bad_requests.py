@@ -63,6 +63,8 @@ CASES = [
     Case("temperature a string", 400, "temperature", body=chat(temperature="hot")),
     Case("top_p zero", 400, "top_p", body=chat(top_p=0)),
     Case("top_p above one", 400, "top_p", body=chat(top_p=1.5)),
+    Case("priority a string", 400, "priority", body=chat(priority="high")),
+    Case("priority a float", 400, "priority", path=COMPLETIONS, body=completion(priority=0.5)),
     Case("n zero", 400, "n", body=chat(n=0)),
     Case("n a million", 400, "n", body=chat(n=10**6)),
     Case("top_logprobs too many", 400, "top_logprobs", body=chat(logprobs=True, top_logprobs=50)),

@@ -98,7 +98,7 @@ class _StandInEngine:
     def __init__(self):
         self.requests: dict[str, list] = {}
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids):
+    def add_request(self, request_id, prompt, params, prompt_token_ids, priority=0, group=None):
         if prompt_token_ids[0] == REFUSED:
             raise ValueError("prompt refused")
         self.requests[request_id] = [list(prompt_token_ids), 0, params.max_tokens]

@@ -42,12 +42,12 @@ def test_system_fingerprint_is_one_string_everywhere(client, server):
 CHAT_NULLABLE = [
     "n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "temperature",
     "top_p", "stop", "seed", "top_logprobs", "user", "stream_options", "logit_bias",
-    "max_completion_tokens", "response_format", "tools", "tool_choice",
+    "max_completion_tokens", "response_format", "tools", "tool_choice", "priority",
 ]  # fmt: skip
 COMPLETION_NULLABLE = [
     "n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "echo",
     "temperature", "top_p", "stop", "seed", "user", "stream_options", "logit_bias",
-    "best_of", "suffix",
+    "best_of", "suffix", "priority",
 ]  # fmt: skip
 
 
@@ -281,3 +281,11 @@ def test_serve_options_reach_the_server(monkeypatch):
     assert seen["allowed_origins"] is None and seen["max_seqs_per_request"] == 256
     seen.clear()
     assert cli.main(["serve", "--max-seqs-per-request", "0"]) == 2 and not seen
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_priority_is_accepted_and_leaves_the_output_alone(http, server, path):
+    base = _base(path, server.model)
+    reference = _texts(http.post(path, json=base))
+    for priority in (-10, 3):
+        assert _texts(http.post(path, json={**base, "priority": priority})) == reference
