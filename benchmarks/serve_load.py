@@ -11,6 +11,14 @@ its output length; its token count comes from the stream's usage chunk.
 Reported: request throughput, output tokens/s (over the whole run), time to first token
 (TTFT: from sending the request to the first streamed text) and time per output token
 (TPOT: (end - first token) / (output tokens - 1)), median and p99.
+
+--mixed measures head-of-line blocking instead: --long-prompts requests of
+--long-words words (and, with --fan-out-prompts, one request of that many prompts x
+--fan-out-n) start at once, and short chats arrive every --short-interval seconds
+while they run; reported: the short chats' TTFT median and p99, and when the long
+ones finished.
+
+    PYTHONPATH=. python benchmarks/serve_load.py --start-server --mixed --long-prompts 4
 """
 
 from __future__ import annotations
@@ -116,6 +124,94 @@ async def run_load(url: str, requests: list[tuple], concurrency: int) -> tuple[l
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - start
+
+
+async def one_chat(client: httpx.AsyncClient, url: str, model: str, text: str, out: int):
+    """A short streaming chat; its TTFT is to the first streamed content."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": out,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    result = Result(ok=False, prompt_words=len(text.split()))
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:200]
+                    return result
+                deltas = [c.get("delta", {}).get("content") for c in chunk.get("choices", [])]
+                if not result.ttft and any(deltas):
+                    result.ttft = time.perf_counter() - start
+                    result.output_tokens += 1
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.ok = result.ttft > 0
+    return result
+
+
+async def long_request(client, url: str, model: str, body: dict) -> float:
+    """A non-streaming completion; returns seconds to its end (nan if it failed)."""
+    start = time.perf_counter()
+    response = await client.post(url + "/v1/completions", json={"model": model, **body})
+    return time.perf_counter() - start if response.status_code == 200 else float("nan")
+
+
+async def run_mixed(url: str, args) -> tuple[list[Result], list[float]]:
+    rng = random.Random(args.seed)
+
+    def words(count: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(count))
+
+    longs = [
+        {"prompt": words(args.long_words), "max_tokens": 16, "ignore_eos": True}
+        for _ in range(args.long_prompts)
+    ]
+    if args.fan_out_prompts:
+        prompts = [words(32) for _ in range(args.fan_out_prompts)]
+        longs.append({"prompt": prompts, "n": args.fan_out_n, "max_tokens": 64, "seed": 0})
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        long_tasks = [asyncio.create_task(long_request(client, url, model, b)) for b in longs]
+        await asyncio.sleep(args.short_interval)  # the long ones are under way
+        short_tasks = []
+        for _ in range(args.short_requests):
+            short_tasks.append(asyncio.create_task(one_chat(client, url, model, words(12), 8)))
+            await asyncio.sleep(args.short_interval)
+        shorts = await asyncio.gather(*short_tasks)
+        long_seconds = await asyncio.gather(*long_tasks)
+    return shorts, long_seconds
+
+
+def report_mixed(shorts: list[Result], long_seconds: list[float]) -> dict:
+    ttft = [r.ttft * 1000 for r in shorts if r.ok]
+    summary = {
+        "short_requests": len(shorts),
+        "short_failed": len(shorts) - len(ttft),
+        "short_ttft_ms_median": statistics.median(ttft) if ttft else float("nan"),
+        "short_ttft_ms_p99": percentile(ttft, 99),
+        "long_seconds": long_seconds,
+    }
+    print(f"short chats: {len(ttft)} ok, {summary['short_failed']} failed")
+    for r in [r for r in shorts if not r.ok][:5]:
+        print(f"  failed: {r.error}")
+    print(
+        f"short TTFT ms:   median {summary['short_ttft_ms_median']:.0f}   "
+        f"p99 {summary['short_ttft_ms_p99']:.0f}"
+    )
+    print("long requests done after s: " + " ".join(f"{s:.1f}" for s in long_seconds))
+    return summary
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -229,6 +325,14 @@ def main() -> int:
         help="extra arguments for the started server, e.g. '--dtype bfloat16'",
     )
     parser.add_argument("--json", default=None, help="write the summary to this file")
+    mixed = parser.add_argument_group("mixed workload (--mixed)")
+    mixed.add_argument("--mixed", action="store_true", help="short chats among long prompts")
+    mixed.add_argument("--long-prompts", type=int, default=1)
+    mixed.add_argument("--long-words", type=int, default=2048)
+    mixed.add_argument("--fan-out-prompts", type=int, default=0)
+    mixed.add_argument("--fan-out-n", type=int, default=8)
+    mixed.add_argument("--short-requests", type=int, default=16)
+    mixed.add_argument("--short-interval", type=float, default=0.5)
     args = parser.parse_args()
     if args.concurrency < 1 or args.num_requests < 1:
         raise ValueError("--concurrency and --num-requests must be positive")
@@ -241,11 +345,18 @@ def main() -> int:
     if args.start_server:
         server, url = start_server(shlex.split(args.server_args))
     try:
-        results, seconds = asyncio.run(run_load(url, requests, args.concurrency))
+        if args.mixed:
+            shorts, long_seconds = asyncio.run(run_mixed(url, args))
+        else:
+            results, seconds = asyncio.run(run_load(url, requests, args.concurrency))
     finally:
         if server is not None:
             stop_server(server)
-    summary = report(results, seconds, args.concurrency)
+    if args.mixed:
+        summary = report_mixed(shorts, long_seconds)
+        summary["failed"] = summary["short_failed"] + sum(math.isnan(s) for s in long_seconds)
+    else:
+        summary = report(results, seconds, args.concurrency)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
