@@ -34,6 +34,7 @@ from pyllm.sampling.detokenizer import IncrementalDetokenizer
 from pyllm.sampling.logprobs import prompt_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.sampler import Sampler
+from pyllm.sampling.structured import GrammarCompiler
 
 logger = logging.getLogger("pyllm")
 
@@ -87,6 +88,7 @@ class LLMEngine:
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
         self.stats = EngineStats()
@@ -170,6 +172,9 @@ class LLMEngine:
                     group or request_id,
                 )  # fmt: skip
             )
+        if params.structured_output is not None:  # compiled by validate(): cached
+            for seq in seqs:
+                seq.matcher = self.grammars.matcher(params.structured_output)
         if params.prompt_logprobs is not None:  # the first sequence computes the prompt
             seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
         request = _Request(
@@ -208,6 +213,8 @@ class LLMEngine:
                 "prompt",
             )
         self.kv_manager.check_fits(budget)
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -258,6 +265,8 @@ class LLMEngine:
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token)
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)  # allowed by its mask, so it is accepted
         self.stats.generation_tokens += 1
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]

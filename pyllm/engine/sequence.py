@@ -59,6 +59,8 @@ class Sequence:
     # k) given the tokens before it; None at position 0 and until computed. The engine sets
     # a list (of len(prompt) Nones) on the one sequence of a request that computes them.
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # Structured output: the grammar matcher that has seen the output so far.
+    matcher: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -95,5 +97,5 @@ class Sequence:
     def sampling_row(self) -> SamplingRow:
         """What the sampler needs of this sequence for this step."""
         return SamplingRow(
-            self.sampling_params, self.token_ids, self.num_output_tokens, self.arrival
+            self.sampling_params, self.token_ids, self.num_output_tokens, self.arrival, self.matcher
         )

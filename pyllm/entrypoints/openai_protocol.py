@@ -4,8 +4,10 @@ Requests are parsed strictly (a string is not an integer, a float is not an inte
 boolean is not a number), so a wrong type is a 400 naming the field rather than a silent
 coercion; a null for a field OpenAI marks nullable means its default. Unknown fields are
 ignored, as OpenAI-compatible servers commonly do, except those that would change the
-meaning of the request and cannot be honoured (tools, response formats other than text,
-suffix): those are refused.
+meaning of the request and cannot be honoured (suffix): those are refused.
+
+Structured output (response_format, vLLM's structured_outputs and guided_* fields, and
+tool_choice "required" or a named function) becomes SamplingParams.structured_output.
 
 Each request model turns itself into engine `SamplingParams` with `to_sampling_params`;
 vLLM's extension fields (top_k, min_p, repetition_penalty, repeat_last_n, min_tokens,
@@ -15,8 +17,10 @@ fields of the same name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import time
 import uuid
 from typing import Any, Literal, get_args
@@ -24,6 +28,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pyllm.sampling.params import SamplingParams
+from pyllm.sampling.structured import StructuredOutput
 
 # Limits a single request may not exceed, so that no client can make the engine's
 # per-token work (stop-string scans, logit bias) arbitrarily expensive for everyone.
@@ -101,6 +106,23 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's convention: call arguments as
+        a dict, not OpenAI's JSON string)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -110,8 +132,56 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function, **function}
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingRequest(_Strict):
@@ -143,9 +213,58 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format, or vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _max_tokens_field(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
+
+    def _structured_sources(self) -> dict[str, dict[str, Any]]:
+        """{request field: StructuredOutput fields} of each field that asks for one."""
+        sources: dict[str, dict[str, Any]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            sources["response_format"] = {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError(
+                    "response_format of type json_schema needs json_schema",
+                    "response_format.json_schema",
+                )
+            schema = fmt.json_schema.json_schema
+            sources["response_format"] = (
+                {"json_object": True} if schema is None else {"json": schema}
+            )
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            sources["structured_outputs"] = {k.rstrip("_"): v for k, v in given.items()}
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                sources[f"guided_{kind}"] = {kind: value}
+        return sources
+
+    def structured_field(self) -> str | None:
+        """The request field that asks for structured output, if one does."""
+        return next(iter(self._structured_sources()), None)
+
+    def _structured_output(self) -> StructuredOutput | None:
+        sources = self._structured_sources()
+        if len(sources) > 1:
+            names = ", ".join(sources)
+            raise RequestError(f"give only one of {names}", list(sources)[1])
+        if not sources:
+            return None
+        ((field, spec),) = sources.items()
+        try:
+            return StructuredOutput(**spec)
+        except ValueError as error:
+            raise RequestError(f"{field}: {error}", field) from None
 
     def _logprobs(self) -> int | None:
         raise NotImplementedError
@@ -205,6 +324,7 @@ class _SamplingRequest(_Strict):
             logit_bias=self._logit_bias(),
             logprobs=self._logprobs(),
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self._structured_output(),
         )
         optional = {
             "temperature": self.temperature,
@@ -231,6 +351,8 @@ class _SamplingRequest(_Strict):
             return max_tokens_name
         if name == "logprobs":
             return self._logprobs_field_name()
+        if name is not None and name.startswith("structured_output"):
+            return self.structured_field()
         return name if name in type(self).model_fields else None
 
     def _logprobs_field_name(self) -> str:
@@ -247,8 +369,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     def _max_tokens_field(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -269,19 +392,65 @@ class ChatCompletionRequest(_SamplingRequest):
         for i, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
                 raise RequestError(f"messages[{i}].content is required", f"messages[{i}].content")
-        if self.tools:
-            raise RequestError("tools are not supported by this server", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(
-                f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                "response_format",
-            )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise RequestError("tools must have distinct function names", "tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise RequestError(
+                    f"tool_choice names function {self.tool_choice.function.name!r}, which is "
+                    "not in tools",
+                    "tool_choice",
+                )
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    @property
+    def tool_mode(self) -> str:
+        """'none' (no tools, or tool_choice none), 'auto' (the model may call one, in
+        its own format), 'required' (a list of calls) or 'named' (that function's
+        arguments)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (none with tool_choice none)."""
+        if self.tool_mode == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def _structured_sources(self) -> dict[str, dict[str, Any]]:
+        sources = super()._structured_sources()
+        mode = self.tool_mode
+        if mode == "named":
+            function = self._function(self.tool_choice.function.name)
+            sources["tool_choice"] = {"json": function.parameters or {"type": "object"}}
+        elif mode == "required":
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.function.name},
+                        "arguments": tool.function.parameters or {"type": "object"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for tool in self.tools
+            ]}}  # fmt: skip
+            if self.parallel_tool_calls is False:
+                calls["maxItems"] = 1
+            sources["tool_choice"] = {"json": calls}
+        return sources
+
+    def _function(self, name: str) -> FunctionDefinition:
+        return next(t.function for t in self.tools if t.function.name == name)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -396,10 +565,35 @@ class PromptLogprob(_Response):
     decoded_token: str
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    """A whole call in one stream chunk (OpenAI may split arguments over several)."""
+
+    index: int
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler):
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(_Response):
@@ -422,6 +616,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):

@@ -41,6 +41,14 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
+from pyllm.entrypoints.tool_calls import (
+    Call,
+    call_id,
+    may_be_hermes,
+    parse_hermes,
+    parse_named,
+    parse_required,
+)
 from pyllm.sampling.params import SamplingParams
 
 logger = logging.getLogger("pyllm")
@@ -293,13 +301,19 @@ class OpenAIServing:
             "prompt" if num_prompts > self.max_seqs else factor,
         )
 
-    def _validate(self, body, ids: list[int], params: SamplingParams, prompt_field: str):
+    async def _validate(self, body, ids: list[int], params: SamplingParams, prompt_field: str):
         try:
-            self.engine.validate(ids, params)
+            if params.structured_output is None:
+                self.engine.validate(ids, params)
+            else:  # compiles the grammar (cached): off the event loop
+                await asyncio.to_thread(self.engine.validate, ids, params)
         except ValueError as error:
             message = str(error)
             max_tokens_name, max_tokens = body._max_tokens_field()
-            param = body._param_of(getattr(error, "param", None), max_tokens_name) or prompt_field
+            name = getattr(error, "param", None)
+            param = body._param_of(name, max_tokens_name) or prompt_field
+            if name and name != param and message.startswith(name):
+                message = param + message[len(name) :]  # in the request's own terms
             code = None
             if "context length" in message:
                 code = "context_length_exceeded"
@@ -314,10 +328,11 @@ class OpenAIServing:
         self._check_num_seqs(body, 1)
         params = body.to_sampling_params()
         messages = body.template_messages()
+        tools = body.template_tools()
 
         def tokenize() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt
+                messages, add_generation_prompt=body.add_generation_prompt, tools=tools
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -325,7 +340,7 @@ class OpenAIServing:
             ids = await asyncio.to_thread(tokenize)
         except Exception as error:  # the template refused these messages
             raise RequestError(f"messages could not be rendered: {error}", "messages") from None
-        self._validate(body, ids, params, "messages")
+        await self._validate(body, ids, params, "messages")
         return [_Job(api.random_id("chatcmpl"), ids, params, priority=body.priority)]
 
     async def _prepare_completion(self, body: api.CompletionRequest) -> list[_Job]:
@@ -342,7 +357,7 @@ class OpenAIServing:
                 text = prompt
             else:
                 ids, text = prompt, ""
-            self._validate(body, ids, params, "prompt")
+            await self._validate(body, ids, params, "prompt")
             if body.echo and not text:
                 text = self.tokenizer.decode(ids)
             jobs.append(_Job(f"{base_id}-{i}", ids, params, text, body.priority, base_id))
@@ -588,12 +603,14 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs:
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [])
+            content, calls = _tool_calls(body, c)
+            tool_calls = [_api_call(call) for call in calls] or None
             choices.append(
                 api.ChatChoice(
                     index=c.index,
-                    message=api.AssistantMessage(content=c.text),
+                    message=api.AssistantMessage(content=content, tool_calls=tool_calls),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason="tool_calls" if calls else c.finish_reason,
                 )
             )
         response = api.ChatCompletionResponse(
@@ -613,9 +630,27 @@ class OpenAIServing:
         created: int,
         progress: _Progress,
     ) -> AsyncIterator[str]:
+        streaming: set[int] = set()  # choices sending content although tools were offered
+
         def choice(
             index: int, c: CompletionOutput, text: str, token_ids: list[int], logprobs, offset: int
-        ) -> api.ChatChunkChoice:
+        ) -> api.ChatChunkChoice | None:
+            if body.tool_mode != "none" and c.index not in streaming:
+                # Held back while it may be a tool call, which is sent whole at the end.
+                if c.finish_reason is None:
+                    if body.tool_mode != "auto" or may_be_hermes(c.text):
+                        return None
+                else:
+                    _, calls = _tool_calls(body, c)
+                    if calls:
+                        delta = [_api_call(call, i) for i, call in enumerate(calls)]
+                        return api.ChatChunkChoice(
+                            index=c.index,
+                            delta=api.DeltaMessage(tool_calls=delta),
+                            finish_reason="tool_calls",
+                        )
+                text = c.text  # plain content after all: all of it so far
+                streaming.add(c.index)
             return api.ChatChunkChoice(
                 index=c.index,
                 delta=api.DeltaMessage(content=text),
@@ -756,8 +791,9 @@ class OpenAIServing:
                 choice_state = state[(index, c.index)]
                 offset = choice_state.text_sent
                 delta = _delta(choice_state, c)
-                if delta is not None:
-                    yield _sse(chunk(choices=[choice(index, c, *delta, offset)]))
+                made = None if delta is None else choice(index, c, *delta, offset)
+                if made is not None:  # None: held back (a tool call in the making)
+                    yield _sse(chunk(choices=[made]))
         self._observe(progress)
         if body.include_usage:
             yield _sse(chunk(choices=[], usage=self._usage(progress, jobs)))
@@ -779,6 +815,26 @@ def _delta(state: _Choice, c: CompletionOutput):
     state.tokens_sent += len(token_ids)
     state.done = c.finish_reason is not None
     return text, token_ids, logprobs
+
+
+def _tool_calls(body: api.ChatCompletionRequest, c: CompletionOutput) -> tuple[str | None, list]:
+    """(content, tool calls) of a finished chat choice, as its tool_choice reads it."""
+    mode = body.tool_mode
+    calls = None
+    if mode == "required" and c.finish_reason == "stop":
+        calls = parse_required(c.text)
+    elif mode == "named" and c.finish_reason == "stop":
+        calls = parse_named(body.tool_choice.function.name, c.text)
+    elif mode == "auto":
+        return parse_hermes(c.text, {tool.function.name for tool in body.tools})
+    return (None, calls) if calls else (c.text, [])
+
+
+def _api_call(call: Call, index: int | None = None) -> api.ToolCall:
+    function = api.FunctionCall(name=call.name, arguments=call.arguments)
+    if index is None:
+        return api.ToolCall(id=call_id(), function=function)
+    return api.DeltaToolCall(index=index, id=call_id(), function=function)
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:

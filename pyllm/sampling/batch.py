@@ -25,6 +25,8 @@ class SamplingRow:
     num_output_tokens: int
     # Stable for the sequence's whole life: the key of its seeded generator.
     key: Hashable
+    # Structured output: the sequence's grammar matcher (structured.py), else None.
+    matcher: object = None
 
     @property
     def output_token_ids(self) -> list[int]:

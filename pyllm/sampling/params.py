@@ -8,6 +8,10 @@ ParamError naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyllm.sampling.structured import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 
@@ -56,6 +60,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
+    # Constrained decoding: a JSON schema, regex, choice or grammar (structured.py); a
+    # dict is read as StructuredOutput's fields.
+    structured_output: StructuredOutput | dict | None = None
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -84,6 +92,28 @@ class SamplingParams:
         self._validate_distribution()
         self._validate_penalties()
         self._validate_samples()
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        from pyllm.sampling.structured import StructuredOutput
+
+        spec = self.structured_output
+        if spec is None:
+            return
+        if isinstance(spec, dict):
+            try:
+                spec = self.structured_output = StructuredOutput(**spec)
+            except TypeError as error:  # an unknown key
+                raise ParamError(f"structured_output: {error}", "structured_output") from None
+        if not isinstance(spec, StructuredOutput):
+            raise ParamError(
+                f"structured_output must be a StructuredOutput or dict, got {type(spec).__name__}",
+                "structured_output",
+            )
+        # Both would forbid the end-of-sequence token where the grammar needs it.
+        if self.ignore_eos or self.min_tokens:
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise ParamError(f"{name} cannot be combined with structured_output", name)
 
     def _validate_stopping(self) -> None:
         if self.max_tokens is not None:

@@ -1,7 +1,8 @@
 """The sampler: one batched pass from a step's logits [num_seqs, vocab] to one token per
 sequence, each row shaped by its own SamplingParams, in vLLM's order:
 
-1. logits processing: bias, min_tokens mask, penalties (penalties.py);
+1. logits processing: the grammar masks of structured output (structured.py), bias,
+   min_tokens mask, penalties (penalties.py);
 2. greedy rows take the argmax, the others temperature, then the top-k, top-p and min-p
    cuts (cuts.py);
 3. one uniform number per row picks a token by inverse CDF (draw.py), from the request's
@@ -30,6 +31,7 @@ from pyllm.sampling.logprobs import Logprobs, sampled_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.penalties import apply_penalties, penalize, restore
 from pyllm.sampling.select import first_argmax
+from pyllm.sampling.structured import mask_logits
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         self._check_logits(logits, batch)
+        # Grammar masks stay in the logits: logprobs then describe what could be drawn.
+        self._mask_by_grammar(logits, batch)
         # Penalties go into the caller's logits in place and are undone before returning
         # (logprobs then read the raw logits): it saves copying the whole tensor.
         undo: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -111,10 +115,17 @@ class Sampler:
                 put_rows(token_ids, rows, inverse_cdf(weights, take_rows(uniforms, rows)))
         return token_ids
 
+    def _mask_by_grammar(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        rows = [i for i, row in enumerate(batch) if row.matcher is not None]
+        if rows:
+            mask_logits(logits, rows, [batch[i].matcher for i in rows], self.eos_token_ids)
+
     def distribution(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The probabilities [num_seqs, vocab] each sequence would draw from this step
         (one-hot for greedy ones), without drawing: for tests and debugging."""
         self._check_logits(logits, batch)
+        logits = logits.clone()
+        self._mask_by_grammar(logits, batch)
         processed = apply_penalties(logits, batch, self.eos_token_ids)
         probs = torch.zeros_like(logits)
         greedy, sampled = split_greedy(batch)

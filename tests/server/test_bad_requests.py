@@ -86,7 +86,12 @@ CASES = [
     Case("seed beyond 64 bits", 400, "seed", body=chat(seed=2**70)),
     Case("stream a string", 400, "stream", body=chat(stream="yes")),
     Case("stream_options without stream", 400, "stream_options", body=chat(stream_options={"include_usage": True})),  # noqa: E501
-    Case("tools", 400, "tools", body=chat(tools=[{"type": "function", "function": {"name": "f"}}])),
+    Case("tool without a name", 400, "tools[0].function.name", body=chat(tools=[{"type": "function", "function": {}}])),  # noqa: E501
+    Case("tool_choice without tools", 400, "tool_choice", body=chat(tool_choice="required")),
+    Case("tool_choice unknown function", 400, "tool_choice", body=chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}})),  # noqa: E501
+    Case("response_format unknown type", 400, "response_format.type", body=chat(response_format={"type": "xml"})),  # noqa: E501
+    Case("json_schema without schema object", 400, "response_format.json_schema", body=chat(response_format={"type": "json_schema"})),  # noqa: E501
+    Case("two structured fields", 400, "guided_regex", body=chat(guided_json={"type": "object"}, guided_regex="a+")),  # noqa: E501
     # Prompts.
     Case("empty prompt", 400, "prompt", COMPLETIONS, completion(prompt="")),
     Case("empty prompt list", 400, "prompt", COMPLETIONS, completion(prompt=[])),

@@ -19,8 +19,7 @@ def export_hf_tokenizer(
     """Writes tokenizer.json and tokenizer_config.json into `directory` (made if missing);
     returns their paths. transformers.AutoTokenizer.from_pretrained(directory) then
     encodes, decodes and renders chats as this tokenizer does."""
-    fast = tokenizer.fast_tokenizer
-    if fast is None:
+    if tokenizer.fast_tokenizer is None:
         raise ValueError(
             "this tokenizer is a SentencePiece tokenizer.model, already in HF's format: "
             "point the tool at the model's own directory"
@@ -42,18 +41,28 @@ def export_hf_tokenizer(
     config = {k: v for k, v in config.items() if v is not None}
     json_path = os.path.join(directory, "tokenizer.json")
     config_path = os.path.join(directory, "tokenizer_config.json")
+    with open(json_path, "w", encoding="utf-8") as f:
+        f.write(hf_tokenizer_json(tokenizer))
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    return [json_path, config_path]
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """The tokenizer as a HF tokenizer.json document (for files, and for libraries that
+    take one, such as llguidance)."""
+    fast = tokenizer.fast_tokenizer
+    if fast is None:
+        raise ValueError("a SentencePiece tokenizer.model has no tokenizer.json form")
     try:
-        fast.save(json_path)
+        return fast.to_str()
     except Exception:  # a Python decoder (GGUF SentencePiece vocabularies): not serializable
         original = fast.decoder
         fast.decoder = _hf_sentencepiece_decoder(tokenizer)
         try:
-            fast.save(json_path)
+            return fast.to_str()
         finally:
             fast.decoder = original
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-    return [json_path, config_path]
 
 
 def _hf_sentencepiece_decoder(tokenizer: Tokenizer) -> decoders.Decoder:
