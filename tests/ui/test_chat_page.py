@@ -17,7 +17,9 @@ from tests.server.conftest import REPO_ROOT, read_metrics, start_server, stop_se
 CHROMIUM = shutil.which("chromium")
 if CHROMIUM is None:
     pytest.skip("no chromium: apt-get install -y chromium", allow_module_level=True)
-playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+playwright = pytest.importorskip(
+    "playwright.sync_api", reason="no playwright: pip install playwright"
+)
 expect = playwright.expect
 
 DESKTOP = {"width": 1280, "height": 800}

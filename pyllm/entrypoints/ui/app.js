@@ -113,10 +113,12 @@ function showError(bubble, message) {
   bubble.body.append(p);
 }
 
-// Keep the newest text in view unless the reader has scrolled up.
-function follow() {
+// Runs update(), then keeps the newest text in view unless the reader had scrolled up.
+function follow(update) {
   const c = $("conversation");
-  if (c.scrollHeight - c.scrollTop - c.clientHeight < 80) c.scrollTop = c.scrollHeight;
+  const atEnd = c.scrollHeight - c.scrollTop - c.clientHeight < 80;
+  update();
+  if (atEnd) c.scrollTop = c.scrollHeight;
 }
 
 // ------------------------------------------------------------------ chat
@@ -168,16 +170,16 @@ async function send() {
   const text = $("prompt").value;
   if (!text.trim() || state.controller) return;
   $("prompt").value = "";
-  renderText(addBubble("user").body, text);
   const history = state.messages;  // New chat replaces it: a late reply must not leak in
   history.push({ role: "user", content: text });
 
+  renderText(addBubble("user").body, text);
   const bubble = addBubble("assistant");
   bubble.root.classList.add("streaming");
+  $("conversation").scrollTop = $("conversation").scrollHeight;  // one's own message
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
-  follow();
 
   const started = performance.now();
   let firstAt = null;
@@ -207,27 +209,28 @@ async function send() {
         if (firstAt === null) firstAt = performance.now();
         reply += delta.content;
         chunks += 1;
-        renderText(bubble.body, reply);
-        follow();
+        follow(() => renderText(bubble.body, reply));
       }
     });
   } catch (error) {
     if (error.name === "AbortError") stopped = true;
     else showError(bubble, error.message);
   } finally {
+    controller.abort();  // a no-op, unless an error event left the stream unread
     if (reply) history.push({ role: "assistant", content: reply });
     const notes = stopped ? ["stopped"] : [];
     if (firstAt !== null) {
       const tokens = usage ? usage.completion_tokens : chunks;
       notes.push(stats(tokens, started, firstAt, performance.now()));
     }
-    bubble.stats.textContent = notes.join(" · ");
-    bubble.root.classList.remove("streaming");
+    follow(() => {
+      bubble.stats.textContent = notes.join(" · ");
+      bubble.root.classList.remove("streaming");
+    });
     if (state.controller === controller) {
       state.controller = null;
       setBusy(false);
     }
-    follow();
   }
 }
 
