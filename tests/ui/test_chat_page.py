@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 
 import httpx
 import pytest
@@ -83,7 +84,6 @@ def open_page(browser, server, viewport=DESKTOP, key: str | None = None, mobile=
         yield page
         assert page.evaluate("window.__violations") == []
         assert errors == []
-        assert server.process.poll() is None, f"the server died:\n{server.log_tail()}"
     finally:
         context.close()
 
@@ -93,6 +93,7 @@ def page(browser, server):
     with open_page(browser, server, key=server.api_key) as opened:
         expect(opened.locator("#model")).to_contain_text(server.model)
         yield opened
+    assert server.process.poll() is None, f"the server died:\n{server.log_tail()}"
 
 
 def send(page, prompt: str, max_tokens: int | str = "", temperature: float = 0.0):
@@ -254,6 +255,23 @@ def test_api_key_is_asked_for_and_kept(browser, server):
         page.reload()  # kept for the tab: not asked again
         expect(page.locator("#model")).to_contain_text(server.model)
         expect(page.locator("#key-form")).to_be_hidden()
+
+
+def test_without_a_key_it_just_works_and_shows_a_stream_error(browser, tmp_path):
+    # --shutdown-timeout 0: on SIGTERM a running stream ends at once with an error event
+    # before [DONE], which the page must show.
+    started = start_server(tmp_path, ["--shutdown-timeout", "0"], api_key=None)
+    try:
+        with open_page(browser, started) as page:
+            expect(page.locator("#model")).to_contain_text(started.model)
+            expect(page.locator("#key-form")).to_be_hidden()
+            reply = send(page, "Write a long story about a lighthouse keeper.", max_tokens=1000)
+            wait_for_reply_text(page, 40)
+            started.process.send_signal(signal.SIGTERM)
+            expect(reply.locator(".error")).to_have_text("the server is shutting down")
+            expect(page.locator("#send")).to_be_visible()
+    finally:
+        stop_server(started.process)
 
 
 # ------------------------------------------------------------------ serving
