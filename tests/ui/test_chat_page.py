@@ -34,7 +34,7 @@ CSP = (
     "frame-ancestors 'none'"
 )
 # Before the page's own script: records CSP violations (an inline script or style, an
-# injected event handler) and uncaught errors, checked when the page is closed.
+# injected event handler), checked when the page is closed.
 WATCH = """
 window.__violations = [];
 document.addEventListener("securitypolicyviolation",
