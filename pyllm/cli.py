@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_seqs_per_request=args.max_seqs_per_request,
         shutdown_timeout=args.shutdown_timeout,
+        ui=not args.no_ui,
     )
     return 0
 
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
         "ended (new ones get 503 meanwhile)",
+    )
+    serve.add_argument(
+        "--no-ui", action="store_true", help="do not serve the chat page at / (then 404)"
     )
     _engine_arguments(serve)
     serve.set_defaults(handler=_serve)

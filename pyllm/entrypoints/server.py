@@ -3,6 +3,7 @@
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
     GET  /v1/models, GET /health, GET /metrics
     POST /tokenize, POST /detokenize, GET /version    (vLLM's)
+    GET  /                                            (a chat page, chat_ui.py)
 
 A request is parsed, checked, tokenized and validated against the engine in its
 handler, before anything reaches the engine, so every client mistake is a 4xx in
@@ -39,6 +40,7 @@ from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints.chat_ui import add_chat_ui
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.tool_calls import (
@@ -932,11 +934,13 @@ def create_app(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
+    ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
     stops the engine thread. `allowed_origins`: the browser origins allowed to call it
     (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
-    (prompts x n, or best_of if larger) one request may ask for."""
+    (prompts x n, or best_of if larger) one request may ask for. `ui`: serve the chat
+    page at /."""
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
@@ -949,6 +953,8 @@ def create_app(
     _add_error_handlers(app)
     _add_status_routes(app, engine, metrics)
     _add_api_routes(app, serving)
+    if ui:
+        add_chat_ui(app)
     _add_openapi_schemas(app)
     # Outermost last: the size check runs before authentication reads anything.
     if api_key:
@@ -1215,6 +1221,7 @@ def run_server(
     allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     shutdown_timeout: float = 30.0,
+    ui: bool = True,
 ) -> None:
     """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
     says."""
@@ -1236,9 +1243,12 @@ def run_server(
         api_key=api_key,
         allowed_origins=allowed_origins,
         max_seqs_per_request=max_seqs_per_request,
+        ui=ui,
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
+    if ui:
+        logger.info("chat page: http://%s:%d/", host, port)
     server_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S
     )

@@ -38,7 +38,7 @@ SERVER_ARGS = [
 @dataclass
 class Server:
     base_url: str
-    api_key: str
+    api_key: str | None
     model: str
     max_model_len: int
     process: subprocess.Popen
@@ -69,14 +69,16 @@ def _wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()}")
 
 
-def start_server(log_dir: Path, extra_args: list[str] = (), api_key: str = API_KEY) -> Server:
+def start_server(
+    log_dir: Path, extra_args: list[str] = (), api_key: str | None = API_KEY
+) -> Server:
     """A `pyllm serve` process with SERVER_ARGS (+ extra_args), healthy; stop it with
-    stop_server."""
+    stop_server. `api_key` None: a server without one."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = log_dir / "server.log"
     command = [sys.executable, "-m", "pyllm", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--api-key", api_key, *SERVER_ARGS, *extra_args]
+    command += [*(["--api-key", api_key] if api_key else []), *SERVER_ARGS, *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYLLM_API_KEY", None)
     with open(log_path, "wb") as log:
@@ -85,7 +87,7 @@ def start_server(log_dir: Path, extra_args: list[str] = (), api_key: str = API_K
         )
     try:
         _wait_until_healthy(process, base_url, log_path)
-        headers = {"Authorization": f"Bearer {api_key}"}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         card = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]
     except BaseException:
         stop_server(process)
