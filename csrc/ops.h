@@ -115,7 +115,12 @@ namespace pyllm {
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
       const at::Tensor& query_start_loc, int64_t max_query_len,               \
-      int64_t sliding_window);
+      int64_t sliding_window);                                                \
+                                                                               \
+  /* Structured output: logits[rows[i], t] = -inf where bit t % 32 of         \
+     bitmask[i, t / 32] is 0 (and past the mask's words). */                  \
+  void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask,    \
+                           const at::Tensor& rows);
 
 // The same set of functions, once for each device the library is built for.
 namespace cpu {

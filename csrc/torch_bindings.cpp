@@ -88,6 +88,9 @@ TORCH_LIBRARY(pyllm, m) {
       " Tensor? bias) -> ()");
   m.def("dequantize_rows(Tensor(a!) out, Tensor qweight, int qtype, Tensor? rows) -> ()");
 
+  // Sampling: the grammar masks of structured output (sampling/).
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+
   // Build facts Python reads back.
   m.def("partition_size() -> int", []() -> int64_t { return pyllm::kPartitionSize; });
   m.def("supported_head_sizes() -> int[]", []() { return pyllm::as_vector(pyllm::kHeadSizes); });
@@ -123,7 +126,8 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("dequantize_rows", &pyllm::ns::dequantize_rows);             \
   m.impl("write_kv_contiguous", &pyllm::ns::write_kv_contiguous);     \
   m.impl("contiguous_attention_decode", &pyllm::ns::contiguous_attention_decode); \
-  m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill);
+  m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill); \
+  m.impl("apply_token_bitmask", &pyllm::ns::apply_token_bitmask);
 
 TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
 

@@ -74,6 +74,7 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "TOKEN_TILE",
     "allocate_kv_cache",
+    "apply_token_bitmask",
     "contiguous_attention_decode",
     "contiguous_attention_prefill",
     "copy_blocks",
@@ -598,3 +599,20 @@ def contiguous_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
         query_start_loc, max_query_len, sliding_window,
     )  # fmt: skip
+
+
+# Sampling.
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place, the grammar masks of structured output: ``logits[rows[i], t] = -inf``
+    wherever bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0, and for the tokens past
+    the mask's words.
+
+    logits: ``[num_seqs, vocab_size]`` with packed rows; bitmask: int32
+    ``[num_masked_rows, ceil(vocab_size / 32)]`` (llguidance's and xgrammar's layout),
+    contiguous; rows: int64 ``[num_masked_rows]``, the logits row of each mask; all on
+    logits' device. On CUDA the row ids are not checked against num_seqs.
+    """
+    _check_args(_C.apply_token_bitmask, logits=logits, bitmask=bitmask, rows=rows)
+    _C.apply_token_bitmask(logits, bitmask, rows)

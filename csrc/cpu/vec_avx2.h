@@ -171,6 +171,17 @@ struct Vec16 {
     return {_mm256_blendv_ps(f, lo, lanes_below(n, 0.0f)),
             _mm256_blendv_ps(f, hi, lanes_below(n, 8.0f))};
   }
+  // Lanes whose bit (lane i: bit i) is 0 become `fill`.
+  Vec16 keep_bits(uint32_t bits, float fill) const {
+    const __m256i lane_bits_lo = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i lane_bits_hi = _mm256_slli_epi32(lane_bits_lo, 8);
+    const __m256i b = _mm256_set1_epi32(static_cast<int>(bits));
+    const __m256 f = _mm256_set1_ps(fill);
+    const __m256i keep_lo = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bits_lo), lane_bits_lo);
+    const __m256i keep_hi = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bits_hi), lane_bits_hi);
+    return {_mm256_blendv_ps(f, lo, _mm256_castsi256_ps(keep_lo)),
+            _mm256_blendv_ps(f, hi, _mm256_castsi256_ps(keep_hi))};
+  }
   // Lanes where a > b become `fill` (a select, as keep_first).
   Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
     const __m256 f = _mm256_set1_ps(fill);

@@ -97,6 +97,10 @@ struct Vec16 {
     __mmask16 keep = n >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n > 0 ? n : 0)) - 1);
     return {_mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), v)};
   }
+  // Lanes whose bit (lane i: bit i) is 0 become `fill`.
+  Vec16 keep_bits(uint32_t bits, float fill) const {
+    return {_mm512_mask_blend_ps(__mmask16(bits & 0xFFFF), _mm512_set1_ps(fill), v)};
+  }
 
   // Lanes where a > b become `fill` (a select, as keep_first).
   Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {

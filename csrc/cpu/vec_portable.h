@@ -81,6 +81,11 @@ struct Vec16 {
     for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? v[i] : fill;
     return r;
   }
+  Vec16 keep_bits(uint32_t bits, float fill) const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = (bits >> i) & 1u ? v[i] : fill;
+    return r;
+  }
   Vec16 keep_where_le(Vec16 a, Vec16 b, float fill) const {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] <= b.v[i] ? v[i] : fill;

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pyllm import ops
 from pyllm.sampling.params import ParamError
 
 # A spec larger than this is refused before compiling: real schemas are a few KiB, and
@@ -203,8 +204,9 @@ _executor = None  # llguidance's thread pool for filling masks, made on first us
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, eos_ids) -> None:
     """Sets logits[rows[i], t] = -inf for every token t that matchers[i] does not allow
-    next: the masks are filled in parallel, then applied to all rows at once. A matcher
-    in error (a grammar past the parser's limits mid-way) allows only end-of-sequence."""
+    next: the masks are filled in parallel, then applied to all rows at once by one
+    kernel (ops.apply_token_bitmask). A matcher in error (a grammar past the parser's
+    limits mid-way) allows only end-of-sequence."""
     global _executor
     import llguidance
     import llguidance.torch as llg_torch
@@ -221,9 +223,9 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, eos_ids) 
             bitmask[i] = 0
             for t in eos_ids:
                 bitmask[i, t // 32] |= _BITS[t % 32]
-    allowed = (bitmask.unsqueeze(-1) & _BITS).ne(0).view(len(matchers), -1)[:, :vocab]
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    device = logits.device
+    rows_tensor = torch.tensor(rows, dtype=torch.int64, device=device)
+    ops.apply_token_bitmask(logits, bitmask.to(device), rows_tensor)
 
 
 # Bit b of a mask word: 1 << b as int32 (bit 31 is the sign bit; & works all the same).

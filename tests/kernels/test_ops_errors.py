@@ -166,6 +166,13 @@ def valid_dequantize_rows():
     )  # fmt: skip
 
 
+def valid_apply_token_bitmask():
+    return dict(
+        logits=torch.randn(4, 70), bitmask=torch.zeros(2, 3, dtype=torch.int32),
+        rows=torch.tensor([3, 0]),
+    )  # fmt: skip
+
+
 def valid_quant_row_bytes():
     return dict(qtype=Q4_K, in_features=512)
 
@@ -237,6 +244,7 @@ VALID = {
     "packed_linear_vectorized": valid_packed_linear_vectorized,
     "quant_linear": valid_quant_linear,
     "dequantize_rows": valid_dequantize_rows,
+    "apply_token_bitmask": valid_apply_token_bitmask,
     "quant_row_bytes": valid_quant_row_bytes,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
@@ -928,6 +936,19 @@ CASES += [
         ("rows_out_of_range", {"rows": torch.tensor([0, 8, 1])}, ValueError, "rows"),
         ("rows_negative", {"rows": torch.tensor([0, -1, 1])}, ValueError, "rows"),
         ("no_rows_row_count", {"rows": None}, ValueError, "out"),
+    ),
+    *cases_for(
+        "apply_token_bitmask",
+        ("logits_float64", {"logits": lambda a: a["logits"].double()}, TypeError, "logits"),
+        ("logits_1d", {"logits": torch.randn(70)}, ValueError, "logits"),
+        ("logits_not_packed", {"logits": torch.randn(70, 4).t()}, ValueError, "logits"),
+        ("bitmask_int64", {"bitmask": lambda a: a["bitmask"].long()}, TypeError, "bitmask"),
+        ("bitmask_1d", {"bitmask": torch.zeros(3, dtype=torch.int32)}, ValueError, "bitmask"),
+        ("bitmask_on_meta", {"bitmask": lambda a: on_meta(a["bitmask"])}, ValueError, "bitmask"),
+        ("rows_int32", {"rows": lambda a: a["rows"].int()}, TypeError, "rows"),
+        ("rows_length", {"rows": torch.tensor([0])}, ValueError, "rows"),
+        ("rows_out_of_range", {"rows": torch.tensor([0, 4])}, IndexError, "rows"),
+        ("rows_negative", {"rows": torch.tensor([-1, 0])}, IndexError, "rows"),
     ),
     *cases_for(
         "quant_row_bytes",
