@@ -240,3 +240,38 @@ def test_catastrophic_regex_is_served_in_bounded_time(client, server):
     assert time.perf_counter() - start < 30
     text = completion.choices[0].text
     assert re.fullmatch("(a|aa)*b", text) or completion.choices[0].finish_reason == "length"
+
+
+# With tool_choice "auto" the model writes calls in its own format. SmolLM2 has none,
+# so a regex makes it write a Hermes-style call: what a model like Qwen2 writes itself.
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "c"\}\}</tool_call>'  # noqa: E501
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_models_own_tool_calls(client, server, stream):
+    response = client.chat.completions.create(
+        model=server.model, messages=_messages("Weather in Paris?"), tools=[WEATHER, TIME],
+        temperature=0, max_tokens=64, stream=stream, extra_body={"guided_regex": HERMES_CALL},
+    )  # fmt: skip
+    if stream:
+        chunks = list(response)
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        assert not "".join(d.content or "" for d in deltas)  # held back, never sent as text
+        calls = [c for d in deltas for c in d.tool_calls or []]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        message = response.choices[0].message
+        assert message.content is None
+        calls, finish = message.tool_calls, response.choices[0].finish_reason
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+
+
+def test_auto_streams_plain_answers_as_text(client, server):
+    stream = client.chat.completions.create(
+        model=server.model, messages=_messages("Say hello."), tools=[WEATHER],
+        temperature=0, max_tokens=16, stream=True,
+    )  # fmt: skip
+    texts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 1  # streamed as it came, once clearly not a tool call
