@@ -10,19 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pyllm.sampling.errors import ParamError
+
 if TYPE_CHECKING:
     from pyllm.sampling.structured import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
-
-
-class ParamError(ValueError):
-    """A bad value of one SamplingParams field (or "prompt"), named by `param`, so that a
-    caller can point at it without reading the message."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)

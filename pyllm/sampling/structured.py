@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pyllm import ops
-from pyllm.sampling.params import ParamError
+from pyllm.sampling.errors import ParamError
 
 # A spec larger than this is refused before compiling: real schemas are a few KiB, and
 # the compile time of a hostile one grows with its size.

@@ -1,0 +1,13 @@
+"""ParamError: a bad request parameter, named. Its own module so that params.py and
+structured.py, which validate each other's parts, both import it."""
+
+from __future__ import annotations
+
+
+class ParamError(ValueError):
+    """A bad value of one SamplingParams field (or "prompt"), named by `param`, so that a
+    caller can point at it without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
