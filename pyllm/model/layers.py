@@ -260,6 +260,8 @@ class Linear(nn.Module):
         self.word_weight: torch.Tensor | None = None  # pyllm's word-packed copy
         self.packed_weight: torch.Tensor | None = None  # oneDNN's packed copy
         self.qparts: list[QuantPart] | None = None  # GGUF blocks, by output range
+        # Row-parallel (tensor parallelism): sums the ranks' partial outputs.
+        self.reduce = None
 
     def set_quantized(self, parts: list[QuantPart]) -> None:
         """Keeps W as quantized parts covering all output features (the float W goes)."""
@@ -275,6 +277,10 @@ class Linear(nn.Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        return out if self.reduce is None else self.reduce(out)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qparts is not None:
             return quant_linear(x, self.qparts, self.bias, self.out_features)
         if self.word_weight is not None:

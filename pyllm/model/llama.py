@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm.distributed.parallel import Shard, shard_config
 from pyllm.kv_cache import KVArena, allocate_kv_cache
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
 from pyllm.model.layers import (
@@ -68,11 +69,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, layer_cls: type[nn.Module]) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype, device, layer_cls: type[nn.Module], vocab_rows: int
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            vocab_rows, config.hidden_size, dtype=dtype, device=device
         )
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
         self.embed_tokens.qpart: QuantPart | None = None
@@ -92,9 +95,11 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        tp=None,
     ) -> None:
         """max_model_len bounds the positions (and the rotary table); it defaults to
-        and may not exceed config.max_position_embeddings."""
+        and may not exceed config.max_position_embeddings. tp: a
+        pyllm.distributed.parallel.TensorParallelGroup, to build this rank's shard."""
         super().__init__()
         if dtype not in ops.SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is not supported; supported: {ops.SUPPORTED_DTYPES}")
@@ -107,9 +112,20 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = resolve_max_model_len(config, max_model_len)
-        self.model = LlamaModel(config, dtype, device, self.layer_cls)
+        self.tp = tp
+        self.shard = tp.shard if tp is not None else Shard()
+        # Attention and MLP shapes of this rank (the whole model's without tp).
+        self.local_config = shard_config(config, self.shard)
+        # The vocabulary rows this rank holds (embedding and LM head), padded to an even
+        # share: rows past the vocabulary stay zero and their logits are cut.
+        self.vocab_range, vocab_rows = self.shard.padded_split(config.vocab_size)
+        self.model = LlamaModel(self.local_config, dtype, device, self.layer_cls, vocab_rows)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
+        if tp is not None:
+            for name, module in self.named_modules():
+                if name.endswith((".o_proj", ".down_proj")):
+                    module.reduce = tp.all_reduce
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
         # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in
         # the layout of the projections (layers.Linear.pack).
@@ -147,6 +163,22 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens.weight = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._scale(self._lookup(input_ids))
+        # Vocabulary-parallel: each rank looks up the ids in its range, zeros the rest,
+        # and the sum over ranks is every row.
+        local = input_ids - self.vocab_range.start
+        outside = (local < 0) | (local >= len(self.vocab_range))
+        out = self._lookup(local.masked_fill(outside, 0))
+        out.masked_fill_(outside[:, None], 0)
+        return self._scale(self.tp.all_reduce(out))
+
+    def _scale(self, out: torch.Tensor) -> torch.Tensor:
+        if self.embed_scale is not None:
+            out.mul_(self.embed_scale)
+        return out
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         part = self.model.embed_tokens.qpart
         if part is None:
             out = F.embedding(input_ids, self.model.embed_tokens.weight)
@@ -155,8 +187,6 @@ class LlamaForCausalLM(nn.Module):
                 input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device
             )
             _C.dequantize_rows(out, part.qweight, part.qtype, input_ids)
-        if self.embed_scale is not None:
-            out.mul_(self.embed_scale)
         return out
 
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
@@ -205,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
             self.validate_step(input_ids, positions, attn_metadata, kv_caches)
         workspace = v2_workspace(
             attn_metadata,
-            self.config.num_attention_heads,
+            self.local_config.num_attention_heads,
             self.config.head_dim,
             self.dtype,
             self.device,
@@ -227,15 +257,23 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(
         self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Float32 logits [N, vocab_size] for hidden[logits_indices] (all rows if None)."""
+    ) -> torch.Tensor | None:
+        """Float32 logits [N, vocab_size] for hidden[logits_indices] (all rows if None).
+        Tensor-parallel: gathered on rank 0; other ranks get None."""
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
+        logits = self._local_logits(hidden)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_columns(logits, self.config.vocab_size)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of this rank's vocabulary rows."""
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
         part = self.model.embed_tokens.qpart
         if part is not None:
-            return quant_linear(hidden, [part], None, self.config.vocab_size).float()
+            return quant_linear(hidden, [part], None, part.stop - part.start).float()
         if self.tied_lm_head_words is not None:
             return packed_linear(hidden, self.tied_lm_head_words).float()
         if takes_small_batch_path(hidden):
@@ -254,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> None:
         """The checks pyllm.ops would make per op, made once for the whole step."""
-        config = self.config
+        config = self.local_config
         if len(kv_caches) != config.num_hidden_layers:
             raise ValueError(
                 f"kv_caches has {len(kv_caches)} layers, the model {config.num_hidden_layers}"
@@ -305,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
     def allocate_kv_arena(self, max_num_seqs: int) -> KVArena:
         """A virtual KV arena (contiguous cache) with one slot of max_model_len tokens per
         sequence; nothing is committed until a slot is."""
-        config = self.config
+        config = self.local_config
         return KVArena(
             config.num_hidden_layers,
             max_num_seqs,
@@ -318,7 +356,9 @@ class LlamaForCausalLM(nn.Module):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
         """One (key_cache, value_cache) pair per layer, in the model's dtype and device."""
-        return allocate_kv_caches(self.config, num_blocks, block_size, self.dtype, self.device)
+        return allocate_kv_caches(
+            self.local_config, num_blocks, block_size, self.dtype, self.device
+        )
 
 
 def allocate_kv_caches(

@@ -33,22 +33,26 @@ def load_model(
     max_model_len: int | None = None,
     pack_weights: bool = True,
     quantization: str | None = "auto",
+    tp=None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds and fills a model from an HF folder (config.json + *.safetensors) or a
     .gguf file; returns it and its config. pack_weights: on the CPU, hand the
     projection weights to oneDNN in its packed layout (LlamaForCausalLM.pack_weights).
     quantization: "auto" keeps a GGUF file's quantized weights in their blocks, "none"
-    (or None) widens them to dtype (EngineConfig.QUANTIZATION_MODES)."""
+    (or None) widens them to dtype (EngineConfig.QUANTIZATION_MODES). tp: a
+    TensorParallelGroup, to load only this rank's shard (pyllm.distributed)."""
     path = os.fspath(path)
     quantization = "none" if quantization is None else quantization
     if os.path.isfile(path) and path.endswith(".gguf"):
         from pyllm.model.loader_gguf import load_gguf
 
-        model = load_gguf(path, dtype, device, max_model_len, keep_quantized=quantization == "auto")
+        model = load_gguf(
+            path, dtype, device, max_model_len, keep_quantized=quantization == "auto", tp=tp
+        )
     elif os.path.isdir(path):
         config = ModelConfig.from_hf_dir(path)
         model_cls = model_class(config.architecture)
-        model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len)
+        model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len, tp)
         load_safetensors(model, path)
         if quantization not in ("auto", "none"):
             quantize_linears(model, quantization)

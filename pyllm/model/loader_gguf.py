@@ -96,9 +96,7 @@ def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def hf_names(
-    config: ModelConfig, slots: dict[str, torch.Tensor], tensors: dict[str, GGUFTensor]
-) -> dict[str, str]:
+def hf_names(config: ModelConfig, slots: dict, tensors: dict[str, GGUFTensor]) -> dict[str, str]:
     """llama.cpp tensor name -> HF name for this model, from gguf's own tables
     (gguf.get_tensor_name_map): of the HF names gguf lists for a tensor of the
     architecture, the slot of the model with the tensor's shape (Phi-3's ffn_up is
@@ -114,7 +112,7 @@ def hf_names(
             if hf not in slots:
                 continue
             tensor = tensors.get(name)
-            if name not in names or (tensor and tuple(slots[hf].shape) == tensor.shape):
+            if name not in names or (tensor and slots[hf].full_shape == tensor.shape):
                 names[name] = hf
     return names
 
@@ -134,15 +132,17 @@ def load_gguf(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     keep_quantized: bool = True,
+    tp=None,
 ) -> LlamaForCausalLM:
     """The model of a GGUF file. keep_quantized: projection and embedding weights of the
     types ops.QUANT_TYPES lists stay in their blocks (read from the file straight into
     their one copy, never widened); other types, and everything with keep_quantized
-    False, are dequantized to the model's dtype as before."""
+    False, are dequantized to the model's dtype as before. tp: load this rank's shard
+    (pyllm.distributed.parallel)."""
     gguf_file = _open(path)
     config = _config(gguf_file, path)
     model_cls = model_class(config.architecture)
-    model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len)
+    model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len, tp)
     filler = WeightFiller(model, path)
     names = hf_names(config, filler.slots, gguf_file.tensors)
     quantized = _load_quantized(model, gguf_file, filler, names) if keep_quantized else set()
@@ -235,50 +235,100 @@ def _load_quantized(
                 continue
             if any(name + ".bias" in tensors for name in names) and module.bias is None:
                 continue  # the filler reports the unexpected bias
-            module.set_quantized(_read_parts(file, config, parts, module.in_features, model.device))
+            module.set_quantized(_read_parts(file, model, parts, module.in_features))
             for t in parts:
                 used.add(t.name)
                 filler.mark(hf_of[t.name])
         embedding = tensors.get("token_embd.weight")
         if _quantizable(embedding, config.hidden_size):
-            (part,) = _read_parts(file, config, [embedding], config.hidden_size, model.device)
+            (part,) = _read_parts(file, model, [embedding], config.hidden_size)
             model.set_quantized_embedding(part)
             used.add(embedding.name)
             filler.mark("model.embed_tokens.weight")
     return used
 
 
-def _read_parts(
-    file, config: ModelConfig, tensors: list[GGUFTensor], in_features: int, device
-) -> list:
+def _shard_rows(model: LlamaForCausalLM, tensor: GGUFTensor) -> tuple[list[range], int]:
+    """(row ranges of the file's tensor this rank reads, rows it allocates for them):
+    every row unsplit; a tensor-parallel rank its heads, MLP rows or vocabulary rows
+    (weights.weight_slots has the same rule for named float tensors)."""
+    config, shard = model.config, model.shard
+    rows = tensor.shape[0]
+    kind = tensor.name.split(".")[-2]
+    if shard.size == 1 or kind in ("attn_output", "ffn_down"):
+        return [range(rows)], rows
+    if kind in ("token_embd", "output"):
+        return [model.vocab_range], model.shard.padded_split(rows)[1]
+    d, inter = config.head_dim, config.intermediate_size
+    q = range(shard.split(config.num_attention_heads).start * d,
+              shard.split(config.num_attention_heads).stop * d)  # fmt: skip
+    heads = shard.kv_heads(config.num_key_value_heads)
+    kv = range(heads.start * d, heads.stop * d)
+    mlp = shard.split(inter)
+
+    def moved(r: range, by: int) -> range:
+        return range(r.start + by, r.stop + by)
+
+    ranges = {
+        "attn_q": [q],
+        "attn_k": [kv],
+        "attn_v": [kv],
+        "attn_qkv": [q, moved(kv, config.q_size), moved(kv, config.q_size + config.kv_size)],
+        "ffn_gate": [mlp],
+        "ffn_up": [mlp, moved(mlp, inter)] if rows == 2 * inter else [mlp],
+    }[kind]
+    return ranges, sum(len(r) for r in ranges)
+
+
+def _read_rows(file, tensor: GGUFTensor, ranges: list[range], dest: np.ndarray, cols: range):
+    """Reads the rows `ranges` of the tensor's blocks into dest, keeping the bytes
+    `cols` of each row (all of them unless a row-parallel rank's share)."""
+    row_bytes = tensor.nbytes // tensor.shape[0]
+    at = 0
+    for r in ranges:
+        whole = len(cols) == row_bytes
+        buffer = dest[at : at + len(r)] if whole else np.empty((len(r), row_bytes), np.uint8)
+        file.seek(tensor.offset + r.start * row_bytes)
+        if file.readinto(memoryview(buffer).cast("B")) != len(r) * row_bytes:
+            raise ValueError(f"{file.name}: tensor {tensor.name!r} is cut short")
+        if not whole:
+            dest[at : at + len(r)] = buffer[:, cols.start : cols.stop]
+        at += len(r)
+
+
+def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_features: int) -> list:
     """QuantParts for consecutive tensors (their rows one after another in the output),
-    each run of one type read from the file into one uint8 tensor."""
+    each run of one type read from the file into one uint8 tensor. in_features: the
+    layer's (a row-parallel rank's share of the tensor's columns)."""
     from pyllm.model.layers import QuantPart
 
+    config, shard = model.config, model.shard
     parts, start, i = [], 0, 0
     while i < len(tensors):
         run = [tensors[i]]
         while i + len(run) < len(tensors) and tensors[i + len(run)].type_id == run[0].type_id:
             run.append(tensors[i + len(run)])
-        rows = sum(t.shape[0] for t in run)
+        shares = [_shard_rows(model, t) for t in run]
+        rows = sum(n for _, n in shares)
         row_bytes = ops.quant_row_bytes(run[0].type_id, in_features)
-        qweight = torch.empty(rows, row_bytes, dtype=torch.uint8)
+        qweight = torch.zeros(rows, row_bytes, dtype=torch.uint8)
         at = 0
-        for t in run:
-            if t.shape != (t.shape[0], in_features):
+        for t, (ranges, n) in zip(run, shares, strict=True):
+            split_cols = t.shape[1] != in_features
+            if t.shape[1] != in_features * (shard.size if split_cols else 1):
                 raise ValueError(
                     f"{file.name}: tensor {t.name!r} has shape {t.shape}, expected "
-                    f"[rows, {in_features}]"
+                    f"[rows, {in_features * (shard.size if split_cols else 1)}]"
                 )
-            dest = qweight[at : at + t.shape[0]].numpy()
-            file.seek(t.offset)
-            if file.readinto(memoryview(dest).cast("B")) != t.nbytes:
-                raise ValueError(f"{file.name}: tensor {t.name!r} is cut short")
+            cols = range(row_bytes * (shard.rank if split_cols else 0),
+                         row_bytes * ((shard.rank if split_cols else 0) + 1))  # fmt: skip
+            dest = qweight[at : at + n].numpy()
+            _read_rows(file, t, ranges, dest, cols)
             heads = _permuted_heads(config, t.name)
             if heads:
-                dest[:] = unpermute_rows(dest, heads)
-            at += t.shape[0]
-        parts.append(QuantPart(qweight.to(device), run[0].type_id, start, start + rows))
+                dest[:] = unpermute_rows(dest, n // config.head_dim)
+            at += n
+        parts.append(QuantPart(qweight.to(model.device), run[0].type_id, start, start + rows))
         start += rows
         i += len(run)
     return parts

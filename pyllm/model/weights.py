@@ -1,9 +1,11 @@
 """Where each named checkpoint tensor goes in the model, shared by the safetensors and
-GGUF loaders."""
+GGUF loaders. A tensor-parallel rank takes its range of each split tensor
+(pyllm.distributed.parallel says which)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -13,28 +15,72 @@ from pyllm.model.llama import LlamaForCausalLM
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """HF tensor name -> the view of the model's parameter it fills, and each fused
-    parameter's name -> the names of its parts. The model's module names are HF's; q/k/v
-    are row ranges of qkv_proj, gate/up of gate_up_proj, and a checkpoint may hold
-    either the parts (most) or the fused tensor (Phi-3)."""
-    config = model.config
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    slots, fused = {}, {}
+@dataclass
+class Slot:
+    """The view a checkpoint tensor of shape `full_shape` fills: all of it, or (split)
+    the rows `take` of its dimension `dim`; `zero`: filled with zeros instead (the bias
+    of a row-parallel layer, which the ranks' sum must add once)."""
+
+    view: torch.Tensor
+    full_shape: tuple[int, ...]
+    dim: int | None = None
+    take: range | None = None
+    zero: bool = False
+
+
+def _head_rows(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, list[str]]]:
+    """HF tensor name -> its Slot, and each fused parameter's name -> the names of its
+    parts. The model's module names are HF's; q/k/v are row ranges of qkv_proj, gate/up
+    of gate_up_proj, and a checkpoint may hold either the parts (most) or the fused
+    tensor (Phi-3)."""
+    config, shard = model.config, model.shard
+    local = model.local_config
+    d = config.head_dim
+    q_rows = _head_rows(shard.split(config.num_attention_heads), d)
+    kv_rows = _head_rows(shard.kv_heads(config.num_key_value_heads), d)
+    inter_rows = shard.split(config.intermediate_size)
+    split = shard.size > 1
+    slots: dict[str, Slot] = {}
+    fused: dict[str, list[str]] = {}
     for name, param in model.named_parameters():
         prefix, _, kind = name.rpartition(".")
-        if prefix.endswith(".qkv_proj"):
-            base = prefix.removesuffix("qkv_proj")
-            parts = {"q_proj": param[:q], "k_proj": param[q : q + kv], "v_proj": param[q + kv :]}
-        elif prefix.endswith(".gate_up_proj"):
-            base = prefix.removesuffix("gate_up_proj")
-            parts = {"gate_proj": param[:inter], "up_proj": param[inter:]}
+        if prefix.endswith((".qkv_proj", ".gate_up_proj")):
+            if prefix.endswith(".qkv_proj"):
+                q, kv = local.q_size, local.kv_size
+                parts = {
+                    "q_proj": (param[:q], config.q_size, q_rows),
+                    "k_proj": (param[q : q + kv], config.kv_size, kv_rows),
+                    "v_proj": (param[q + kv :], config.kv_size, kv_rows),
+                }
+            else:
+                inter = local.intermediate_size
+                parts = {
+                    "gate_proj": (param[:inter], config.intermediate_size, inter_rows),
+                    "up_proj": (param[inter:], config.intermediate_size, inter_rows),
+                }
+            base = prefix.rpartition(".")[0] + "."
+            fused[name] = [f"{base}{part}.{kind}" for part in parts]
+            for part, (view, rows, take) in parts.items():
+                shape = (rows, *view.shape[1:])
+                slots[f"{base}{part}.{kind}"] = Slot(view, shape, 0 if split else None, take)
+            full = sum(rows for _, rows, _ in parts.values())
+            slots[name] = Slot(param, (full, *param.shape[1:]))
+        elif prefix.endswith((".o_proj", ".down_proj")) and split:
+            if kind == "bias":
+                slots[name] = Slot(param, tuple(param.shape), zero=shard.rank > 0)
+            else:
+                take = q_rows if prefix.endswith(".o_proj") else inter_rows
+                full = (param.shape[0], config.q_size if prefix.endswith(".o_proj") else
+                        config.intermediate_size)  # fmt: skip
+                slots[name] = Slot(param, full, 1, take)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight") and split:
+            slots[name] = Slot(param, (config.vocab_size, param.shape[1]), 0, model.vocab_range)
         else:
-            slots[name] = param
-            continue
-        fused[name] = [f"{base}{part}.{kind}" for part in parts]
-        slots.update({f"{base}{part}.{kind}": view for part, view in parts.items()})
-        slots[name] = param
+            slots[name] = Slot(param, tuple(param.shape))
     return slots, fused
 
 
@@ -59,19 +105,36 @@ class WeightFiller:
                 return
             raise ValueError(f"{where}: unexpected tensor {name!r} (not part of this model)")
         slot = self.slots[name]
-        if tuple(tensor.shape) != tuple(slot.shape):
+        if tuple(tensor.shape) != slot.full_shape:
             raise ValueError(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{tuple(slot.shape)}"
+                f"{slot.full_shape}"
             )
         if not tensor.is_floating_point():
             raise ValueError(
                 f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected a float type"
             )
+        if name in self.fused and slot.view.shape != slot.full_shape:
+            # A fused checkpoint tensor on a split model: each part takes its rows.
+            offset = 0
+            for part in self.fused[name]:
+                rows = self.slots[part].full_shape[0]
+                self.fill(part, tensor[offset : offset + rows], where, hf)
+                offset += rows
+            self.mark(name)
+            return
         if hf and self.norm_offset and name.endswith("norm.weight"):
             tensor = tensor.float() + self.norm_offset
         with torch.no_grad():
-            slot.copy_(tensor)
+            if slot.zero:
+                slot.view.zero_()
+            elif slot.dim is None:
+                slot.view.copy_(tensor)
+            else:
+                piece = tensor.narrow(slot.dim, slot.take.start, len(slot.take))
+                slot.view.narrow(slot.dim, 0, len(slot.take)).copy_(piece)
+                slot.view.narrow(slot.dim, len(slot.take),
+                                 slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
         self.mark(name)
 
     def mark(self, name: str) -> None:

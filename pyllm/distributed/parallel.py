@@ -1,0 +1,110 @@
+"""Which part of the model a rank holds (Megatron-style), and the collectives it needs.
+
+Column-parallel (each rank a range of output features): q/k/v and gate/up, the
+embedding and the LM head (vocabulary rows). Row-parallel (a range of input features,
+outputs summed by one all-reduce): o_proj and down_proj. Norms are replicated. With
+fewer KV heads than ranks each rank keeps the one KV head its query heads read, so
+KV heads are replicated (vLLM's rule: the rank count must then be a multiple of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerLostError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of the model: rank `rank` of `size` (size 1: all of it)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, n: int) -> range:
+        """The rank's even range of n (n divisible by size)."""
+        per = n // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def padded_split(self, n: int) -> tuple[range, int]:
+        """(the rank's range of n, rows it allocates): ceil(n / size) rows each, the last
+        rank's range cut at n (vocabularies need not divide)."""
+        per = -(-n // self.size)
+        start = min(n, self.rank * per)
+        return range(start, min(n, start + per)), per
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads)
+        head = self.rank * num_kv_heads // self.size
+        return range(head, head + 1)
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """Raises ValueError if the model cannot be split over `size` ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size
+    problems = []
+    if heads % size:
+        problems.append(f"num_attention_heads ({heads})")
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads ({kv}; or a multiple of it)")
+    if inter % size:
+        problems.append(f"intermediate_size ({inter})")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide {', '.join(problems)} of "
+            f"{config.source or 'the model'}"
+        )
+
+
+def shard_config(config, shard: Shard):
+    """The per-rank shapes of the attention and MLP layers."""
+    if shard.size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // shard.size,
+        num_key_value_heads=len(shard.kv_heads(config.num_key_value_heads)),
+        intermediate_size=config.intermediate_size // shard.size,
+    )
+
+
+class TensorParallelGroup:
+    """The ranks of one model. `group` carries the step's data with a bounded timeout;
+    `control` carries the command that starts a step, with none to speak of, since a
+    worker waits on it for as long as the engine is idle."""
+
+    def __init__(self, shard: Shard, group, control, device: torch.device) -> None:
+        self.shard, self.group, self.control, self.device = shard, group, control, device
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def gather_columns(self, local: torch.Tensor, width: int) -> torch.Tensor | None:
+        """Rank 0: the ranks' [N, per] pieces side by side, cut to `width` columns;
+        other ranks: None."""
+        local = local.contiguous()
+        if self.rank:
+            dist.gather(local, None, dst=0, group=self.group)
+            return None
+        pieces = [torch.empty_like(local) for _ in range(self.size)]
+        dist.gather(local, pieces, dst=0, group=self.group)
+        return torch.cat(pieces, dim=1)[:, :width]
