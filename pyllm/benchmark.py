@@ -7,7 +7,8 @@ pp N: c prompts of N random tokens, prefilled together (one output token each);
 tg N: c sequences generate N tokens each after a short prompt; only steps that decode
        (no prefill in them) are timed, so t/s is pure decode speed.
 t/s is per sequence (mean ± std over the repeats), ms/t its inverse, and
-throughput/s = t/s x concurrency, as in mistral.rs's bench table.
+throughput/s = t/s x concurrency, as in mistral.rs's bench table; tp is the number of
+tensor-parallel ranks the model is split over.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class BenchRow:
     tokens_per_s_std: float
     ms_per_token: float
     throughput: float  # all sequences together
+    tp: int = 1  # tensor-parallel ranks
 
 
 def _random_prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -82,6 +84,7 @@ def run_bench(
     vocab = engine.model_config.vocab_size
     model = engine.config.model_path.rsplit("/", 1)[-1]
     backend = f"{engine.device.type} {str(engine.config.torch_dtype).removeprefix('torch.')}"
+    tp = engine.config.tensor_parallel_size
     rows = []
     # One untimed warm-up so first-call costs (allocator, thread pool) are not counted.
     _run_pp(engine, _random_prompts(rng, 1, 16, vocab), "warmup")
@@ -92,29 +95,30 @@ def run_bench(
                 prompts = _random_prompts(rng, c, prompt_tokens, vocab)
                 seconds = _run_pp(engine, prompts, f"pp{c}-{r}")
                 speeds.append(prompt_tokens / seconds)  # per sequence
-            rows.append(_row(model, backend, f"pp {prompt_tokens}", c, speeds))
+            rows.append(_row(model, backend, f"pp {prompt_tokens}", c, speeds, tp))
         if gen_tokens > 0:
             speeds = []
             for r in range(repeats):
                 prompts = _random_prompts(rng, c, 8, vocab)
                 seconds_per_token = _run_tg(engine, prompts, gen_tokens, f"tg{c}-{r}")
                 speeds.append(1.0 / seconds_per_token)
-            rows.append(_row(model, backend, f"tg {gen_tokens}", c, speeds))
+            rows.append(_row(model, backend, f"tg {gen_tokens}", c, speeds, tp))
     return rows
 
 
-def _row(model: str, backend: str, test: str, c: int, speeds: list[float]) -> BenchRow:
+def _row(model: str, backend: str, test: str, c: int, speeds: list[float], tp: int) -> BenchRow:
     mean = statistics.fmean(speeds)
     std = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
-    return BenchRow(model, backend, test, c, mean, std, 1000.0 / mean, mean * c)
+    return BenchRow(model, backend, test, c, mean, std, 1000.0 / mean, mean * c, tp)
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    header = ["model", "backend", "test", "t/s", "ms/t", "concurrency", "throughput/s"]
+    header = ["model", "backend", "tp", "test", "t/s", "ms/t", "concurrency", "throughput/s"]
     body = [
         [
             r.model,
             r.backend,
+            str(r.tp),
             r.test,
             f"{r.tokens_per_s:.2f}±{r.tokens_per_s_std:.2f}",
             f"{r.ms_per_token:.3f}",

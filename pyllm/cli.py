@@ -23,6 +23,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (a GGUF file's quantized weights stay quantized), none (widen every "
         "weight to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        default="1",
+        help="processes to split the model over (bench: a comma-separated list, e.g. 1,2); "
+        "under torchrun, the number of processes it starts",
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -41,12 +48,33 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="(prefix caching is on by default with --kv-cache paged, off with contiguous)",
     )
     group.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a tensor-parallel rank may take to answer before the engine fails",
+    )
+    group.add_argument(
         "--kv-cache",
         choices=("paged", "contiguous"),
         default="paged",
         help="paged: KV blocks + block tables; contiguous: one virtual range per sequence "
         "slot, memory mapped as it grows",
     )
+
+
+def _tensor_parallel_sizes(args: argparse.Namespace) -> None:
+    """Reads --tensor-parallel-size: a list for bench, one number otherwise."""
+    try:
+        sizes = [int(s) for s in str(args.tensor_parallel_size).split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes) or (len(sizes) > 1 and args.command != "bench"):
+        raise ValueError(
+            f"--tensor-parallel-size must be a positive integer (bench: a list of them), "
+            f"got {args.tensor_parallel_size!r}"
+        )
+    args.tensor_parallel_sizes = sizes
+    args.tensor_parallel_size = sizes[0]
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -63,6 +91,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=False if args.no_prefix_caching else None,
         kv_cache=args.kv_cache,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout=args.distributed_timeout,
     )
 
 
@@ -107,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
         )
-    run_server(
+    return run_server(
         _engine_options(args),
         host=args.host,
         port=args.port,
@@ -119,7 +149,6 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         ui=not args.no_ui,
     )
-    return 0
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:
@@ -148,13 +177,19 @@ def _bench(args: argparse.Namespace) -> int:
     options = _engine_options(args)
     options["enable_prefix_caching"] = False  # every prompt is fresh; measure compute
     options["max_num_seqs"] = max(options["max_num_seqs"], max(concurrencies))
-    engine = LLMEngine(EngineConfig(**options))
     print(f"$ pyllm bench {' '.join(sys.argv[2:])}")
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cpus, torch threads "
-        f"{torch.get_num_threads()}"
-    )
-    rows = run_bench(engine, args.n_prompt, args.n_gen, args.repetitions, concurrencies)
+    rows = []
+    for size in args.tensor_parallel_sizes:
+        engine = LLMEngine(EngineConfig(**dict(options, tensor_parallel_size=size)))
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cpus, tp {size}, torch threads "
+            f"per rank {torch.get_num_threads()}",
+            flush=True,
+        )
+        try:
+            rows += run_bench(engine, args.n_prompt, args.n_gen, args.repetitions, concurrencies)
+        finally:
+            engine.close()
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -239,6 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(handler=_bench)
 
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve", "bench"):
+        try:
+            _tensor_parallel_sizes(args)
+        except ValueError as error:
+            print(f"pyllm: error: {error}", file=sys.stderr)
+            return 2
+        from pyllm.distributed.launch import torchrun_rank
+
+        if torchrun_rank():  # torchrun started this process as a rank other than 0
+            from pyllm.distributed.worker import run_worker
+
+            return run_worker(args.device, args.distributed_timeout)
     try:
         return args.handler(args)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as error:

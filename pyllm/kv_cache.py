@@ -228,6 +228,11 @@ class KVArena:
         self._arena.release(slot, keep_tokens)
         self._committed[slot] = int(self._arena.committed_tokens(slot))
 
+    @property
+    def committed_tokens_per_slot(self) -> torch.Tensor:
+        """[max_num_seqs] int64: committed_tokens of every slot (a copy)."""
+        return self._committed.clone()
+
     def committed_tokens(self, slot: int) -> int:
         """Tokens of the slot backed by memory in every layer (<= max_model_len)."""
         return int(self._arena.committed_tokens(self._slot(slot)))

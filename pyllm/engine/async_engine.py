@@ -12,6 +12,8 @@ rather than a backlog.
 
 Nothing a request does can stop the loop: a request the engine refuses fails alone,
 and if a step raises, the requests in flight fail with the error and the loop goes on.
+Only a lost tensor-parallel rank (WorkerLostError) ends it: every request fails, new
+ones are refused (EngineDeadError), and `fatal_error` says why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pyllm.distributed.parallel import WorkerLostError
 from pyllm.engine.outputs import RequestOutput
 from pyllm.sampling.params import SamplingParams
 
@@ -91,6 +94,7 @@ class AsyncEngine:
         self._streams: dict[str, _RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._closing: str | None = None  # why new requests are refused, once set
+        self.fatal_error: str | None = None  # set when the engine can no longer run
         # Each counter has one writer (the event loop, the engine thread), so no lock.
         self._num_submitted = 0
         self._num_taken = 0
@@ -108,6 +112,9 @@ class AsyncEngine:
             return
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # stops tensor-parallel ranks
+        if close is not None:
+            close()
 
     @property
     def num_pending(self) -> int:
@@ -178,8 +185,8 @@ class AsyncEngine:
             idle = not self.engine.has_unfinished_requests()
             if not self._take_commands(block=idle):
                 break
-            if self.engine.has_unfinished_requests():
-                self._step()
+            if self.engine.has_unfinished_requests() and not self._step():
+                break
         for request_id in list(self._streams):
             self._fail(request_id, EngineDeadError("the server is shutting down"))
         logger.info("pyllm engine loop stopped")
@@ -229,21 +236,29 @@ class AsyncEngine:
         except Exception:
             logger.exception("aborting request %s failed", request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False if the engine cannot run any more."""
         try:
             outputs = self.engine.step()
+        except WorkerLostError as error:
+            logger.error("%s", error)
+            self.fatal_error = self._closing = str(error)
+            for request_id in list(self.engine.requests):
+                self._fail(request_id, EngineDeadError(str(error)))
+            return False
         except Exception as error:
             # Which request caused it is unknown: fail all those in flight, keep going.
             logger.exception("engine step failed; failing %d requests", len(self._streams))
             for request_id in list(self.engine.requests):
                 self._fail(request_id, RuntimeError(f"engine step failed: {error!r}"))
-            return
+            return True
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if output.finished:
                 self._streams.pop(output.request_id, None)
             if stream is not None and not self._send(stream, output):
                 self._abort(output.request_id)
+        return True
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -33,6 +33,10 @@ class EngineConfig:
     # slot contiguous in a virtual KV arena, memory mapped as it grows (dAttention).
     kv_cache: str = "paged"
     quantization: str | None = "auto"  # see QUANTIZATION_MODES; None is "none"
+    # Ranks the model is split over (pyllm.distributed); kv_cache_memory is their total.
+    tensor_parallel_size: int = 1
+    # Seconds a rank may take to answer the others before the engine fails.
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
@@ -71,6 +75,15 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if not (
+            isinstance(self.distributed_timeout, (int, float)) and self.distributed_timeout > 0
+        ):
+            raise ValueError(
+                f"distributed_timeout must be positive seconds, got {self.distributed_timeout!r}"
+            )
         threshold = self.long_prefill_token_threshold
         if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
             raise ValueError(

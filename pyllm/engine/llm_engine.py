@@ -112,12 +112,15 @@ class LLMEngine:
         """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
+        budget //= cfg.tensor_parallel_size  # each rank's share
         if cfg.kv_cache == "contiguous":
             # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
             # of it are ever committed at once (SlotManager keeps to that).
             arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
             return arena.kv_caches, SlotManager(arena, budget)
-        per_block = kv_cache_bytes_per_block(self.model_config, cfg.block_size, cfg.torch_dtype)
+        per_block = kv_cache_bytes_per_block(
+            self.model.local_config, cfg.block_size, cfg.torch_dtype
+        )
         num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(
@@ -128,6 +131,12 @@ class LLMEngine:
             num_blocks, cfg.block_size, cfg.enable_prefix_caching, block_bytes=per_block
         )
         return kv_caches, manager
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (also done at exit)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # --------------------------------------------------------------- requests
 
@@ -384,12 +393,17 @@ def _check_memory(config: EngineConfig) -> tuple[int, int | None]:
 
 
 def _load(config: EngineConfig):
-    model, model_config = load_model(
-        config.model_path,
-        config.torch_dtype,
-        config.torch_device,
-        config.max_model_len,
-        quantization=config.quantization,
-    )
+    if config.tensor_parallel_size > 1:
+        from pyllm.distributed.driver import load_tensor_parallel
+
+        model = load_tensor_parallel(config)
+    else:
+        model, _ = load_model(
+            config.model_path,
+            config.torch_dtype,
+            config.torch_device,
+            config.max_model_len,
+            quantization=config.quantization,
+        )
     tokenizer = Tokenizer.from_pretrained(config.model_path)
-    return model, model_config, tokenizer
+    return model, model.config, tokenizer

@@ -1176,7 +1176,18 @@ class _GracefulServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = asyncio.create_task(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _watch_engine(self) -> None:
+        """An engine that failed for good ends the server (requests meanwhile get 503)."""
+        while not self.engine.fatal_error:
+            await asyncio.sleep(0.2)
+        logger.error("stopping the server: %s", self.engine.fatal_error)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._loop is None or self.should_exit:
@@ -1222,9 +1233,10 @@ def run_server(
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     shutdown_timeout: float = 30.0,
     ui: bool = True,
-) -> None:
+) -> int:
     """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
-    says."""
+    says; returns the exit code: 0, or 1 if the engine failed for good (a lost
+    tensor-parallel rank)."""
     import prometheus_client
 
     from pyllm.engine.config import EngineConfig
@@ -1253,3 +1265,4 @@ def run_server(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S
     )
     _GracefulServer(server_config, engine, app.state.drain, shutdown_timeout).run()
+    return 1 if engine.fatal_error else 0

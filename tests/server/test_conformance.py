@@ -272,7 +272,7 @@ def test_sequences_per_request_limit(path, body, param):
 
 def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
-    monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw) or 0)
     origins = f"{ORIGIN}, https://b.example"
     assert cli.main(["serve", "--allowed-origins", origins, "--max-seqs-per-request", "8"]) == 0
     assert seen["allowed_origins"] == [ORIGIN, "https://b.example"]

@@ -1,0 +1,132 @@
+"""A rank other than 0: loads its shard, then runs each call rank 0 sends until STOP.
+
+Started by rank 0 (`python -m pyllm.distributed.worker`) or by torchrun through
+pyllm's CLI; the process group comes from torchrun's environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from pyllm.distributed.launch import init_group
+from pyllm.distributed.protocol import (
+    ALLOC_ARENA,
+    ALLOC_CACHE,
+    FORWARD,
+    HEADER_SIZE,
+    LOGITS,
+    MAIN_CACHE,
+    SCRATCH_CACHE,
+    STOP,
+    Header,
+    decode_step,
+)
+
+
+class Worker:
+    def __init__(self, model, tp) -> None:
+        self.model, self.tp = model, tp
+        self.caches: dict[int, list] = {}
+        self.arena = None
+        self.hidden: torch.Tensor | None = None
+
+    def run(self) -> None:
+        header = torch.empty(HEADER_SIZE, dtype=torch.int64)
+        while True:
+            dist.broadcast(header, 0, group=self.tp.control)
+            h = Header.of(header)
+            if h.command == STOP:
+                return
+            payload = None
+            if h.payload:
+                payload = torch.empty(h.payload, dtype=torch.int64, device=self.tp.device)
+                dist.broadcast(payload, 0, group=self.tp.group)
+            self.handle(h, payload)
+
+    @torch.inference_mode()
+    def handle(self, h: Header, payload: torch.Tensor | None) -> None:
+        if h.command == FORWARD:
+            if h.cache == MAIN_CACHE:
+                self.caches.pop(SCRATCH_CACHE, None)
+            input_ids, positions, meta, committed = decode_step(h, payload)
+            if committed is not None:
+                sync_arena(self.arena, committed)
+            self.hidden = self.model(input_ids, positions, meta, self.caches[h.cache], False)
+        elif h.command == LOGITS:
+            self.model.compute_logits(self.hidden, payload if h.a >= 0 else None)
+        elif h.command == ALLOC_CACHE:
+            self.caches[h.cache] = self.model.allocate_kv_caches(h.a, h.b)
+        elif h.command == ALLOC_ARENA:
+            self.arena = self.model.allocate_kv_arena(h.a)
+            self.caches[MAIN_CACHE] = self.arena.kv_caches
+
+
+def sync_arena(arena, committed: torch.Tensor) -> None:
+    """Maps and unmaps this rank's arena slots as rank 0's are (same geometry, so the
+    same committed token counts)."""
+    own = arena.committed_tokens_per_slot
+    for slot in (committed != own).nonzero().flatten().tolist():
+        tokens = int(committed[slot])
+        if tokens > own[slot]:
+            arena.commit(slot, tokens)
+        else:
+            arena.release(slot, tokens)
+
+
+def _die_with_parent() -> None:
+    """A worker rank 0 started ends when rank 0 does, however rank 0 ends."""
+    parent = os.environ.get("PYLLM_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os._exit(1)  # rank 0 ended before the line above
+
+
+def run_worker(device: str = "auto", distributed_timeout: float = 60.0) -> int:
+    """Joins the group of the environment (torchrun's variables), receives the engine
+    options from rank 0, loads this rank's shard and serves rank 0's calls."""
+    from pyllm.engine.config import EngineConfig, _resolve_device
+    from pyllm.model.loader import load_model
+
+    _die_with_parent()
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        from pyllm.distributed.launch import threads_per_rank
+
+        torch.set_num_threads(threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+    tp = init_group(rank, size, "env://", distributed_timeout, _resolve_device(device))
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.control)
+    config = EngineConfig(**box[0])
+    model, _ = load_model(
+        config.model_path, config.torch_dtype, config.torch_device, config.max_model_len,
+        quantization=config.quantization, tp=tp,
+    )  # fmt: skip
+    try:
+        Worker(model, tp).run()
+    except Exception as error:  # rank 0 ended or failed: nothing to serve any more
+        print(f"pyllm worker rank {rank}: stopping: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyllm.distributed.worker")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--distributed-timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    return run_worker(args.device, args.distributed_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
