@@ -177,8 +177,11 @@ def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
                 # tensor's pages after its copy, so loading peaks near the model's size
                 # plus one tensor instead of twice the model's size.
                 with safe_open(file, framework="pt") as f:
-                    tensor = f.get_tensor(name)
-                filler.fill(name, tensor, where=file, hf=True)
+                    whole = f.get_slice(name)
+                    index = filler.part_to_read(name, tuple(whole.get_shape()))
+                    # A tensor-parallel rank reads only its part of a split tensor.
+                    tensor = f.get_tensor(name) if index is None else whole[index]
+                filler.fill(name, tensor, where=file, hf=True, part=index is not None)
                 del tensor
         except SafetensorError as error:
             raise ValueError(f"{file} is not a valid safetensors file: {error}") from None

@@ -27,6 +27,21 @@ class Slot:
     take: range | None = None
     zero: bool = False
 
+    def index(self) -> tuple[slice, ...] | None:
+        """The part of the checkpoint tensor this slot takes, as an index (None: all)."""
+        if self.dim is None:
+            return None
+        index = [slice(None)] * len(self.full_shape)
+        index[self.dim] = slice(self.take.start, self.take.stop)
+        return tuple(index)
+
+    def part_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = len(self.take)
+        return tuple(shape)
+
 
 def _head_rows(heads: range, head_dim: int) -> range:
     return range(heads.start * head_dim, heads.stop * head_dim)
@@ -94,21 +109,37 @@ class WeightFiller:
         self.tied = model.config.tie_word_embeddings
         self.norm_offset = model.config.norm_weight_offset
 
+    def part_to_read(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """For a reader that can read part of a tensor: the index of the part of
+        checkpoint tensor `name` (of `shape`) this model takes, to pass to
+        fill(..., part=True); None: read all of it."""
+        slot = self.slots.get(name)
+        if slot is None or name in self.fused or slot.full_shape != tuple(shape):
+            return None
+        return slot.index()
+
     def fill(
-        self, name: str, tensor: torch.Tensor, where: str | None = None, hf: bool = False
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        where: str | None = None,
+        hf: bool = False,
+        part: bool = False,
     ) -> None:
         """hf: the tensor comes from an HF checkpoint, whose norm weights some families
-        store offset (ModelConfig.norm_weight_offset)."""
+        store offset (ModelConfig.norm_weight_offset). part: tensor is the part that
+        part_to_read named, not the whole tensor."""
         where = where or self.source
         if name not in self.slots:
             if _IGNORED.fullmatch(name) or (self.tied and name == "lm_head.weight"):
                 return
             raise ValueError(f"{where}: unexpected tensor {name!r} (not part of this model)")
         slot = self.slots[name]
-        if tuple(tensor.shape) != slot.full_shape:
+        expected = slot.part_shape() if part else slot.full_shape
+        if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{slot.full_shape}"
+                f"{expected}"
             )
         if not tensor.is_floating_point():
             raise ValueError(
@@ -131,7 +162,7 @@ class WeightFiller:
             elif slot.dim is None:
                 slot.view.copy_(tensor)
             else:
-                piece = tensor.narrow(slot.dim, slot.take.start, len(slot.take))
+                piece = tensor if part else tensor[slot.index()]
                 slot.view.narrow(slot.dim, 0, len(slot.take)).copy_(piece)
                 slot.view.narrow(slot.dim, len(slot.take),
                                  slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
