@@ -80,6 +80,26 @@ def test_smollm2_tp3_generates_what_tp1_does():
     assert outputs[0] == outputs[1]
 
 
+def test_gemma3_270m_tp2_replicates_its_kv_head():
+    """Gemma 3 270M: 4 heads and 1 KV head (each rank keeps it), sliding-window and
+    global layers, a 262k vocabulary split in two; float32 widened from the PyPI file."""
+    from tests.model.test_gemma3 import gemma3_gguf
+
+    path = gemma3_gguf()
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", quantization="none", kv_cache_memory=0.05,
+                  tensor_parallel_size=tp, max_num_batched_tokens=16)  # fmt: skip
+        try:
+            result = llm.generate(["The capital of France is", "Once upon a time"],
+                                  SamplingParams(temperature=0.0, max_tokens=12),
+                                  use_tqdm=False)  # fmt: skip
+            outputs.append([o.outputs[0].token_ids for o in result])
+        finally:
+            llm.engine.close()
+    assert outputs[0] == outputs[1]
+
+
 def test_quantized_gguf_shards_keep_their_blocks():
     """Each rank of a Q4_1 file holds a third of every projection's blocks (row ranges
     of q/k/v and gate/up, column ranges of o_proj and down_proj), never widened."""
