@@ -25,7 +25,7 @@ from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.registry import model_class
-from pyllm.model.weights import WeightFiller
+from pyllm.model.weights import WeightFiller, shard_rows
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
 SUPPORTED_TYPES = (
@@ -258,13 +258,9 @@ def _shard_rows(model: LlamaForCausalLM, tensor: GGUFTensor) -> tuple[list[range
     if shard.size == 1 or kind in ("attn_output", "ffn_down"):
         return [range(rows)], rows
     if kind in ("token_embd", "output"):
-        return [model.vocab_range], model.shard.padded_split(rows)[1]
-    d, inter = config.head_dim, config.intermediate_size
-    q = range(shard.split(config.num_attention_heads).start * d,
-              shard.split(config.num_attention_heads).stop * d)  # fmt: skip
-    heads = shard.kv_heads(config.num_key_value_heads)
-    kv = range(heads.start * d, heads.stop * d)
-    mlp = shard.split(inter)
+        return [model.vocab_range], shard.padded_split(rows)[1]
+    q, kv, mlp = shard_rows(model)
+    inter = config.intermediate_size
 
     def moved(r: range, by: int) -> range:
         return range(r.start + by, r.stop + by)
@@ -320,8 +316,8 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
                     f"{file.name}: tensor {t.name!r} has shape {t.shape}, expected "
                     f"[rows, {in_features * (shard.size if split_cols else 1)}]"
                 )
-            cols = range(row_bytes * (shard.rank if split_cols else 0),
-                         row_bytes * ((shard.rank if split_cols else 0) + 1))  # fmt: skip
+            first = shard.rank if split_cols else 0  # a row-parallel rank's share of a row
+            cols = range(first * row_bytes, (first + 1) * row_bytes)
             dest = qweight[at : at + n].numpy()
             _read_rows(file, t, ranges, dest, cols)
             heads = _permuted_heads(config, t.name)

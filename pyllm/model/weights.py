@@ -43,8 +43,16 @@ class Slot:
         return tuple(shape)
 
 
-def _head_rows(heads: range, head_dim: int) -> range:
-    return range(heads.start * head_dim, heads.stop * head_dim)
+def shard_rows(model: LlamaForCausalLM) -> tuple[range, range, range]:
+    """The rank's rows of a q, a k (or v), and a gate (or up) projection."""
+    config, shard, d = model.config, model.shard, model.config.head_dim
+    q_heads = shard.split(config.num_attention_heads)
+    kv_heads = shard.kv_heads(config.num_key_value_heads)
+    return (
+        range(q_heads.start * d, q_heads.stop * d),
+        range(kv_heads.start * d, kv_heads.stop * d),
+        shard.split(config.intermediate_size),
+    )
 
 
 def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, list[str]]]:
@@ -54,10 +62,7 @@ def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, li
     tensor (Phi-3)."""
     config, shard = model.config, model.shard
     local = model.local_config
-    d = config.head_dim
-    q_rows = _head_rows(shard.split(config.num_attention_heads), d)
-    kv_rows = _head_rows(shard.kv_heads(config.num_key_value_heads), d)
-    inter_rows = shard.split(config.intermediate_size)
+    q_rows, kv_rows, inter_rows = shard_rows(model)
     split = shard.size > 1
     slots: dict[str, Slot] = {}
     fused: dict[str, list[str]] = {}
