@@ -274,19 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(handler=_bench)
 
     args = parser.parse_args(argv)
-    if args.command in ("generate", "serve", "bench"):
-        try:
-            _tensor_parallel_sizes(args)
-        except ValueError as error:
-            print(f"pyllm: error: {error}", file=sys.stderr)
-            return 2
-        from pyllm.distributed.launch import torchrun_rank
-
-        if torchrun_rank():  # torchrun started this process as a rank other than 0
-            from pyllm.distributed.worker import run_worker
-
-            return run_worker(args.device, args.distributed_timeout)
     try:
+        if args.command in ("generate", "serve", "bench"):
+            _tensor_parallel_sizes(args)
+            from pyllm.distributed.launch import torchrun_rank
+
+            if torchrun_rank():  # torchrun started this process as a rank other than 0
+                from pyllm.distributed.worker import run_worker
+
+                return run_worker(args.device, args.distributed_timeout)
         return args.handler(args)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as error:
         print(f"pyllm: error: {error}", file=sys.stderr)

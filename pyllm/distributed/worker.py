@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from pyllm.distributed.launch import init_group
+from pyllm.distributed.launch import init_group, threads_per_rank
 from pyllm.distributed.protocol import (
     ALLOC_ARENA,
     ALLOC_CACHE,
@@ -99,9 +99,7 @@ def run_worker(device: str = "auto", distributed_timeout: float = 60.0) -> int:
 
     _die_with_parent()
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-        from pyllm.distributed.launch import threads_per_rank
-
+    if "LOCAL_WORLD_SIZE" in os.environ:  # threads_per_rank leaves OMP_NUM_THREADS's choice
         torch.set_num_threads(threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
     tp = init_group(rank, size, "env://", distributed_timeout, _resolve_device(device))
     box = [None]
