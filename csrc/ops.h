@@ -122,9 +122,31 @@ namespace pyllm {
   void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask,    \
                            const at::Tensor& rows);
 
+// Mixture of experts (csrc/moe/): routing, and a whole MoE feed-forward in one op.
+#define PYLLM_DECLARE_MOE_OPS                                                  \
+  /* topk_weights [T, k] float32, topk_ids [T, k] int32: each token's k        \
+     experts by softmax of router_logits [T, E], optionally renormalized. */   \
+  void moe_topk(at::Tensor& topk_weights, at::Tensor& topk_ids,               \
+                const at::Tensor& router_logits, bool renormalize);           \
+                                                                               \
+  /* out [T, H] = sum over each token's top_k experts e (of router_logits,     \
+     those in [expert_start, expert_start + w_gate.size(0))) of weight *       \
+     down_e(act(gate_e(x), up_e(x))); weights GGUF blocks or floats. */        \
+  void fused_moe(at::Tensor& out, const at::Tensor& hidden,                   \
+                 const at::Tensor& router_logits, int64_t top_k,              \
+                 bool renormalize, const at::Tensor& w_gate,                  \
+                 const at::Tensor& w_up, const at::Tensor& w_down,            \
+                 int64_t gate_type, int64_t up_type, int64_t down_type,       \
+                 const std::optional<at::Tensor>& gate_bias,                  \
+                 const std::optional<at::Tensor>& up_bias,                    \
+                 const std::optional<at::Tensor>& down_bias,                  \
+                 const std::string& activation, double alpha, double limit,   \
+                 int64_t expert_start);
+
 // The same set of functions, once for each device the library is built for.
 namespace cpu {
 PYLLM_DECLARE_OPS
+PYLLM_DECLARE_MOE_OPS
 // Whether packed_linear has a vector kernel for dtype in this build (AVX-512;
 // bf16 also AVX512-BF16); elsewhere it runs a plain loop.
 bool packed_linear_vectorized_for(at::ScalarType dtype);
@@ -137,6 +159,7 @@ PYLLM_DECLARE_OPS
 #endif
 
 #undef PYLLM_DECLARE_OPS
+#undef PYLLM_DECLARE_MOE_OPS
 
 // Partition length of paged_attention_v2: each partition of this many tokens
 // is reduced separately, then the partitions are merged. Python reads it back

@@ -88,6 +88,17 @@ TORCH_LIBRARY(pyllm, m) {
       " Tensor? bias) -> ()");
   m.def("dequantize_rows(Tensor(a!) out, Tensor qweight, int qtype, Tensor? rows) -> ()");
 
+  // Mixture of experts (moe/): routing, and a whole MoE feed-forward.
+  m.def(
+      "moe_topk(Tensor(a!) topk_weights, Tensor(b!) topk_ids, Tensor router_logits,"
+      " bool renormalize) -> ()");
+  m.def(
+      "fused_moe(Tensor(a!) out, Tensor hidden, Tensor router_logits, int top_k,"
+      " bool renormalize, Tensor w_gate, Tensor w_up, Tensor w_down, int gate_type,"
+      " int up_type, int down_type, Tensor? gate_bias, Tensor? up_bias,"
+      " Tensor? down_bias, str activation=\"silu\", float alpha=1.702, float limit=7.0,"
+      " int expert_start=0) -> ()");
+
   // Sampling: the grammar masks of structured output (sampling/).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 
@@ -129,7 +140,11 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill); \
   m.impl("apply_token_bitmask", &pyllm::ns::apply_token_bitmask);
 
-TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
+TORCH_LIBRARY_IMPL(pyllm, CPU, m) {
+  PYLLM_REGISTER_IMPLS(cpu)
+  m.impl("moe_topk", &pyllm::cpu::moe_topk);
+  m.impl("fused_moe", &pyllm::cpu::fused_moe);
+}
 
 #ifdef PYLLM_WITH_CUDA
 TORCH_LIBRARY_IMPL(pyllm, CUDA, m) { PYLLM_REGISTER_IMPLS(cuda) }

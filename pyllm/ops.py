@@ -65,6 +65,7 @@ _C = torch.ops.pyllm
 
 
 __all__ = [
+    "FLOAT_WEIGHT_TYPES",
     "KVArena",
     "PARTITION_SIZE",
     "QUANT_TYPES",
@@ -80,7 +81,9 @@ __all__ = [
     "copy_blocks",
     "dequantize_rows",
     "fused_add_rms_norm",
+    "fused_moe",
     "kv_cache_x",
+    "moe_topk",
     "pack_weight_words",
     "packed_linear",
     "packed_linear_vectorized",
@@ -498,6 +501,87 @@ def dequantize_rows(
     if rows is not None and qweight.dim():
         _check_range("rows", rows, torch.int64, 0, qweight.shape[0])
     _C.dequantize_rows(out, qweight, qtype, rows)
+
+
+# ---------------------------------------------------------------------------
+# Mixture of experts.
+
+# GGML's type ids of float tensors: an expert weight of one of these types is floats
+# of the activations' dtype (fused_moe).
+FLOAT_WEIGHT_TYPES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 30,
+}
+
+
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts: ``router_logits [T, E]`` -> (weights ``[T, top_k]``
+    float32, ids ``[T, top_k]`` int32), largest first (the lower id first on ties).
+    Weights are the softmax over all E experts (in float32), renormalized over the
+    chosen ones if asked: with renormalize, equal to a softmax over the top_k logits
+    alone (gpt-oss's top-k-then-softmax)."""
+    _tensor("router_logits", router_logits)
+    _positive_int("top_k", top_k)
+    rows = router_logits.shape[0] if router_logits.dim() else 0
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(rows, top_k, dtype=torch.int32, device=router_logits.device)
+    _check_args(_C.moe_topk, topk_weights=weights, topk_ids=ids, router_logits=router_logits,
+                renormalize=renormalize)  # fmt: skip
+    _C.moe_topk(weights, ids, router_logits, renormalize)
+    return weights, ids
+
+
+def fused_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_type: int,
+    up_type: int,
+    down_type: int,
+    renormalize: bool = True,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    expert_start: int = 0,
+) -> None:
+    """A mixture-of-experts feed-forward in one op:
+    ``out[t] = sum_j w[t, j] * (down_e(act(gate_e(x_t), up_e(x_t))) + down_bias[e])``
+    over token t's top_k experts e (routed as moe_topk does), with
+    ``gate_e(x) = x @ w_gate[e].T + gate_bias[e]`` and likewise up and down.
+
+    ``hidden``, ``out``: ``[T, H]`` float32/bf16/fp16 (hidden's rows may be strided);
+    ``router_logits [T, E_total]``. Each weight is either GGUF blocks kept as stored,
+    uint8 ``[E, N, quant_row_bytes(type, K)]`` of the type id given (``QUANT_TYPES``),
+    or floats ``[E, N, K]`` of hidden's dtype with type ``FLOAT_WEIGHT_TYPES[dtype]``:
+    w_gate and w_up ``[E, I, H]``, w_down ``[E, H, I]``; biases ``[E, N]`` in hidden's
+    dtype. activation: ``"silu"`` (silu(gate) * up) or ``"swigluoai"`` (gpt-oss: gate
+    clamped above at limit, up to [-limit, limit], ``(up + 1) * gate *
+    sigmoid(alpha * gate)``). The weights hold experts ``[expert_start, expert_start +
+    E)`` of the E_total the router scores (expert parallelism); a token's choices
+    outside them add nothing.
+    """
+    _check_args(
+        _C.fused_moe, out=out, hidden=hidden, router_logits=router_logits, top_k=top_k,
+        renormalize=renormalize, w_gate=w_gate, w_up=w_up, w_down=w_down, gate_type=gate_type,
+        up_type=up_type, down_type=down_type, gate_bias=gate_bias, up_bias=up_bias,
+        down_bias=down_bias, activation=activation, alpha=alpha, limit=limit,
+        expert_start=expert_start,
+    )  # fmt: skip
+    _C.fused_moe(
+        out, hidden, router_logits, top_k, renormalize, w_gate, w_up, w_down, gate_type,
+        up_type, down_type, gate_bias, up_bias, down_bias, activation, float(alpha),
+        float(limit), expert_start,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

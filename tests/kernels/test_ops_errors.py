@@ -166,6 +166,22 @@ def valid_dequantize_rows():
     )  # fmt: skip
 
 
+def valid_moe_topk():
+    return dict(router_logits=torch.randn(3, 8), top_k=2, renormalize=True)
+
+
+def valid_fused_moe():
+    # Experts [2, 6) of 8, Q4_K gate/up (zero blocks) and float32 down.
+    return dict(
+        out=torch.empty(3, 256), hidden=torch.randn(3, 256), router_logits=torch.randn(3, 8),
+        top_k=2, w_gate=torch.zeros(4, 16, 144, dtype=torch.uint8),
+        w_up=torch.zeros(4, 16, 144, dtype=torch.uint8), w_down=torch.randn(4, 256, 16),
+        gate_type=Q4_K, up_type=Q4_K, down_type=0, renormalize=False,
+        gate_bias=torch.randn(4, 16), up_bias=torch.randn(4, 16), down_bias=torch.randn(4, 256),
+        activation="swigluoai", alpha=1.702, limit=7.0, expert_start=2,
+    )  # fmt: skip
+
+
 def valid_apply_token_bitmask():
     return dict(
         logits=torch.randn(4, 70), bitmask=torch.zeros(2, 3, dtype=torch.int32),
@@ -243,6 +259,8 @@ VALID = {
     "packed_linear": valid_packed_linear,
     "packed_linear_vectorized": valid_packed_linear_vectorized,
     "quant_linear": valid_quant_linear,
+    "moe_topk": valid_moe_topk,
+    "fused_moe": valid_fused_moe,
     "dequantize_rows": valid_dequantize_rows,
     "apply_token_bitmask": valid_apply_token_bitmask,
     "quant_row_bytes": valid_quant_row_bytes,
@@ -949,6 +967,38 @@ CASES += [
         ("rows_length", {"rows": torch.tensor([0])}, ValueError, "rows"),
         ("rows_out_of_range", {"rows": torch.tensor([0, 4])}, IndexError, "rows"),
         ("rows_negative", {"rows": torch.tensor([-1, 0])}, IndexError, "rows"),
+    ),
+    *cases_for(
+        "moe_topk",
+        ("top_k_over_experts", {"top_k": 9}, ValueError, "top_k"),
+        ("top_k_zero", {"top_k": 0}, ValueError, "top_k"),
+        ("logits_1d", {"router_logits": torch.randn(8)}, ValueError, "router_logits"),
+        (
+            "logits_int",
+            {"router_logits": torch.zeros(3, 8, dtype=torch.int32)},
+            TypeError,
+            "router_logits",
+        ),
+        ("renormalize_int", {"renormalize": 1}, TypeError, "renormalize"),
+    ),
+    *cases_for(
+        "fused_moe",
+        ("top_k_over_experts", {"top_k": 9}, ValueError, "top_k"),
+        ("logits_rows", {"router_logits": torch.randn(2, 8)}, ValueError, "router_logits"),
+        ("hidden_float64", {"hidden": lambda a: a["hidden"].double()}, TypeError, "hidden"),
+        ("out_shape", {"out": torch.empty(3, 128)}, ValueError, "out"),
+        ("gate_type_unknown", {"gate_type": 99}, ValueError, "qtype"),
+        ("up_row_bytes", {"w_up": torch.zeros(4, 16, 143, dtype=torch.uint8)}, ValueError, "w_up"),
+        ("up_rows", {"w_up": torch.zeros(4, 8, 144, dtype=torch.uint8)}, ValueError, "w_up"),
+        ("down_experts", {"w_down": torch.randn(3, 256, 16)}, ValueError, "w_down"),
+        ("down_type_dtype", {"down_type": 30}, TypeError, "w_down"),
+        ("down_dtype", {"w_down": lambda a: a["w_down"].bfloat16()}, TypeError, "w_down"),
+        ("down_bias_shape", {"down_bias": torch.randn(4, 16)}, ValueError, "down_bias"),
+        ("activation_unknown", {"activation": "gelu"}, ValueError, "activation"),
+        ("limit_negative", {"limit": -1.0}, ValueError, "limit"),
+        ("expert_start_past", {"expert_start": 5}, ValueError, "expert_start"),
+        ("expert_start_negative", {"expert_start": -1}, ValueError, "expert_start"),
+        ("weights_on_meta", {"w_gate": lambda a: on_meta(a["w_gate"])}, ValueError, "w_gate"),
     ),
     *cases_for(
         "quant_row_bytes",
