@@ -1,9 +1,12 @@
-"""Writes Llama-architecture GGUF files of real model shapes with random weights, so that
-large models can be measured without downloading them.
+"""Writes GGUF files of real model shapes with random weights, so that large models can
+be measured without downloading them: Llama-architecture dense shapes, and the
+mixture-of-experts shape qwen3-30b-a3b (GGUF arch qwen3moe: per layer a router and 3-D
+ffn_{gate,up,down}_exps tensors holding every expert).
 
     python benchmarks/make_gguf.py --shape llama-2-7b --type Q4_K_M
     python benchmarks/make_gguf.py --shape tinyllama-1.1b --type Q8_0 --out /some/dir
     python benchmarks/make_gguf.py --shape smollm2-135m --type Q4_0 --layers 2 --force
+    python benchmarks/make_gguf.py --shape qwen3-30b-a3b --type Q4_K_M --layers 8
 
 Every file has the real layer shapes of its model (hidden size, FFN size, layer count,
 heads, KV heads, RoPE theta, norm epsilon, context length; mistral-7b keeps its real
@@ -61,6 +64,13 @@ class Shape:
     norm_eps: float
     context: int
     tied: bool  # the output head reuses token_embd
+    arch: str = "llama"  # general.architecture
+    # Mixture of experts: every layer's FFN is `experts` experts of expert_ff rows, of
+    # which each token uses experts_used (a router ffn_gate_inp picks them).
+    experts: int = 0
+    experts_used: int = 0
+    expert_ff: int = 0
+    qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3)
 
 
 SHAPES = {
@@ -68,6 +78,24 @@ SHAPES = {
     "tinyllama-1.1b": Shape(2048, 5632, 22, 32, 4, 64, 10000.0, 1e-5, 2048, tied=False),
     "llama-2-7b": Shape(4096, 11008, 32, 32, 32, 128, 10000.0, 1e-5, 4096, tied=False),
     "mistral-7b": Shape(4096, 14336, 32, 32, 8, 128, 1000000.0, 1e-5, 32768, tied=False),
+    # Qwen3-30B-A3B: 128 experts of 768 rows, 8 per token (about 3.3B weights active).
+    "qwen3-30b-a3b": Shape(
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        128,
+        1000000.0,
+        1e-6,
+        40960,
+        tied=False,
+        arch="qwen3moe",
+        experts=128,
+        experts_used=8,
+        expert_ff=768,
+        qk_norm=True,
+    ),  # fmt: skip
 }
 
 # --type -> (the type of most 2-D weights, general.file_type)
@@ -130,11 +158,12 @@ def tensor_type(
         return _fallback(base, cols)
     qtype = base
     is_head = name == "output.weight" or (shape.tied and name == "token_embd.weight")
+    more_bits_names = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
     if is_head:
         if base != Q.Q8_0:
             qtype = Q.Q6_K
     elif file_type == "Q4_K_M" and layer is not None:
-        if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(layer, shape.layers):
+        if name.endswith(more_bits_names) and _more_bits(layer, shape.layers):
             qtype = Q.Q6_K
     return _fallback(qtype, cols)
 
@@ -146,12 +175,12 @@ def plan_tensors(shape: Shape, file_type: str, pure: bool = False) -> list[Tenso
     q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     plans = []
 
-    def weight(name: str, rows: int, cols: int, layer: int | None = None) -> None:
+    def weight(name: str, rows: int, cols: int, layer: int | None = None, experts: int = 0):
         qtype = tensor_type(name, cols, layer, shape, file_type, pure)
-        plans.append(TensorPlan(name, (rows, cols), qtype))
+        plans.append(TensorPlan(name, (experts, rows, cols) if experts else (rows, cols), qtype))
 
-    def norm(name: str) -> None:
-        plans.append(TensorPlan(name, (shape.hidden,), Q.F32))
+    def norm(name: str, size: int = shape.hidden) -> None:
+        plans.append(TensorPlan(name, (size,), Q.F32))
 
     weight("token_embd.weight", VOCAB_SIZE, shape.hidden)
     for i in range(shape.layers):
@@ -161,7 +190,20 @@ def plan_tensors(shape: Shape, file_type: str, pure: bool = False) -> list[Tenso
         weight(p + "attn_k.weight", kv_rows, shape.hidden, i)
         weight(p + "attn_v.weight", kv_rows, shape.hidden, i)
         weight(p + "attn_output.weight", shape.hidden, q_rows, i)
+        if shape.qk_norm:
+            norm(p + "attn_q_norm.weight", shape.head_dim)
+            norm(p + "attn_k_norm.weight", shape.head_dim)
         norm(p + "ffn_norm.weight")
+        if shape.experts:
+            # llama.cpp keeps the router in F32 whatever the file type.
+            plans.append(
+                TensorPlan(p + "ffn_gate_inp.weight", (shape.experts, shape.hidden), Q.F32)
+            )
+            ff, e = shape.expert_ff, shape.experts
+            weight(p + "ffn_gate_exps.weight", ff, shape.hidden, i, e)
+            weight(p + "ffn_up_exps.weight", ff, shape.hidden, i, e)
+            weight(p + "ffn_down_exps.weight", shape.hidden, ff, i, e)
+            continue
         weight(p + "ffn_gate.weight", shape.intermediate, shape.hidden, i)
         weight(p + "ffn_up.weight", shape.intermediate, shape.hidden, i)
         weight(p + "ffn_down.weight", shape.hidden, shape.intermediate, i)
@@ -278,7 +320,7 @@ class RandomBlocks:
         return blocks
 
     def _floats(self, rng: np.random.Generator, n_blocks: int) -> np.ndarray:
-        if self.qtype == Q.F32:  # norm weights
+        if self.qtype == Q.F32:  # norm weights (and routers, whose values are checked less)
             values = 1.0 + NORM_STD * rng.standard_normal(n_blocks, dtype=np.float32)
             return values.reshape(-1, 1).view(np.uint8)
         values = (WEIGHT_STD * rng.standard_normal(n_blocks, dtype=np.float32)).astype(np.float16)
@@ -291,7 +333,7 @@ def tensor_chunks(plan: TensorPlan, index: int, seed: int, generators: dict, chu
     if gen is None:
         gen = generators[plan.qtype] = RandomBlocks(plan.qtype, seed)
     rng = np.random.default_rng([seed, index, 0])
-    rows = plan.shape[0] if len(plan.shape) == 2 else 1
+    rows = math.prod(plan.shape[:-1]) if len(plan.shape) >= 2 else 1
     row_bytes = plan.nbytes // rows
     blocks_per_row = row_bytes // gen.type_size
     rows_per_chunk = max(1, chunk_bytes // row_bytes)
@@ -385,6 +427,13 @@ def _add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, file_type: s
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.norm_eps)
     writer.add_vocab_size(VOCAB_SIZE)
+    if shape.head_dim * shape.heads != shape.hidden:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ff)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
 
@@ -460,7 +509,7 @@ def write_gguf(
         tokenizer = tokenizer_metadata()
 
     # The header first (to the partial file): its size gives the file's.
-    writer = gguf.GGUFWriter(str(partial), "llama")
+    writer = gguf.GGUFWriter(str(partial), shape.arch)
     _add_metadata(writer, shape_name, shape, file_type, tokenizer)
     for p in plans:
         writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
@@ -515,6 +564,7 @@ def sample_rows(tensor, rows: int = 4) -> np.ndarray:
     data = tensor.data
     if data.ndim == 1:  # a 1-D F32/F16 tensor
         return np.asarray(data, dtype=np.float32).reshape(1, -1)
+    data = data.reshape(-1, data.shape[-1])  # a 3-D expert tensor: all experts' rows
     picks = sorted({int(i) for i in np.linspace(0, data.shape[0] - 1, rows)})
     values = gguf.quants.dequantize(np.ascontiguousarray(data[picks]), tensor.tensor_type)
     return np.asarray(values, dtype=np.float32).reshape(len(picks), -1)
@@ -547,7 +597,9 @@ def verify_file(path: str | os.PathLike, plans: list[TensorPlan]) -> None:
                 f"{path}: {p.name} is {t.tensor_type.name} {list(t.shape)}, expected "
                 f"{p.qtype.name} {list(reversed(p.shape))}"
             )
-        check_stats(p.name, sample_rows(t), is_norm=len(p.shape) == 1)
+        is_norm = len(p.shape) == 1 or p.name.endswith("ffn_gate_inp.weight")
+        # An expert's rows are short (768 weights: 3 K-quant blocks): sample more of them.
+        check_stats(p.name, sample_rows(t, 16 if len(p.shape) == 3 else 4), is_norm=is_norm)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -239,3 +239,42 @@ def test_bad_arguments(tmp_path, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         mg.write_gguf(**args)
+
+
+def test_qwen3_moe_plan():
+    """Qwen3-30B-A3B: per layer a router (F32) and three 3-D expert tensors; ffn_down_exps
+    takes Q6_K in the Q4_K_M mix where a dense ffn_down would."""
+    shape = mg.SHAPES["qwen3-30b-a3b"]
+    plans = {p.name: p for p in mg.plan_tensors(shape, "Q4_K_M")}
+    assert plans["blk.0.ffn_gate_inp.weight"].shape == (128, 2048)
+    assert plans["blk.0.ffn_gate_inp.weight"].qtype == Q.F32
+    assert plans["blk.0.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+    assert plans["blk.0.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert plans["blk.0.attn_q_norm.weight"].shape == (128,)
+    assert "blk.0.ffn_gate.weight" not in plans
+    more = {i for i in range(48) if mg._more_bits(i, 48)}
+    for i in range(48):
+        down = plans[f"blk.{i}.ffn_down_exps.weight"].qtype
+        assert down == (Q.Q6_K if i in more else Q.Q4_K)
+        assert plans[f"blk.{i}.ffn_up_exps.weight"].qtype == Q.Q4_K
+    total = sum(p.nbytes for p in plans.values())
+    assert 16.5 < total / 2**30 < 17.5  # the real file, less Qwen's larger vocabulary
+
+
+def test_moe_shape_file(tmp_path, monkeypatch):
+    """A cut-down MoE shape written and read back: metadata, 3-D shapes, statistics."""
+    small = mg.Shape(256, 512, 1, 4, 2, 64, 1e6, 1e-6, 4096, tied=False, arch="qwen3moe",
+                     experts=4, experts_used=2, expert_ff=256, qk_norm=True)  # fmt: skip
+    monkeypatch.setitem(mg.SHAPES, "tiny-moe", small)
+    result = mg.write_gguf("tiny-moe", "Q8_0", tmp_path, tokenizer=[])
+    reader = gguf.GGUFReader(str(result.path))
+    assert field(reader, "general.architecture") == "qwen3moe"
+    assert field(reader, "qwen3moe.expert_count") == 4
+    assert field(reader, "qwen3moe.expert_used_count") == 2
+    assert field(reader, "qwen3moe.expert_feed_forward_length") == 256
+    tensors = {t.name: t for t in reader.tensors}
+    gate = tensors["blk.0.ffn_gate_exps.weight"]
+    assert gate.tensor_type == Q.Q8_0
+    assert tuple(int(d) for d in reversed(gate.shape)) == (4, 256, 256)
+    values = gguf.quants.dequantize(np.asarray(gate.data).reshape(-1, 272), Q.Q8_0)
+    assert_weight_stats(gate.name, values, is_norm=False)
