@@ -21,7 +21,7 @@ import torch
 
 from pyllm.model import registry
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -255,6 +255,8 @@ def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | 
         return theta, None
     if rope_type == "longrope":
         return theta, _longrope(merged, raw, source)
+    if rope_type == "yarn":
+        return theta, _yarn(merged, raw.get("max_position_embeddings"), source)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
             f"rope scaling type {rope_type!r} in {source} is not supported; supported: "
@@ -294,6 +296,42 @@ def _longrope(params: dict[str, Any], raw: dict[str, Any], source: str) -> dict[
     }
 
 
+def _yarn(params: dict[str, Any], context: int | None, source: str) -> dict[str, Any]:
+    """YaRN (gpt-oss, Qwen with long contexts): frequencies rotating fewer than
+    beta_slow times over the original context are interpolated by `factor`, those
+    rotating more than beta_fast times kept, a linear ramp between; cos/sin carry an
+    attention factor, by default 0.1 ln(factor) + 1. truncate (HF's default True)
+    rounds the ramp's ends outward to whole dimensions."""
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and original and context:
+        factor = context / original
+    if not original or not factor:
+        missing = [k for k, v in (("factor", factor), ("original_max_position_embeddings",
+                                                       original)) if not v]  # fmt: skip
+        raise ValueError(f"{source}: yarn rope scaling lacks {', '.join(missing)}")
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    return {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(params.get("beta_fast") or 32.0),
+        "beta_slow": float(params.get("beta_slow") or 1.0),
+        "truncate": bool(params.get("truncate", True)),
+        "attention_factor": float(attention),
+    }
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _gguf_rope_scaling(
     metadata: dict[str, Any], arch: str, source: str, factors: dict[str, tuple[float, ...]]
 ) -> dict[str, Any] | None:
@@ -313,6 +351,18 @@ def _gguf_rope_scaling(
         return None
     if rope_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if rope_type == "yarn":
+        scaling = f"{arch}.rope.scaling."
+        params = {
+            "factor": metadata.get(scaling + "factor"),
+            "original_max_position_embeddings": metadata.get(scaling + "original_context_length"),
+            "beta_fast": metadata.get(scaling + "yarn_beta_fast"),
+            "beta_slow": metadata.get(scaling + "yarn_beta_slow"),
+            # gpt-oss was trained without rounding the ramp's ends (its HF config says
+            # truncate: false); llama.cpp rounds them for every model.
+            "truncate": arch != "gpt-oss",
+        }
+        return _yarn(params, metadata.get(f"{arch}.context_length"), source)
     raise NotImplementedError(
         f"rope scaling type {rope_type!r} in {source} ({arch}.rope.scaling.type) is not supported"
     )
@@ -352,7 +402,30 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv_freq, config.rope_theta, dim, scaling)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, theta: float, dim: int, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN's blend (see _yarn) of the interpolated and the original frequencies."""
+    original = scaling["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:
+        # The dimension whose frequency turns `rotations` times over the original context.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0.0, 1.0)
+    # ramp = 0 for the fast (kept) dimensions, 1 for the slow (interpolated) ones.
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

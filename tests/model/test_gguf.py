@@ -225,6 +225,12 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
             (1 + np.log(cfg.max_position_embeddings / cfg.original_max_position_embeddings)
              / np.log(cfg.original_max_position_embeddings)) ** 0.5
         )  # fmt: skip
+    if rope.get("rope_type") == "yarn":
+        metadata[f"{arch}.rope.scaling.type"] = "yarn"
+        metadata[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+        metadata[f"{arch}.rope.scaling.original_context_length"] = int(
+            rope["original_max_position_embeddings"]
+        )
     if getattr(cfg, "sliding_window", None) and arch in ("gemma3", "phi3"):
         metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if arch == "gemma3":
@@ -270,6 +276,8 @@ GGUF_VARIANTS = {
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                   "factor": 4.0, "original_max_position_embeddings": 16}}),
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 10,
                           "query_pre_attn_scalar": 64}),
     "phi3": ("phi3", {}),

@@ -46,6 +46,18 @@ FAMILIES = {
     # Qwen3: per-head q/k RMSNorm, untied and tied LM heads.
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    # Qwen3 with YaRN over an original context shorter than the test sequences.
+    "qwen3-yarn": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
     # Phi-3: q/k/v and gate/up fused in the checkpoint; LongRoPE (the test sequences stay
     # within the pretraining context of 64, where HF and pyllm both use short_factor).
     "phi3": ("phi3", {}),

@@ -175,7 +175,11 @@ def _hf_config(**changes) -> dict:
 def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel"):
         ModelConfig.from_hf_dict(_hf_config(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(NotImplementedError, match="'yarn'"):
+    with pytest.raises(NotImplementedError, match="'dynamic'"):
+        ModelConfig.from_hf_dict(
+            _hf_config(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4})
+        )
+    with pytest.raises(ValueError, match="yarn rope scaling lacks original_max_position"):
         ModelConfig.from_hf_dict(
             _hf_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
         )
@@ -203,6 +207,32 @@ def test_longrope_cache_takes_long_factors_past_the_original_context():
         angles = position / (torch.tensor(factors) * base)
         expected = torch.cat((angles.cos(), angles.sin())) * factor
         torch.testing.assert_close(cache[position], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("factor", [4.0, 32.0])
+def test_yarn_matches_transformers(factor, truncate):
+    """YaRN's frequencies and attention factor as transformers computes them (gpt-oss's
+    parameters: factor 32 over 4096 positions, beta 32/1, truncate false)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pyllm.model.config import rope_inv_freq
+    from pyllm.model.layers import rotary_cos_sin_cache
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": factor,
+            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": truncate}  # fmt: skip
+    raw = _hf_config(rope_parameters=rope, max_position_embeddings=4096 * 32)
+    config = ModelConfig.from_hf_dict(raw)
+    hf_config = transformers.LlamaConfig(**{**TINY, "rope_parameters": rope,
+                                            "max_position_embeddings": 4096 * 32})  # fmt: skip
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    torch.testing.assert_close(rope_inv_freq(config), inv_freq, rtol=1e-6, atol=0)
+    assert config.rope_scaling["attention_factor"] == pytest.approx(attention)
+    cache = rotary_cos_sin_cache(config, 8192, "cpu")
+    angles = 5000.0 * inv_freq
+    expected = torch.cat((angles.cos(), angles.sin())) * attention
+    torch.testing.assert_close(cache[5000], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sliding_window_leaves_max_model_len_and_marks_layers():
