@@ -202,10 +202,11 @@ _GEMMA_PARTS = {
 }
 
 
-def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
+def write_hf_as_gguf(hf_model, path, arch: str, qtype=None, tokenizer: dict | None = None) -> None:
     """qtype: store the projection weights in this GGML type (F32 otherwise). Experts
     go in as llama.cpp's converter writes them: a router per sparse layer and one 3-D
-    tensor per projection of all experts (Mixtral as arch llama)."""
+    tensor per projection of all experts (Mixtral as arch llama). tokenizer: its
+    tokenizer.* metadata (default: placeholder tokens, enough to size the vocabulary)."""
     cfg = hf_model.config
     metadata = {
         f"{arch}.context_length": cfg.max_position_embeddings,
@@ -217,7 +218,7 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.rope.freq_base": float(_global_rope(cfg)["rope_theta"]),
         f"{arch}.attention.key_length": cfg.head_dim,
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)],
+        **(tokenizer or {"tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)]}),
     }
     parts = _GGUF_PARTS
     rope = _global_rope(cfg)
