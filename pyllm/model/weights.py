@@ -23,6 +23,9 @@ from pyllm.model.moe import SparseMoeBlock
 # Checkpoint tensors that carry no weights of ours (rotary tables some exporters save).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
+# One expert's checkpoint tensor, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
+_ONE_EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
+
 # Other names of our tensors in checkpoints: Mixtral's original ones.
 _RENAMES = (
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -182,12 +185,8 @@ class WeightFiller:
         for layer, module in model.named_modules():
             if isinstance(module, SparseMoeBlock):
                 self.expert_forms.update(fused_expert_forms(f"{layer}.experts"))
-        # Per-expert tensors of experts another rank holds (expert parallelism).
-        held = model.local_config.expert_range
-        self.elsewhere = re.compile(
-            r".*\.experts\.(\d+)\..*" if len(held) < model.config.num_experts else "(?!)"
-        )
-        self.held = held
+        self.num_experts = model.config.num_experts
+        self.held = model.local_config.expert_range  # the others: expert parallelism
         self.filled: set[str] = set()
         self.source = source
         self.tied = model.config.tie_word_embeddings
@@ -197,7 +196,8 @@ class WeightFiller:
         """For a reader that can read part of a tensor: the index of the part of
         checkpoint tensor `name` (of `shape`) this model takes, to pass to
         fill(..., part=True); None: read all of it."""
-        slot = self.slots.get(self.canonical(name))
+        name = self.canonical(name)
+        slot = self.slots.get(name)
         if slot is None or slot.full_shape != tuple(shape):
             return None
         if name in self.fused and slot.dim is None:
@@ -231,8 +231,7 @@ class WeightFiller:
         if name not in self.slots:
             if _IGNORED.fullmatch(name) or (self.tied and name == "lm_head.weight"):
                 return
-            held_elsewhere = self.elsewhere.fullmatch(name)
-            if held_elsewhere and int(held_elsewhere.group(1)) not in self.held:
+            if self._held_elsewhere(name):
                 return
             raise ValueError(f"{where}: unexpected tensor {given!r} (not part of this model)")
         slot = self.slots[name]
@@ -268,6 +267,12 @@ class WeightFiller:
                 slot.view.narrow(slot.dim, len(slot.take),
                                  slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
         self.mark(name)
+
+    def _held_elsewhere(self, name: str) -> bool:
+        """One expert's tensor, of an expert another rank holds."""
+        match = _ONE_EXPERT.fullmatch(name)
+        expert = int(match.group(1)) if match else -1
+        return 0 <= expert < self.num_experts and expert not in self.held
 
     def _fill_fused_experts(self, given: str, name: str, tensor, where: str) -> None:
         """A checkpoint tensor of several of our expert tensors: cut, each piece filled."""

@@ -149,6 +149,12 @@ def test_bad_expert_tensors_are_named(tmp_path, qwen3moe_dir):
                                          r"the model expects \(128, 256\)"):  # fmt: skip
         load_model(copy("short", short_up), dtype="float32")
 
+    def ninth_expert(t):
+        t["model.layers.0.mlp.experts.8.up_proj.weight"] = torch.zeros(128, 256)
+
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.8\."):
+        load_model(copy("ninth", ninth_expert), dtype="float32")
+
     def short_fused(t):
         t["model.layers.0.mlp.experts.gate_up_proj"] = t["model.layers.0.mlp.experts.gate_up_proj"][
             :, :-2
