@@ -30,6 +30,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes to split the model over (bench: a comma-separated list, e.g. 1,2); "
         "under torchrun, the number of processes it starts",
     )
+    group.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models over several processes: each holds whole experts "
+        "instead of a share of every expert",
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -92,6 +98,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         kv_cache=args.kv_cache,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
         distributed_timeout=args.distributed_timeout,
     )
 

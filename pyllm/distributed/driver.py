@@ -24,7 +24,8 @@ def load_tensor_parallel(config):
     """Checks the split, starts (or joins) the ranks, and loads rank 0's shard."""
     from pyllm.model.loader import load_config, load_model
 
-    check_tensor_parallel(load_config(config.model_path), config.tensor_parallel_size)
+    size = config.tensor_parallel_size
+    check_tensor_parallel(load_config(config.model_path), size, config.expert_parallel)
     ranks = start_ranks(config)
     try:
         with ranks.calls():  # the other ranks load theirs meanwhile

@@ -183,6 +183,7 @@ def start_ranks(config) -> Ranks:
             raise
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     options["model"] = config.model_path
+    tp.split_experts(config.expert_parallel)
     ranks = Ranks(tp, procs, timeout, threads_before)
     with ranks.calls():
         dist.broadcast_object_list([options], src=0, group=tp.control)

@@ -5,6 +5,11 @@ embedding and the LM head (vocabulary rows). Row-parallel (a range of input feat
 outputs summed by one all-reduce): o_proj and down_proj. Norms are replicated. With
 fewer KV heads than ranks each rank keeps the one KV head its query heads read, so
 KV heads are replicated (vLLM's rule: the rank count must then be a multiple of them).
+
+Experts (pyllm.model.moe): by default split as the MLP is, each rank holding every
+expert's share of moe_intermediate_size (gate/up column-parallel, down row-parallel),
+the router replicated. With expert_parallel each rank holds num_experts / size whole
+experts instead; either way the layer's output meets in one all-reduce.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # whole experts per rank instead of a share of each
 
     def split(self, n: int) -> range:
         """The rank's even range of n (n divisible by size)."""
@@ -46,7 +52,7 @@ class Shard:
         return range(head, head + 1)
 
 
-def check_tensor_parallel(config, size: int) -> None:
+def check_tensor_parallel(config, size: int, expert_parallel: bool = False) -> None:
     """Raises ValueError if the model cannot be split over `size` ranks."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
@@ -57,8 +63,13 @@ def check_tensor_parallel(config, size: int) -> None:
         problems.append(f"num_attention_heads ({heads})")
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads ({kv}; or a multiple of it)")
-    if inter % size:
+    if inter % size and (not config.num_experts or config.has_dense_layers):
         problems.append(f"intermediate_size ({inter})")
+    if config.num_experts and expert_parallel and config.num_experts % size:
+        problems.append(f"num_experts ({config.num_experts}, expert parallel)")
+    moe_inter = config.moe_intermediate_size
+    if config.num_experts and not expert_parallel and moe_inter % size:
+        problems.append(f"moe_intermediate_size ({moe_inter})")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} must divide {', '.join(problems)} of "
@@ -70,11 +81,18 @@ def shard_config(config, shard: Shard):
     """The per-rank shapes of the attention and MLP layers."""
     if shard.size == 1:
         return config
+    experts = {}
+    if config.num_experts and shard.expert_parallel:
+        held = shard.split(config.num_experts)
+        experts = {"local_experts": (held.start, held.stop)}
+    elif config.num_experts:
+        experts = {"moe_intermediate_size": config.moe_intermediate_size // shard.size}
     return dataclasses.replace(
         config,
         num_attention_heads=config.num_attention_heads // shard.size,
         num_key_value_heads=len(shard.kv_heads(config.num_key_value_heads)),
         intermediate_size=config.intermediate_size // shard.size,
+        **experts,
     )
 
 
@@ -89,6 +107,11 @@ class TensorParallelGroup:
     @property
     def rank(self) -> int:
         return self.shard.rank
+
+    def split_experts(self, expert_parallel: bool) -> None:
+        """Whole experts per rank (expert parallelism), or every expert's share (the
+        default): set from the engine's options before the model is built."""
+        self.shard = dataclasses.replace(self.shard, expert_parallel=expert_parallel)
 
     @property
     def size(self) -> int:

@@ -105,6 +105,7 @@ def run_worker(device: str = "auto", distributed_timeout: float = 60.0) -> int:
     box = [None]
     dist.broadcast_object_list(box, src=0, group=tp.control)
     config = EngineConfig(**box[0])
+    tp.split_experts(config.expert_parallel)
     model, _ = load_model(
         config.model_path, config.torch_dtype, config.torch_device, config.max_model_len,
         quantization=config.quantization, tp=tp,

@@ -35,6 +35,9 @@ class EngineConfig:
     quantization: str | None = "auto"  # see QUANTIZATION_MODES; None is "none"
     # Ranks the model is split over (pyllm.distributed); kv_cache_memory is their total.
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models over several ranks: each rank holds whole experts
+    # instead of every expert's share (pyllm.distributed.parallel).
+    expert_parallel: bool = False
     # Seconds a rank may take to answer the others before the engine fails.
     distributed_timeout: float = 60.0
 
@@ -78,6 +81,8 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be True or False, got {self.expert_parallel!r}")
         if not (
             isinstance(self.distributed_timeout, (int, float)) and self.distributed_timeout > 0
         ):

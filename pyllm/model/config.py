@@ -6,7 +6,9 @@ attention with neox-style rotary embeddings and optional per-head q/k RMSNorm,
 RMSNorm, gated MLP), a final RMSNorm and an LM head (optionally tied to the
 embedding). Llama 2/3, Mistral, SmolLM2, Qwen2 and Qwen3 differ only in the fields
 below; Gemma 3 adds norms after attention and MLP, GELU gating and layers of two kinds
-(sliding window and global, each with its rope base).
+(sliding window and global, each with its rope base). Mixture-of-experts families
+(Qwen3-MoE, Mixtral) replace the MLP of their sparse layers by a router and
+num_experts gated MLPs (pyllm.model.moe).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from pyllm.model import registry
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
+# The experts' activations ops.fused_moe runs: silu(gate) * up, or gpt-oss's clamped
+# (up + 1) * gate * sigmoid(alpha * gate).
+SUPPORTED_MOE_ACTIVATIONS = ("silu", "swigluoai")
 
 
 @dataclass(slots=True)
@@ -63,6 +68,43 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Added to every RMSNorm weight at load: HF's Gemma stores w for a scale of 1 + w.
     norm_weight_offset: float = 0.0
+    # Mixture of experts (num_experts 0: every MLP is dense). A sparse layer's router
+    # scores num_experts experts (gated MLPs of moe_intermediate_size) per token and
+    # sums the outputs of the best num_experts_per_tok, weighted by the softmax of their
+    # scores, renormalized over the chosen ones if norm_topk_prob. Qwen's rule for which
+    # layers are sparse: every decoder_sparse_step-th one, except mlp_only_layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate, up and down (gpt-oss)
+    moe_activation: str = "silu"  # SUPPORTED_MOE_ACTIVATIONS; alpha and limit: swigluoai's
+    moe_alpha: float = 1.702
+    moe_limit: float = 7.0
+    # Under expert parallelism (pyllm.distributed.parallel.shard_config) the experts
+    # [start, stop) of num_experts that this rank holds; None: all of them.
+    local_experts: tuple[int, int] | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is sparse (a router and experts)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_range(self) -> range:
+        """The experts this model (or rank) holds."""
+        start, stop = self.local_experts or (0, self.num_experts)
+        return range(start, stop)
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window (None: it attends to the whole sequence)."""
@@ -121,6 +163,31 @@ class ModelConfig:
             raise ValueError(
                 f"rope_freq_factors has {len(self.rope_freq_factors)} values{where}; "
                 f"expected head_dim / 2 = {self.head_dim // 2}"
+            )
+        if self.num_experts:
+            self._check_moe(where)
+
+    def _check_moe(self, where: str) -> None:
+        for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int{where}, got {value!r}")
+        top_k = self.num_experts_per_tok
+        if not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must lie in [1, num_experts={self.num_experts}]{where}, "
+                f"got {top_k!r}"
+            )
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ValueError(
+                f"mlp_only_layers names layers {outside} outside [0, "
+                f"{self.num_hidden_layers}){where}"
+            )
+        if self.moe_activation not in SUPPORTED_MOE_ACTIVATIONS:
+            raise NotImplementedError(
+                f"the experts' activation {self.moe_activation!r}{where} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MOE_ACTIVATIONS)}"
             )
 
     # -- HF config.json -------------------------------------------------------------
@@ -231,8 +298,45 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             source=source,
+            **_gguf_moe(key, metadata, tensor_names, source),
         )
         return cls(**{**base, **family.gguf_fields(key, metadata)})
+
+
+def _gguf_moe(key, metadata: dict[str, Any], tensor_names: set[str], source: str) -> dict:
+    """The expert fields of any architecture's file (Mixtral's is llama's with
+    expert_count). A layer is sparse if it has a router (ffn_gate_inp). llama.cpp
+    renormalizes the chosen experts' weights for qwen3moe and llama; a file may say
+    otherwise with expert_weights_norm."""
+    experts = int(key("expert_count", 0))
+    if not experts:
+        return {}
+    arch = metadata["general.architecture"]
+    # Keys of routing schemes the op does not run, and the values that mean "not used"
+    # (gating 0 is llama.cpp's "the architecture's default", softmax for these).
+    for name, allowed, what in (
+        ("expert_shared_count", (0,), "shared experts"),
+        ("expert_weights_scale", (1.0,), "scaled expert weights"),
+        ("expert_gating_func", (0, 1), "expert gating other than softmax"),
+        ("expert_group_count", (0,), "expert groups"),
+    ):
+        value = metadata.get(f"{arch}.{name}", allowed[0])
+        if value not in allowed:
+            raise NotImplementedError(
+                f"{source}: {what} ({arch}.{name} = {value!r}) are not supported"
+            )
+    layers = int(key("block_count"))
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+    first = f"blk.{sparse[0]}." if sparse else "blk.0."
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+        mlp_only_layers=tuple(i for i in range(layers) if i not in sparse),
+        router_bias=first + "ffn_gate_inp.bias" in tensor_names,
+        expert_bias=first + "ffn_gate_exps.bias" in tensor_names,
+    )
 
 
 def _hf_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

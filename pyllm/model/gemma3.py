@@ -17,11 +17,11 @@ from pyllm.model.llama import LlamaForCausalLM, input_norm
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelConfig, dtype, device, layer: int) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device, sliding_window)
+        self.self_attn = Attention(config, dtype, device, config.layer_window(layer))
         self.post_attention_layernorm = RMSNorm(size, eps, dtype, device)
         self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype, device)
         self.mlp = MLP(config, dtype, device)

@@ -1,5 +1,5 @@
-"""The Llama block (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) over pyllm's attention ops;
-other families subclass it (gemma3.py).
+"""The Llama block (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, and with sparse MLPs
+Qwen3-MoE and Mixtral) over pyllm's ops; other families subclass it (gemma3.py).
 
 ``LlamaForCausalLM(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden
 [T, hidden_size]`` runs one step of a flat batch (see layers.AttentionMetadata), and
@@ -36,6 +36,7 @@ from pyllm.model.layers import (
     takes_small_batch_path,
     v2_workspace,
 )
+from pyllm.model.moe import SparseMoeBlock
 
 _C = torch.ops.pyllm
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -49,15 +50,22 @@ def input_norm(norm: RMSNorm, hidden, residual):
     return norm(hidden, residual), residual
 
 
+def make_mlp(config: ModelConfig, dtype, device, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or a router and experts where the config makes it sparse."""
+    if config.is_moe_layer(layer):
+        return SparseMoeBlock(config, dtype, device)
+    return MLP(config, dtype, device)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelConfig, dtype, device, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device, sliding_window)
+        self.self_attn = Attention(config, dtype, device, config.layer_window(layer))
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = make_mlp(config, dtype, device, layer)
 
     def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
         """Pre-norm block. `residual` carries the stream between layers, so each norm
@@ -80,8 +88,7 @@ class LlamaModel(nn.Module):
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
         self.embed_tokens.qpart: QuantPart | None = None
         self.layers = nn.ModuleList(
-            layer_cls(config, dtype, device, config.layer_window(i))
-            for i in range(config.num_hidden_layers)
+            layer_cls(config, dtype, device, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -124,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
         if tp is not None:
             for name, module in self.named_modules():
-                if name.endswith((".o_proj", ".down_proj")):
+                row_parallel = isinstance(module, Linear) and name.endswith(
+                    (".o_proj", ".down_proj")
+                )
+                if row_parallel or isinstance(module, SparseMoeBlock):
                     module.reduce = tp.all_reduce
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
         # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in

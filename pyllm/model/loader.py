@@ -67,20 +67,25 @@ def load_model(
 
 def quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
     """Quantizes every projection's float weight to GGML type qtype ("q8_0", "q4_0",
-    "q4_k"), one layer at a time, so that the model multiplies the blocks through
-    ops.quant_linear as it would a GGUF file's. A layer whose in_features is not a
-    multiple of the type's block keeps its float weight (logged)."""
+    "q4_k"), one layer at a time (experts one expert at a time), so that the model
+    multiplies the blocks through ops.quant_linear / ops.fused_moe as it would a GGUF
+    file's. A layer whose in_features is not a multiple of the type's block keeps its
+    float weight (logged); so does a router, whose choices rounding could flip."""
     from pyllm.model.layers import Linear, QuantPart
+    from pyllm.model.moe import ExpertProjection
     from pyllm.model.quantize import QUANT_TYPES_BY_NAME, quantize_weight
 
     type_id = QUANT_TYPES_BY_NAME[qtype]
     block = next(b for t, b, _ in ops.QUANT_TYPES.values() if t == type_id)
     kept = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or module.weight is None:
+        if not isinstance(module, (Linear, ExpertProjection)) or module.weight is None:
             continue
         if module.in_features % block:
             kept.append(name)
+            continue
+        if isinstance(module, ExpertProjection):
+            module.set_quantized(_quantize_experts(module.weight.detach(), qtype), type_id)
             continue
         qweight = quantize_weight(module.weight.detach(), qtype)
         module.set_quantized([QuantPart(qweight, type_id, 0, module.out_features)])
@@ -95,13 +100,25 @@ def quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
         )
 
 
+def _quantize_experts(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[E, N, K] floats -> uint8 [E, N, row bytes], one expert at a time."""
+    from pyllm.model.quantize import quantize_weight, quantized_shape
+
+    out = torch.empty(weight.shape[0], *quantized_shape(weight.shape[1:], qtype),
+                      dtype=torch.uint8, device=weight.device)  # fmt: skip
+    for e in range(weight.shape[0]):
+        out[e] = quantize_weight(weight[e], qtype)
+    return out
+
+
 def estimate_weight_bytes(
     path: str | os.PathLike, dtype: torch.dtype, quantization: str | None = "auto"
 ) -> int:
     """Bytes the model's weights will take in memory, read from the file's tensor table
-    without loading it: a GGUF tensor kept quantized takes its bytes in the file, every
-    other tensor numel x dtype's size (an HF folder quantized at load is first loaded in
-    dtype, so that is its peak)."""
+    without loading it: a GGUF tensor kept quantized (a projection, the experts' 3-D
+    tensors, the token table) takes its bytes in the file, every other tensor numel x
+    dtype's size (an HF folder quantized at load is first loaded in dtype, so that is
+    its peak)."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from pyllm.model.gguf_file import open_gguf
@@ -109,7 +126,7 @@ def estimate_weight_bytes(
         keep = quantization == "auto"
         total = 0
         for t in open_gguf(path).tensors.values():
-            if keep and t.type_name in ops.QUANT_TYPES and len(t.shape) == 2:
+            if keep and t.type_name in ops.QUANT_TYPES and len(t.shape) in (2, 3):
                 total += t.nbytes
             else:
                 total += math.prod(t.shape) * dtype.itemsize

@@ -9,11 +9,17 @@ float32 on its own, renamed from llama.cpp's names (``blk.3.attn_k.weight``) to 
 converter reorders the rows of the Llama q/k projections (per head, it interleaves the
 two rotary halves for its GPT-J-style rope); we undo that, on float rows or on rows of
 blocks alike, so the neox-style rotary kernel sees HF's layout.
+
+Mixture-of-experts files hold each sparse layer's router (``ffn_gate_inp``, [E, H]) and
+one 3-D tensor per projection of all its experts (``ffn_{gate,up,down}_exps``, numpy
+shape [E, N, K]). Kept quantized, each is read into one uint8 tensor [E, N, row bytes]
+(this rank's share of it); otherwise it is widened one expert at a time.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import numpy as np
@@ -25,7 +31,7 @@ from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.registry import model_class
-from pyllm.model.weights import WeightFiller, shard_rows
+from pyllm.model.weights import WeightFiller, per_expert_name, shard_rows
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
 SUPPORTED_TYPES = (
@@ -76,8 +82,9 @@ def read_gguf_config(path: str) -> ModelConfig:
     return _config(_open(path), path)
 
 
-def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
-    """One GGUF tensor as float32 [rows, cols] (numpy order: GGUF lists dims reversed).
+def dequantize(tensor: GGUFTensor, path: str, expert: int | None = None) -> np.ndarray:
+    """One GGUF tensor as float32 [rows, cols] (numpy order: GGUF lists dims reversed);
+    of a 3-D tensor of experts, expert `expert`'s [rows, cols] alone if given.
     Also takes a gguf.GGUFReader tensor (tests read files through both)."""
     import gguf.quants
 
@@ -87,6 +94,8 @@ def dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     else:
         qtype = tensor.tensor_type
         data, shape = tensor.data, tuple(int(d) for d in reversed(tensor.shape))
+    if expert is not None:
+        data, shape = data[expert], shape[1:]
     if qtype.name not in SUPPORTED_TYPES:
         raise ValueError(
             f"{path}: tensor {tensor.name!r} has quantization type {qtype.name}, which is not "
@@ -100,20 +109,24 @@ def hf_names(config: ModelConfig, slots: dict, tensors: dict[str, GGUFTensor]) -
     """llama.cpp tensor name -> HF name for this model, from gguf's own tables
     (gguf.get_tensor_name_map): of the HF names gguf lists for a tensor of the
     architecture, the slot of the model with the tensor's shape (Phi-3's ffn_up is
-    gate_up_proj, Llama's is up_proj)."""
+    gate_up_proj, Llama's is up_proj). Names the architecture's table lacks come from
+    llama's: a qwen3moe file's dense layers (mlp_only_layers) hold llama's ffn_gate."""
     import gguf
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.architecture)
-    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
-    for hf_base, (_, gguf_base) in table.mapping.items():
-        for kind in ("weight", "bias"):
-            hf, name = f"{hf_base}.{kind}", f"{gguf_base}.{kind}"
-            if hf not in slots:
-                continue
-            tensor = tensors.get(name)
-            if name not in names or (tensor and slots[hf].full_shape == tensor.shape):
-                names[name] = hf
+    for fallback, table_arch in enumerate((arch, gguf.MODEL_ARCH.LLAMA)):
+        table = gguf.get_tensor_name_map(table_arch, config.num_hidden_layers)
+        found = {}
+        for hf_base, (_, gguf_base) in table.mapping.items():
+            for kind in ("weight", "bias"):
+                hf, name = f"{hf_base}.{kind}", f"{gguf_base}.{kind}"
+                if hf not in slots or (fallback and name in names):
+                    continue
+                tensor = tensors.get(name)
+                if name not in found or (tensor and slots[hf].full_shape == tensor.shape):
+                    found[name] = hf
+        names.update(found)
     return names
 
 
@@ -165,6 +178,9 @@ def load_gguf(
         name = names.get(tensor.name)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} (not part of this model)")
+        if len(tensor.shape) == 3 and name in filler.fused:
+            _fill_experts(filler, tensor, name, path)
+            continue
         values = dequantize(tensor, path)
         rows_per_head = _permuted_heads(config, tensor.name)
         if rows_per_head:
@@ -179,6 +195,20 @@ def load_gguf(
         del values
     filler.finish()
     return model
+
+
+def _fill_experts(filler: WeightFiller, tensor: GGUFTensor, name: str, path: str) -> None:
+    """A 3-D tensor of experts widened one expert at a time (of those this rank holds)."""
+    expected = filler.slots[name].full_shape
+    if tensor.shape != expected:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, the model expects "
+            f"{expected} ({name})"
+        )
+    for e in filler.held:
+        values = torch.from_numpy(dequantize(tensor, path, expert=e))
+        filler.fill(per_expert_name(name, e), values, where=f"{path} ({tensor.name})")
+    filler.mark(name)
 
 
 def _permuted_heads(config: ModelConfig, gguf_name: str) -> int:
@@ -200,16 +230,30 @@ def _projections(config: ModelConfig, tensors: dict[str, GGUFTensor]) -> list[tu
         blk = f"blk.{i}."
         layer = f"model.layers.{i}."
         qkv = ["attn_qkv"] if blk + "attn_qkv.weight" in tensors else ["attn_q", "attn_k", "attn_v"]
-        gate_up = ["ffn_gate", "ffn_up"] if blk + "ffn_gate.weight" in tensors else ["ffn_up"]
         out += [
             (layer + "self_attn.qkv_proj", [blk + part for part in qkv]),
             (layer + "self_attn.o_proj", [blk + "attn_output"]),
+        ]
+        if config.is_moe_layer(i):
+            continue  # _expert_projections
+        gate_up = ["ffn_gate", "ffn_up"] if blk + "ffn_gate.weight" in tensors else ["ffn_up"]
+        out += [
             (layer + "mlp.gate_up_proj", [blk + part for part in gate_up]),
             (layer + "mlp.down_proj", [blk + "ffn_down"]),
         ]
     if not config.tie_word_embeddings:
         out.append(("lm_head", ["output"]))
     return out
+
+
+def _expert_projections(config: ModelConfig) -> list[tuple[str, str]]:
+    """(module path, GGUF tensor name) of every sparse layer's expert projections."""
+    return [
+        (f"model.layers.{i}.mlp.experts.{proj}_proj", f"blk.{i}.ffn_{proj}_exps.weight")
+        for i in range(config.num_hidden_layers)
+        if config.is_moe_layer(i)
+        for proj in ("gate", "up", "down")
+    ]
 
 
 def _quantizable(tensor: GGUFTensor | None, in_features: int) -> bool:
@@ -239,6 +283,15 @@ def _load_quantized(
             for t in parts:
                 used.add(t.name)
                 filler.mark(hf_of[t.name])
+        for module_path, name in _expert_projections(config):
+            module, tensor = model.get_submodule(module_path), tensors.get(name)
+            if tensor is None or not _quantizable(tensor, module.in_features):
+                continue  # missing: the filler names it; widened otherwise
+            full = filler.slots[hf_of[name]].full_shape
+            qweight = _read_experts(file, model, tensor, module, full)
+            module.set_quantized(qweight, tensor.type_id)
+            used.add(name)
+            filler.mark(hf_of[name])
         embedding = tensors.get("token_embd.weight")
         if _quantizable(embedding, config.hidden_size):
             (part,) = _read_parts(file, model, [embedding], config.hidden_size)
@@ -279,7 +332,7 @@ def _shard_rows(model: LlamaForCausalLM, tensor: GGUFTensor) -> tuple[list[range
 def _read_rows(file, tensor: GGUFTensor, ranges: list[range], dest: np.ndarray, cols: range):
     """Reads the rows `ranges` of the tensor's blocks into dest, keeping the bytes
     `cols` of each row (all of them unless a row-parallel rank's share)."""
-    row_bytes = tensor.nbytes // tensor.shape[0]
+    row_bytes = tensor.nbytes // math.prod(tensor.shape[:-1])
     at = 0
     for r in ranges:
         whole = len(cols) == row_bytes
@@ -328,3 +381,24 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
         start += rows
         i += len(run)
     return parts
+
+
+def _read_experts(file, model: LlamaForCausalLM, tensor: GGUFTensor, module, full) -> torch.Tensor:
+    """A 3-D tensor of experts' blocks, of the model's shape `full` [E, N, K], as this
+    rank's uint8 [E', N', row bytes]: all of it; under tensor parallelism each expert's
+    share of gate/up rows or of down's columns; under expert parallelism its experts."""
+    if tensor.shape != full:
+        raise ValueError(
+            f"{file.name}: tensor {tensor.name!r} has shape {tensor.shape}, the model expects "
+            f"{full}"
+        )
+    shard, held = model.shard, model.local_config.expert_range
+    _, rows, cols = full
+    mine = shard.split(rows) if module.out_features != rows else range(rows)
+    first = shard.rank if module.in_features != cols else 0  # a row-parallel rank's share
+    row_bytes = ops.quant_row_bytes(tensor.type_id, module.in_features)
+    qweight = torch.empty(len(held), len(mine), row_bytes, dtype=torch.uint8)
+    ranges = [range(e * rows + mine.start, e * rows + mine.stop) for e in held]
+    cut = range(first * row_bytes, (first + 1) * row_bytes)
+    _read_rows(file, tensor, ranges, qweight.view(-1, row_bytes).numpy(), cut)
+    return qweight.to(model.device)

@@ -56,6 +56,38 @@ def _qwen3_hf(raw: dict[str, Any]) -> Fields:
     return {**_llama_hf(raw), "qk_norm": True, "sliding_window": _qwen2_hf(raw)["sliding_window"]}
 
 
+def _experts(raw: dict[str, Any]) -> int:
+    """Checkpoints on the hub name it num_experts (Qwen) or num_local_experts (Mixtral,
+    and transformers 5's Qwen3-MoE config)."""
+    return int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+
+
+def _qwen3moe_hf(raw: dict[str, Any]) -> Fields:
+    """Qwen3's attention; experts of moe_intermediate_size in every decoder_sparse_step-th
+    layer but mlp_only_layers, whose dense MLPs are of intermediate_size."""
+    return {
+        **_qwen3_hf(raw),
+        "num_experts": _experts(raw),
+        "num_experts_per_tok": raw.get("num_experts_per_tok"),
+        "moe_intermediate_size": raw.get("moe_intermediate_size"),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),  # HF's default
+        "decoder_sparse_step": raw.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(raw.get("mlp_only_layers") or ()),
+    }
+
+
+def _mixtral_hf(raw: dict[str, Any]) -> Fields:
+    """Mistral's attention; every layer sparse, experts of intermediate_size, the chosen
+    experts' weights always renormalized."""
+    return {
+        **_llama_hf(raw),
+        "num_experts": _experts(raw),
+        "num_experts_per_tok": raw.get("num_experts_per_tok"),
+        "moe_intermediate_size": raw.get("intermediate_size"),
+        "norm_topk_prob": True,
+    }
+
+
 # Gemma 3: every sixth layer attends globally, the others within the sliding window,
 # with a rope base of their own. HF stores RMSNorm weights w applied as (1 + w); GGUF
 # converters store 1 + w.
@@ -139,6 +171,12 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", ("MistralForCausalLM",), ("mistral",), _LLAMA, _llama_hf),
         Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _LLAMA, _qwen2_hf),
         Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _LLAMA, _qwen3_hf, _qwen3_gguf),
+        # Mixture of experts: the Llama block with a sparse MLP (pyllm.model.moe).
+        Family(
+            "qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _LLAMA, _qwen3moe_hf, _qwen3_gguf
+        ),
+        # Mixtral's GGUF files are llama's with llama.expert_count; "mixtral" is only HF's.
+        Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), _LLAMA, _mixtral_hf),
         # Phi-3: q/k/v and gate/up already fused in the checkpoint, LongRoPE.
         Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _LLAMA, _llama_hf, _phi3_gguf),
         Family(

@@ -1,18 +1,61 @@
 """Where each named checkpoint tensor goes in the model, shared by the safetensors and
 GGUF loaders. A tensor-parallel rank takes its range of each split tensor
-(pyllm.distributed.parallel says which)."""
+(pyllm.distributed.parallel says which).
+
+Experts (pyllm.model.moe): each 3-D parameter ``mlp.experts.gate_proj.weight [E, I, H]``
+has a slot per expert, ``mlp.experts.{j}.gate_proj.weight [I, H]`` (the form HF's
+save_pretrained writes); Mixtral's original names (``block_sparse_moe``, ``w1/w3/w2``)
+are read as those, and the fused 3-D tensors of transformers' models
+(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are split into them.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.moe import SparseMoeBlock
 
 # Checkpoint tensors that carry no weights of ours (rotary tables some exporters save).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# One expert's checkpoint tensor, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
+_ONE_EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
+
+# Other names of our tensors in checkpoints: Mixtral's original ones.
+_RENAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+)
+
+# A fused checkpoint tensor of all experts: the names of our tensors it holds, and how
+# to cut it into them (each piece shaped as its tensor's slot).
+FusedExperts = tuple[list[str], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]
+
+
+def fused_expert_forms(base: str) -> dict[str, FusedExperts]:
+    """transformers' in-memory layout of a layer's experts (``base``: its
+    ``model.layers.N.mlp.experts``): gate_up_proj [E, 2I, H], gate rows first, and
+    down_proj [E, H, I]. A family whose checkpoints lay them out otherwise (gpt-oss:
+    [E, H, 2I] with gate and up interleaved, and their biases) adds its forms here."""
+    return {
+        f"{base}.gate_up_proj": (
+            [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"],
+            lambda t: t.chunk(2, dim=1),
+        ),
+        f"{base}.down_proj": ([f"{base}.down_proj.weight"], lambda t: (t,)),
+    }
+
+
+def per_expert_name(name: str, expert: int) -> str:
+    """``...mlp.experts.gate_proj.weight`` -> ``...mlp.experts.{expert}.gate_proj.weight``."""
+    return name.replace(".experts.", f".experts.{expert}.", 1)
 
 
 @dataclass
@@ -68,7 +111,9 @@ def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, li
     fused: dict[str, list[str]] = {}
     for name, param in model.named_parameters():
         prefix, _, kind = name.rpartition(".")
-        if prefix.endswith((".qkv_proj", ".gate_up_proj")):
+        if ".mlp.experts." in name:
+            _expert_slots(model, name, param, slots, fused)
+        elif prefix.endswith((".qkv_proj", ".gate_up_proj")):
             if prefix.endswith(".qkv_proj"):
                 q, kv = local.q_size, local.kv_size
                 parts = {
@@ -104,11 +149,44 @@ def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, li
     return slots, fused
 
 
+def _expert_slots(model: LlamaForCausalLM, name: str, param, slots: dict, fused: dict) -> None:
+    """The 3-D slot of one projection (or bias) of every expert, and one slot per expert
+    held. Tensor parallelism: each rank takes its share of I (gate/up rows, down columns;
+    down's bias counts once: rank 0's); expert parallelism: whole experts."""
+    config, shard = model.config, model.shard
+    held = model.local_config.expert_range
+    inter = config.moe_intermediate_size
+    down = ".down_proj." in name
+    rows, cols = (config.hidden_size, inter) if down else (inter, config.hidden_size)
+    full = (config.num_experts, rows, cols) if param.dim() == 3 else (config.num_experts, rows)
+    dim, take, zero = None, None, False
+    if shard.size > 1 and model.local_config.local_experts is not None:
+        dim, take = 0, held
+    elif shard.size > 1 and down and param.dim() == 2:
+        zero = shard.rank > 0
+    elif shard.size > 1:
+        dim, take = (2 if down else 1), shard.split(inter)
+    slots[name] = Slot(param, full, dim, take, zero)
+    # An expert's own slot: the same split, one dimension down (none for whole experts).
+    one_dim, one_take = (dim - 1, take) if dim else (None, None)
+    fused[name] = []
+    for j in held:
+        part = per_expert_name(name, j)
+        slots[part] = Slot(param[j - held.start], full[1:], one_dim, one_take, zero)
+        fused[name].append(part)
+
+
 class WeightFiller:
     """Copies named tensors into their slots and, at the end, names any slot left empty."""
 
     def __init__(self, model: LlamaForCausalLM, source: str) -> None:
         self.slots, self.fused = weight_slots(model)
+        self.expert_forms: dict[str, FusedExperts] = {}
+        for layer, module in model.named_modules():
+            if isinstance(module, SparseMoeBlock):
+                self.expert_forms.update(fused_expert_forms(f"{layer}.experts"))
+        self.num_experts = model.config.num_experts
+        self.held = model.local_config.expert_range  # the others: expert parallelism
         self.filled: set[str] = set()
         self.source = source
         self.tied = model.config.tie_word_embeddings
@@ -118,10 +196,21 @@ class WeightFiller:
         """For a reader that can read part of a tensor: the index of the part of
         checkpoint tensor `name` (of `shape`) this model takes, to pass to
         fill(..., part=True); None: read all of it."""
+        name = self.canonical(name)
         slot = self.slots.get(name)
-        if slot is None or name in self.fused or slot.full_shape != tuple(shape):
+        if slot is None or slot.full_shape != tuple(shape):
+            return None
+        if name in self.fused and slot.dim is None:
             return None
         return slot.index()
+
+    def canonical(self, name: str) -> str:
+        """The name of our tensor that checkpoint tensor `name` is (see _RENAMES)."""
+        if name in self.slots:
+            return name
+        for pattern, replacement in _RENAMES:
+            name = pattern.sub(replacement, name)
+        return name
 
     def fill(
         self,
@@ -135,22 +224,28 @@ class WeightFiller:
         store offset (ModelConfig.norm_weight_offset). part: tensor is the part that
         part_to_read named, not the whole tensor."""
         where = where or self.source
+        given, name = name, self.canonical(name)
+        if name in self.expert_forms:
+            self._fill_fused_experts(given, name, tensor, where)
+            return
         if name not in self.slots:
             if _IGNORED.fullmatch(name) or (self.tied and name == "lm_head.weight"):
                 return
-            raise ValueError(f"{where}: unexpected tensor {name!r} (not part of this model)")
+            if self._held_elsewhere(name):
+                return
+            raise ValueError(f"{where}: unexpected tensor {given!r} (not part of this model)")
         slot = self.slots[name]
         expected = slot.part_shape() if part else slot.full_shape
         if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                f"{where}: tensor {given!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{expected}"
             )
         if not tensor.is_floating_point():
             raise ValueError(
-                f"{where}: tensor {name!r} has dtype {tensor.dtype}, expected a float type"
+                f"{where}: tensor {given!r} has dtype {tensor.dtype}, expected a float type"
             )
-        if name in self.fused and slot.view.shape != slot.full_shape:
+        if name in self.fused and slot.dim is None and slot.view.shape != slot.full_shape:
             # A fused checkpoint tensor on a split model: each part takes its rows.
             offset = 0
             for part in self.fused[name]:
@@ -173,6 +268,25 @@ class WeightFiller:
                                  slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
         self.mark(name)
 
+    def _held_elsewhere(self, name: str) -> bool:
+        """One expert's tensor, of an expert another rank holds."""
+        match = _ONE_EXPERT.fullmatch(name)
+        expert = int(match.group(1)) if match else -1
+        return 0 <= expert < self.num_experts and expert not in self.held
+
+    def _fill_fused_experts(self, given: str, name: str, tensor, where: str) -> None:
+        """A checkpoint tensor of several of our expert tensors: cut, each piece filled."""
+        targets, cut = self.expert_forms[name]
+        expected = [self.slots[t].full_shape for t in targets]
+        pieces = cut(tensor) if tensor.dim() == 3 else ()
+        if [tuple(p.shape) for p in pieces] != expected:
+            raise ValueError(
+                f"{where}: tensor {given!r} has shape {tuple(tensor.shape)}; the model expects "
+                f"it to hold {' and '.join(str(e) for e in expected)} ({', '.join(targets)})"
+            )
+        for target, piece in zip(targets, pieces, strict=True):
+            self.fill(target, piece, where)
+
     def mark(self, name: str) -> None:
         """name counts as filled (by fill, or by a loader that set its module itself)."""
         self.filled.add(name)
@@ -180,6 +294,12 @@ class WeightFiller:
 
     def finish(self) -> None:
         missing = [n for n in self.slots if n not in self.filled and n not in self.fused]
+        # A projection whose every expert is missing is named once.
+        absent = set(missing)
+        for name, parts in self.fused.items():
+            if ".experts." in name and parts and absent.issuperset(parts):
+                absent.difference_update(parts)
+                missing = [n for n in missing if n in absent] + [f"{name} (every expert)"]
         if missing:
             shown = ", ".join(missing[:5]) + (
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""

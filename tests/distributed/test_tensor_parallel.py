@@ -57,6 +57,23 @@ def test_tp2_generates_what_tp1_does(tmp_path, kind, overrides):
     assert not child_pids(), "worker processes outlived the engine"
 
 
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("qwen3moe", {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True}),
+     ("mixtral", {"sliding_window": 12})],
+    ids=["qwen3moe", "mixtral"],
+)  # fmt: skip
+def test_moe_tp2_generates_what_tp1_does(tmp_path, kind, overrides):
+    """Each rank every expert's half of the intermediate rows (the default), or half
+    the experts whole (expert_parallel); the router replicated either way."""
+    model = make_model_dir(tmp_path, kind, **overrides)
+    prompts = _prompts(6)
+    expected = _outputs(model, 1, prompts)
+    assert _outputs(model, 2, prompts) == expected
+    assert _outputs(model, 2, prompts, expert_parallel=True, kv_cache="contiguous") == expected
+    assert not child_pids(), "worker processes outlived the engine"
+
+
 def test_smollm2_tp3_generates_what_tp1_does():
     """9 heads and 3 KV heads: 3 ranks of 3 heads and one KV head each. float32 widened
     from the GGUF file; prompts share a prefix (prefix cache) and chunk at 16 tokens."""

@@ -28,6 +28,21 @@ TINY = dict(
 )
 
 
+# A router's logits of order ROUTER_SCALE: far enough apart that float rounding (ours
+# against HF's) does not flip a token's choice of experts, close enough that the
+# second expert's weight still counts (with 8 experts, the gap between the first two
+# is about one unit).
+ROUTER_SCALE = 4.0
+
+
+# 8 experts of 128, each token's best 2 (Mixtral's experts are intermediate_size wide).
+MOE = {
+    "qwen3moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
+                    sliding_window=None),
+}  # fmt: skip
+
+
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     """HF initialises norms to one and biases to zero, which would hide a norm weight
     or a bias that never reaches its slot; and its std-0.02 weights make logits tiny.
@@ -36,7 +51,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
+            if name.endswith("mlp.gate.weight"):  # a mixture of experts' router
+                p.copy_(ROUTER_SCALE * noise / math.sqrt(p.shape[-1]))
+            elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.2 * noise)
@@ -56,8 +73,10 @@ def make_hf_model(kind: str, path, max_shard_size: str | None = None, **override
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
-    kwargs = dict(TINY)
+    kwargs = dict(TINY, **MOE.get(kind, {}))
     if kind == "mistral":
         kwargs["sliding_window"] = None
     if kind == "phi3":  # its defaults name ids past the tiny vocabulary

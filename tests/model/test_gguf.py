@@ -28,7 +28,9 @@ def write_gguf(path, arch: str, metadata: dict, tensors: dict) -> None:
     """tensors: name -> float32 array (stored as F32) or (raw array, GGMLQuantizationType)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
-        if isinstance(value, float):
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, float):
             writer.add_float32(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
@@ -200,8 +202,11 @@ _GEMMA_PARTS = {
 }
 
 
-def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
-    """qtype: store the projection weights in this GGML type (F32 otherwise)."""
+def write_hf_as_gguf(hf_model, path, arch: str, qtype=None, tokenizer: dict | None = None) -> None:
+    """qtype: store the projection weights in this GGML type (F32 otherwise). Experts
+    go in as llama.cpp's converter writes them: a router per sparse layer and one 3-D
+    tensor per projection of all experts (Mixtral as arch llama). tokenizer: its
+    tokenizer.* metadata (default: placeholder tokens, enough to size the vocabulary)."""
     cfg = hf_model.config
     metadata = {
         f"{arch}.context_length": cfg.max_position_embeddings,
@@ -213,7 +218,7 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.rope.freq_base": float(_global_rope(cfg)["rope_theta"]),
         f"{arch}.attention.key_length": cfg.head_dim,
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)],
+        **(tokenizer or {"tokenizer.ggml.tokens": [f"t{i}" for i in range(cfg.vocab_size)]}),
     }
     parts = _GGUF_PARTS
     rope = _global_rope(cfg)
@@ -235,6 +240,13 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
         metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if arch == "gemma3":
         parts = _GEMMA_PARTS
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        metadata[f"{arch}.expert_count"] = experts
+        metadata[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
+        if arch == "qwen3moe":  # Mixtral's experts are feed_forward_length wide
+            metadata[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+            metadata[f"{arch}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
     tensors = {}
     for name, value in hf_model.state_dict().items():
         value = value.float().numpy()
@@ -250,6 +262,9 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             part, kind = rest.rsplit(".", 1)
+            if rest.startswith("mlp.experts.") or rest == "mlp.gate.weight":
+                tensors.update(_gguf_experts(layer, rest, value, qtype))
+                continue
             if arch == "llama" and part == "self_attn.q_proj":
                 value = llama_cpp_permute(value, cfg.num_attention_heads)
             elif arch == "llama" and part == "self_attn.k_proj":
@@ -261,6 +276,23 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None) -> None:
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
     write_gguf(path, arch, metadata, tensors)
+
+
+def _gguf_experts(layer: str, name: str, value: np.ndarray, qtype) -> dict:
+    """HF's in-memory experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and router
+    as llama.cpp's tensors; the router stays F32, as llama.cpp's quantizer keeps it."""
+    if name == "mlp.gate.weight":
+        return {f"blk.{layer}.ffn_gate_inp.weight": value}
+    if name == "mlp.experts.gate_up_proj":
+        gate, up = np.split(value, 2, axis=1)
+        named = {"ffn_gate_exps": gate, "ffn_up_exps": up}
+    else:
+        named = {"ffn_down_exps": value}
+    out = {}
+    for name, w in named.items():
+        w = np.ascontiguousarray(w)
+        out[f"blk.{layer}.{name}.weight"] = (gguf.quants.quantize(w, qtype), qtype) if qtype else w
+    return out
 
 
 def _global_rope(cfg) -> dict:
@@ -282,6 +314,11 @@ GGUF_VARIANTS = {
                           "query_pre_attn_scalar": 64}),
     "phi3": ("phi3", {}),
     "phi3-window": ("phi3", {"sliding_window": 10}),
+    # Experts as 3-D tensors; Qwen3-MoE with a dense layer, Mixtral as arch llama.
+    "qwen3moe": ("qwen3moe", {"num_hidden_layers": 3, "mlp_only_layers": [1],
+                              "norm_topk_prob": True}),
+    "qwen3moe-unnormed": ("qwen3moe", {"norm_topk_prob": False}),
+    "mixtral": ("mixtral", {}),
     "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0 + 0.1 * i for i in range(32)],
@@ -289,10 +326,15 @@ GGUF_VARIANTS = {
 }  # fmt: skip
 
 
+# The GGUF architecture of HF families whose files are another's.
+GGUF_ARCH = {"mixtral": "llama"}
+
+
 @pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
 def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
-    arch, overrides = GGUF_VARIANTS[variant]
-    hf = make_hf_model(arch, tmp_path / "hf", **overrides)
+    kind, overrides = GGUF_VARIANTS[variant]
+    arch = GGUF_ARCH.get(kind, kind)
+    hf = make_hf_model(kind, tmp_path / "hf", **overrides)
     write_hf_as_gguf(hf, tmp_path / "tiny.gguf", arch)
     model, config = load_model(tmp_path / "tiny.gguf", dtype="float32")
     assert config.architecture == arch
@@ -311,17 +353,29 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
         assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3", "qwen3moe", "mixtral"])
 def test_tiny_model_with_q8_0_projections(tmp_path, variant):
     """The families' quantized path: Q8_0 projections stay in their blocks and follow the
-    same file widened to float32 (logits correlate >= 0.999 at every position)."""
-    arch, overrides = GGUF_VARIANTS[variant]
-    hf = make_hf_model(arch, tmp_path / "hf", **overrides)
+    same file widened to float32 (logits correlate >= 0.999 at every position); experts
+    stay one uint8 tensor of blocks [E, N, row bytes] per projection."""
+    kind, overrides = GGUF_VARIANTS[variant]
+    arch = GGUF_ARCH.get(kind, kind)
+    hf = make_hf_model(kind, tmp_path / "hf", **overrides)
     write_hf_as_gguf(hf, tmp_path / "q8.gguf", arch, qtype=Q.Q8_0)
-    quantized, _ = load_model(tmp_path / "q8.gguf", dtype="float32")
+    quantized, config = load_model(tmp_path / "q8.gguf", dtype="float32")
     widened, _ = load_model(tmp_path / "q8.gguf", dtype="float32", quantization="none")
     layer = quantized.model.layers[0]
-    assert layer.self_attn.qkv_proj.qparts and layer.mlp.gate_up_proj.qparts
+    assert layer.self_attn.qkv_proj.qparts
+    if config.num_experts:
+        for proj in layer.mlp.projections():
+            assert proj.weight is None and proj.qtype == Q.Q8_0
+            assert proj.qweight.dtype == torch.uint8 and proj.qweight.shape[:2] == (
+                8, proj.out_features,
+            )  # fmt: skip
+        assert layer.mlp.gate.weight.dtype == torch.float32  # the router: F32 in the file
+        assert widened.model.layers[0].mlp.experts.gate_proj.weight.shape == (8, 128, 256)
+    else:
+        assert layer.mlp.gate_up_proj.qparts
     tokens = [list(range(5, 30)), list(range(200, 209))]
     q = run_sequences(quantized, tokens, [8, 4], chunk_size=8).logits
     w = run_sequences(widened, tokens, [8, 4], chunk_size=8).logits

@@ -74,6 +74,15 @@ FAMILIES = {
             },
         },
     ),
+    # Qwen3-MoE: 8 experts, each token's best 2, their weights renormalized or not;
+    # a dense layer between sparse ones (mlp_only_layers).
+    "qwen3moe": (
+        "qwen3moe",
+        {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
+    "qwen3moe-unnormed": ("qwen3moe", {"norm_topk_prob": False}),
+    # Mixtral: Mistral's attention within a sliding window, every layer sparse.
+    "mixtral": ("mixtral", {"sliding_window": 12}),
     # Gemma 3: a sliding-window layer and a global one (each its rope base), softmax
     # scale from query_pre_attn_scalar, GELU gate, sandwich norms of (1 + w). The
     # window (16) is shorter than every test sequence.

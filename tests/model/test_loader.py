@@ -19,6 +19,7 @@ from pyllm.model.config import ModelConfig, rope_inv_freq
 from pyllm.model.dtype import cpu_has_native_bf16, resolve_dtype
 from pyllm.model.layers import Linear, can_pack_weight_words
 from pyllm.model.loader import load_model
+from pyllm.model.moe import ExpertProjection
 from tests.model.conftest import TINY, make_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +47,13 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
                 fused = torch.cat([sd[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"])
             out[p + f"self_attn.qkv_proj.{kind}"] = fused
         out[p + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        if p + "mlp.gate.weight" in sd:  # a sparse layer: HF keeps gate/up fused, [E, 2I, H]
+            gate, up = sd[p + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
+            out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
+            out[p + "mlp.experts.gate_proj.weight"] = gate
+            out[p + "mlp.experts.up_proj.weight"] = up
+            out[p + "mlp.experts.down_proj.weight"] = sd[p + "mlp.experts.down_proj"]
+            continue
         gate_up = sd.get(p + "mlp.gate_up_proj.weight")
         if gate_up is None:
             gate_up = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
@@ -60,7 +68,7 @@ def dense_params(model) -> dict[str, torch.Tensor]:
     """The model's parameters by name, packed projection weights read back."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, ExpertProjection)):
             out[f"{name}.weight"] = module.dense_weight()
     for name, p in model.named_parameters():
         out.setdefault(name, p)
