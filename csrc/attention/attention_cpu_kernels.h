@@ -625,15 +625,12 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
 // The factor that normalizes a row's acc when a sink joins its softmax: one more
 // logit with no value, so out = acc * alpha / (exp_sum * alpha + exp(sink - m)) with
 // m = max(max_logit, sink) and alpha = exp(max_logit - m) (0 when the row saw no
-// key). kBase2: max_logit and sink are in base 2 (logit * log2 e), as prefill_lanes
-// keeps them.
-template <bool kBase2 = false>
+// key).
 inline float sink_scale(float max_logit, float exp_sum, float sink) {
-  const auto e = [](float x) { return kBase2 ? std::exp2(x) : std::exp(x); };
   const float m = std::max(max_logit, sink);
   if (m == kNegInf) return 0.0f;  // a -inf sink and no key: nothing to weigh
-  const float alpha = e(max_logit - m);
-  return alpha / (exp_sum * alpha + e(sink - m));
+  const float alpha = std::exp(max_logit - m);
+  return alpha / (exp_sum * alpha + std::exp(sink - m));
 }
 
 // Writes row r's normalized output (zeros when it saw no key); sink: the row's

@@ -398,24 +398,28 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     keys.last_first_key = window_start(keys.last_key, sliding_window);
     attend_lanes<T, RV>(cache, t.seq, kv_head, keys, scale, alibi != nullptr, sliding_window > 0,
                         st, ws);
-    // Normalize (with a sink: its head's, in base 2, see sink_scale), make words of
-    // the dtype (bf16: dims 2j, 2j + 1 of a lane's row in one word) and transpose 16
-    // rows' words at a time back to rows.
+    // Normalize, make words of the dtype (bf16: dims 2j, 2j + 1 of a lane's row
+    // in one word) and transpose 16 rows' words at a time back to rows.
     for (int r = 0; r < RV; ++r) {
-      alignas(64) float sums[kLanes];
-      st.exp_sum[r].store(sums);
+      Vec16 inv;
       if (sinks) {
-        alignas(64) float maxes[kLanes];
-        st.max_logit[r].store(maxes);
+        // Each lane's head's sink as one more logit (base 2): rescale to
+        // m = max(max_logit, sink); a lane that saw no key gets alpha = 2^-inf = 0.
+        alignas(64) float sink[kLanes];
         for (int l = 0; l < kLanes; ++l) {
           const int row = t.first_row + std::min(r * kLanes + l, t.count - 1);
-          const float sink = sinks[kv_head * group + row % group] * kLog2e;
-          sums[l] = sink_scale<true>(maxes[l], sums[l], sink);
+          sink[l] = sinks[kv_head * group + row % group] * kLog2e;
         }
+        const Vec16 s = Vec16::load(sink);
+        const Vec16 m = Vec16::max(st.max_logit[r], s);
+        const Vec16 alpha = (st.max_logit[r] - m).exp2_nonpositive();
+        inv = alpha / Vec16::fmadd(st.exp_sum[r], alpha, (s - m).exp2_nonpositive());
       } else {
+        alignas(64) float sums[kLanes];
+        st.exp_sum[r].store(sums);
         for (float& x : sums) x = x > 0.0f ? 1.0f / x : 0.0f;
+        inv = Vec16::load(sums);
       }
-      const Vec16 inv = Vec16::load(sums);
       T* rows_out[kLanes];
       for (int l = 0; l < kLanes; ++l) {
         const int lane = r * kLanes + l;
