@@ -74,6 +74,14 @@ def bench_decode_case(args, batch: int, context: int, copy_gbs: float) -> list[d
             out, exp_sums, max_logits, tmp_out, q, *common
         ),
     }
+    if args.sinks:
+        # The same calls with attention sinks (one logit per head, folded into the
+        # final normalization).
+        sinks = torch.randn(args.num_heads, dtype=torch.float32, device=args.device)
+        variants["v1 sinks"] = lambda: torch.ops.pyllm.paged_attention_v1(out, q, *common, 0, sinks)
+        variants["v2 sinks"] = lambda: torch.ops.pyllm.paged_attention_v2(
+            out, exp_sums, max_logits, tmp_out, q, *common, 0, sinks
+        )
     window = args.sliding_window
     if window:
         # The same calls within a sliding window: they read only the blocks from the one
@@ -174,11 +182,16 @@ def bench_small_ops(args) -> list[tuple[str, float, float]]:
     )
 
     results.append(bench_prefill(args, hq, hkv, d, tokens))
+    if args.sinks:
+        results.append(bench_prefill(args, hq, hkv, d, tokens, sinks=True))
     return results
 
 
-def bench_prefill(args, hq: int, hkv: int, d: int, tokens: int) -> tuple[str, float, float]:
-    """One prompt of `tokens` tokens attending causally over itself, against torch's SDPA."""
+def bench_prefill(
+    args, hq: int, hkv: int, d: int, tokens: int, sinks: bool = False
+) -> tuple[str, float, float]:
+    """One prompt of `tokens` tokens attending causally over itself, against torch's SDPA
+    (which has no sinks: with sinks=True the torch column is the same SDPA call)."""
     dtype, device, block = DTYPES[args.dtype], args.device, args.block_size
     num_blocks = -(-tokens // block) + 1
     kc, vc = ops.allocate_kv_cache(num_blocks, hkv, d, block, dtype, device)
@@ -191,6 +204,8 @@ def bench_prefill(args, hq: int, hkv: int, d: int, tokens: int) -> tuple[str, fl
     tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]
     lens = torch.tensor([tokens], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    sink_values = torch.randn(hq, dtype=torch.float32, device=device) if sinks else None
+    call = (outp, qp, kc, vc, hkv, d**-0.5, tables, lens, qsl, block, tokens, None, 0, sink_values)
 
     def torch_sdpa():
         kk = k.transpose(0, 1).repeat_interleave(hq // hkv, 0)
@@ -198,11 +213,9 @@ def bench_prefill(args, hq: int, hkv: int, d: int, tokens: int) -> tuple[str, fl
         torch.nn.functional.scaled_dot_product_attention(qp.transpose(0, 1), kk, vv, is_causal=True)
 
     return (
-        f"paged_attention_prefill {hq}/{hkv}x{d}",
+        f"paged_attention_prefill {hq}/{hkv}x{d}" + (" sinks" if sinks else ""),
         time_call(
-            lambda: torch.ops.pyllm.paged_attention_prefill(
-                outp, qp, kc, vc, hkv, d**-0.5, tables, lens, qsl, block, tokens, None
-            ),
+            lambda: torch.ops.pyllm.paged_attention_prefill(*call),
             device,
         ),
         time_call(torch_sdpa, device),
@@ -266,6 +279,9 @@ def main() -> None:
     parser.add_argument("--skip-small-ops", action="store_true")
     parser.add_argument(
         "--sliding-window", type=int, default=0, help="also time decode within this window"
+    )
+    parser.add_argument(
+        "--sinks", action="store_true", help="also time decode and prefill with attention sinks"
     )
     args = parser.parse_args()
     if args.device == "cuda":

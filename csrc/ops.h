@@ -47,7 +47,8 @@ namespace pyllm {
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       int64_t block_size, int64_t max_seq_len,                                \
-      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window); \
+      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,  \
+      const std::optional<at::Tensor>& sinks);                                \
                                                                                \
   void paged_attention_v2(                                                    \
       at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,          \
@@ -55,7 +56,8 @@ namespace pyllm {
       const at::Tensor& key_cache, const at::Tensor& value_cache,             \
       int64_t num_kv_heads, double scale, const at::Tensor& block_tables,     \
       const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,    \
-      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window); \
+      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,  \
+      const std::optional<at::Tensor>& sinks);                                \
                                                                                \
   void paged_attention_prefill(                                               \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
@@ -63,7 +65,7 @@ namespace pyllm {
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       const at::Tensor& query_start_loc, int64_t block_size,                  \
       int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,   \
-      int64_t sliding_window);                                                \
+      int64_t sliding_window, const std::optional<at::Tensor>& sinks);        \
                                                                                \
   void rotary_embedding(const at::Tensor& positions, at::Tensor& query,       \
                         at::Tensor& key, int64_t head_size,                   \
@@ -108,14 +110,15 @@ namespace pyllm {
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
-      int64_t max_seq_len, int64_t sliding_window);                           \
+      int64_t max_seq_len, int64_t sliding_window,                            \
+      const std::optional<at::Tensor>& sinks);                                \
                                                                                \
   void contiguous_attention_prefill(                                          \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
       const at::Tensor& query_start_loc, int64_t max_query_len,               \
-      int64_t sliding_window);                                                \
+      int64_t sliding_window, const std::optional<at::Tensor>& sinks);        \
                                                                                \
   /* Structured output: logits[rows[i], t] = -inf where bit t % 32 of         \
      bitmask[i, t / 32] is 0 (and past the mask's words). */                  \

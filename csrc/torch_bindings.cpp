@@ -25,18 +25,19 @@ TORCH_LIBRARY(pyllm, m) {
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
       " Tensor seq_lens, int block_size, int max_seq_len,"
-      " Tensor? alibi_slopes, int sliding_window=0) -> ()");
+      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None) -> ()");
   m.def(
       "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums,"
       " Tensor(c!) max_logits, Tensor(d!) tmp_out, Tensor query,"
       " Tensor key_cache, Tensor value_cache, int num_kv_heads, float scale,"
       " Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len,"
-      " Tensor? alibi_slopes, int sliding_window=0) -> ()");
+      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None) -> ()");
   m.def(
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
       " Tensor seq_lens, Tensor query_start_loc, int block_size,"
-      " int max_query_len, Tensor? alibi_slopes, int sliding_window=0) -> ()");
+      " int max_query_len, Tensor? alibi_slopes, int sliding_window=0,"
+      " Tensor? sinks=None) -> ()");
 
   // The contiguous KV layout (ops.h): K/V written at (slot, position), and
   // attention addressed by per-sequence slots instead of block tables.
@@ -46,12 +47,12 @@ TORCH_LIBRARY(pyllm, m) {
   m.def(
       "contiguous_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
-      " Tensor seq_lens, int max_seq_len, int sliding_window=0) -> ()");
+      " Tensor seq_lens, int max_seq_len, int sliding_window=0, Tensor? sinks=None) -> ()");
   m.def(
       "contiguous_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
       " Tensor seq_lens, Tensor query_start_loc, int max_query_len,"
-      " int sliding_window=0) -> ()");
+      " int sliding_window=0, Tensor? sinks=None) -> ()");
   m.def("token_tile() -> int", []() -> int64_t { return pyllm::kTokenTile; });
 
   // The virtual KV arena that holds the contiguous layout (cache/kv_arena.h).

@@ -181,6 +181,7 @@ def paged_attention_v1(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention: one query token per sequence over its paged KV.
 
@@ -193,6 +194,9 @@ def paged_attention_v1(
     p sees only keys at positions ``> p - sliding_window`` (its last sliding_window
     positions). Cache blocks that hold no key of any query's window are never read, so
     their block_tables entries may name blocks the sequence no longer owns.
+    sinks: None, or ``[num_heads]`` float32 on the query's device: one learned logit per
+    query head that joins each softmax as an extra column with no value (gpt-oss's
+    attention sinks), so a query's weights sum to less than 1.
     """
     sliding_window = sliding_window or 0
     _check_args(
@@ -200,12 +204,13 @@ def paged_attention_v1(
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
         max_seq_len=max_seq_len, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        sinks=sinks,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v1(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, max_seq_len, alibi_slopes, sliding_window,
+        block_size, max_seq_len, alibi_slopes, sliding_window, sinks,
     )  # fmt: skip
 
 
@@ -243,6 +248,7 @@ def paged_attention_v2(
     max_seq_len: int,
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention split into partitions of PARTITION_SIZE tokens, then merged.
 
@@ -251,6 +257,7 @@ def paged_attention_v2(
     ``[num_seqs, num_heads, num_partitions, head_size]`` in the query's dtype, with
     num_partitions = ceil(max_seq_len / PARTITION_SIZE) (see paged_attention_v2_workspace).
     With a sliding window, partitions wholly before it are neither computed nor merged.
+    sinks: as for paged_attention_v1; they join the merge of the partitions, once.
     """
     sliding_window = sliding_window or 0
     _check_args(
@@ -258,13 +265,14 @@ def paged_attention_v2(
         tmp_out=tmp_out, query=query, key_cache=key_cache, value_cache=value_cache,
         num_kv_heads=num_kv_heads, scale=scale, block_tables=block_tables, seq_lens=seq_lens,
         block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
+        sinks,
     )  # fmt: skip
 
 
@@ -282,6 +290,7 @@ def paged_attention_prefill(
     max_query_len: int,
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for several query tokens per sequence over its paged KV.
 
@@ -295,6 +304,7 @@ def paged_attention_prefill(
     p sees only keys at positions ``> p - sliding_window`` (its last sliding_window
     positions). Cache blocks that hold no key of any query's window are never read, so
     their block_tables entries may name blocks the sequence no longer owns.
+    sinks: as for paged_attention_v1.
     """
     sliding_window = sliding_window or 0
     _check_args(
@@ -302,13 +312,13 @@ def paged_attention_prefill(
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
         block_size=block_size, max_query_len=max_query_len, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window,
+        query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window, sinks,
     )  # fmt: skip
 
 
@@ -624,6 +634,7 @@ def contiguous_attention_decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Decode attention over the contiguous cache: paged_attention_v1 with slots.
 
@@ -631,20 +642,20 @@ def contiguous_attention_decode(
     contiguous views; seq_slots: ``[num_seqs]`` int32, each sequence's slot; seq_lens:
     ``[num_seqs]`` int32, cached tokens including this step's (at most the slot's
     committed tokens when the cache is a KVArena view); max_seq_len >= max(seq_lens).
-    GQA/MQA when num_heads is a multiple of num_kv_heads. sliding_window: as for
+    GQA/MQA when num_heads is a multiple of num_kv_heads. sliding_window, sinks: as for
     paged_attention_v1.
     """
     sliding_window = sliding_window or 0
     _check_args(
         _C.contiguous_attention_decode, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
-        seq_lens=seq_lens, max_seq_len=max_seq_len, sliding_window=sliding_window,
+        seq_lens=seq_lens, max_seq_len=max_seq_len, sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.contiguous_attention_decode(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        max_seq_len, sliding_window,
+        max_seq_len, sliding_window, sinks,
     )  # fmt: skip
 
 
@@ -660,6 +671,7 @@ def contiguous_attention_prefill(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal prefill over the contiguous cache: paged_attention_prefill with slots.
 
@@ -668,20 +680,20 @@ def contiguous_attention_prefill(
     seq_slots, seq_lens: ``[num_seqs]`` int32. Query token i of sequence s sits at
     position ``seq_lens[s] - q_len_s + i`` and attends to the cached keys up to its own
     (written first by write_kv_contiguous): prompts, later chunks of a chunked prefill.
-    sliding_window: as for paged_attention_prefill.
+    sliding_window, sinks: as for paged_attention_prefill.
     """
     sliding_window = sliding_window or 0
     _check_args(
         _C.contiguous_attention_prefill, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
         seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max_query_len,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, sinks=sinks,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.contiguous_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        query_start_loc, max_query_len, sliding_window,
+        query_start_loc, max_query_len, sliding_window, sinks,
     )  # fmt: skip
 
 

@@ -59,6 +59,22 @@ inline void check_sliding_window(int64_t sliding_window) {
                     "sliding_window must be 0 (none) or a positive int32, got ", sliding_window);
 }
 
+// A float32 [num_heads] tensor of per-head values (alibi_slopes, sinks).
+inline void check_head_values(const char* name, const std::optional<at::Tensor>& t,
+                              int64_t num_heads, const at::Device& device) {
+  if (!t.has_value()) return;
+  check_device(name, *t, device);
+  check_dtype(name, *t, at::kFloat);
+  check_shape(name, *t, {num_heads}, "[num_heads]");
+  check_contiguous(name, *t);
+}
+
+// sinks: one logit per query head that joins each softmax with no value (gpt-oss),
+// float32 [num_heads] on the query's device, or none.
+inline void check_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& query) {
+  check_head_values("sinks", sinks, query.size(1), query.device());
+}
+
 inline void check_positive(const char* name, int64_t value) {
   TORCH_CHECK_VALUE(value > 0, name, " must be a positive int, got ", value);
 }
@@ -93,12 +109,7 @@ inline PagedKVShape check_paged_common(const AttentionDims& d, const at::Tensor&
   TORCH_CHECK_VALUE(block_size == cache.block_size, "block_size is ", block_size,
                     " but the cache's blocks hold ", cache.block_size, " tokens");
   check_scale(scale);
-  if (alibi_slopes.has_value()) {
-    check_device("alibi_slopes", *alibi_slopes, query.device());
-    check_dtype("alibi_slopes", *alibi_slopes, at::kFloat);
-    check_shape("alibi_slopes", *alibi_slopes, {d.num_heads}, "[num_heads]");
-    check_contiguous("alibi_slopes", *alibi_slopes);
-  }
+  check_head_values("alibi_slopes", alibi_slopes, d.num_heads, query.device());
   return cache;
 }
 
@@ -122,13 +133,14 @@ inline PagedKVShape check_paged_attention_v1(
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window) {
+    int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const AttentionDims d = check_attention_io(out, query, num_kv_heads);
   const PagedKVShape cache = check_paged_common(d, query, key_cache, value_cache, num_kv_heads,
                                                 scale, block_size, alibi_slopes);
   check_block_tables_layout(block_tables, seq_lens, d.num_tokens, query.device());
   check_positive("max_seq_len", max_seq_len);
   check_sliding_window(sliding_window);
+  check_sinks(sinks, query);
   return cache;
 }
 
@@ -162,11 +174,11 @@ inline PagedKVShape check_paged_attention_v2(
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
     int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window) {
+    int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const PagedKVShape cache = check_paged_attention_v1(out, query, key_cache, value_cache,
                                                       num_kv_heads, scale, block_tables, seq_lens,
                                                       block_size, max_seq_len, alibi_slopes,
-                                                      sliding_window);
+                                                      sliding_window, sinks);
   check_v2_workspace(exp_sums, max_logits, tmp_out, query, max_seq_len);
   return cache;
 }
@@ -176,7 +188,7 @@ inline PagedKVShape check_paged_attention_prefill(
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     int64_t block_size, int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t sliding_window) {
+    int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const AttentionDims d = check_attention_io(out, query, num_kv_heads);
   const PagedKVShape cache = check_paged_common(d, query, key_cache, value_cache, num_kv_heads,
                                                 scale, block_size, alibi_slopes);
@@ -184,6 +196,7 @@ inline PagedKVShape check_paged_attention_prefill(
   check_block_tables_layout(block_tables, seq_lens, num_seqs, query.device());
   check_positive("max_query_len", max_query_len);
   check_sliding_window(sliding_window);
+  check_sinks(sinks, query);
   return cache;
 }
 
@@ -210,11 +223,12 @@ inline ContiguousKVShape check_contiguous_attention_decode(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& seq_slots, const at::Tensor& seq_lens, int64_t max_seq_len,
-    int64_t sliding_window) {
+    int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const ContiguousKVShape cache = check_contiguous_common(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, -1);
   check_positive("max_seq_len", max_seq_len);
   check_sliding_window(sliding_window);
+  check_sinks(sinks, query);
   return cache;
 }
 
@@ -222,13 +236,14 @@ inline ContiguousKVShape check_contiguous_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
     const at::Tensor& seq_slots, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    int64_t max_query_len, int64_t sliding_window) {
+    int64_t max_query_len, int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   check_attention_io(out, query, num_kv_heads);
   const int64_t num_seqs = check_query_start_loc(query_start_loc, query.device());
   const ContiguousKVShape cache = check_contiguous_common(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens, num_seqs);
   check_positive("max_query_len", max_query_len);
   check_sliding_window(sliding_window);
+  check_sinks(sinks, query);
   return cache;
 }
 

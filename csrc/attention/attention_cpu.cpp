@@ -23,12 +23,13 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                              const Addressing& addressing, const at::Tensor& seq_lens,
                              int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int sliding_window) {
+                             int sliding_window, const std::optional<at::Tensor>& sinks) {
   check_addressing(op, addressing, seq_lens, shape, max_seq_len);
   const int64_t num_seqs = shape.num_tokens;
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const int bs = int(shape.block_size);
   // Each sequence's keys: from the block holding its window's start to its end.
   auto first_key = [&](int64_t s) { return block_start(window_start(lens[s] - 1, sliding_window), bs); };
@@ -62,7 +63,9 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
       attend(cache, seq, kv_head, keys.t_begin, seq_len,
              following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
-      for (int g = 0; g < group; ++g) store_row(ws.rows, g, dst + g * head_size);
+      for (int g = 0; g < group; ++g) {
+        store_row(ws.rows, g, dst + g * head_size, sink ? sink + kv_head * group + g : nullptr);
+      }
     }, work);
   });
 }
@@ -71,14 +74,15 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention_v1";
   const PagedKVShape cache = check_paged_attention_v1(
       out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
-      max_seq_len, alibi_slopes, sliding_window);
+      max_seq_len, alibi_slopes, sliding_window, sinks);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
-                   block_tables, seq_lens, max_seq_len, alibi_slopes, int(sliding_window));
+                   block_tables, seq_lens, max_seq_len, alibi_slopes, int(sliding_window), sinks);
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -86,11 +90,12 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention_v2";
   const PagedKVShape cache = check_paged_attention_v2(
       out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
-      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window);
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window, sinks);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   const int64_t num_seqs = shape.num_tokens, num_heads = shape.num_heads;
   // Each workspace tensor may hold more partitions than needed; index each by its own.
@@ -101,6 +106,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   const int group = int(num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const int window = int(sliding_window);
   // Each sequence's keys start at the block holding its window's start; the
   // partitions before that one are neither computed nor merged.
@@ -152,6 +158,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
         });
 
     // Merge: out = sum_p w_p * tmp_out[p] / sum_p w_p, w_p = exp_sum_p * exp(max_p - max).
+    // A sink joins here, once per head, as one more logit with no value: it takes part
+    // in max and adds exp(sink - max) to the sum.
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> merged(head_size);
@@ -160,10 +168,12 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
         const int first = first_partition(seq), parts_here = num_partitions(lens[seq]);
         const float* m = maxes + sh * maxes_parts;
         const float* l = sums + sh * sums_parts;
-        float global_max = kNegInf;
+        const float sink_logit = sink ? sink[sh % num_heads] : kNegInf;
+        float global_max = sink_logit;
         for (int p = first; p < parts_here; ++p) global_max = std::max(global_max, m[p]);
         std::fill(merged.begin(), merged.end(), 0.0f);
-        float total = 0.0f;
+        // The sink's term (an empty sequence gets zeros: its weight all goes to the sink).
+        float total = sink && global_max != kNegInf ? std::exp(sink_logit - global_max) : 0.0f;
         for (int p = first; p < parts_here; ++p) {
           const float w = l[p] * std::exp(m[p] - global_max);
           total += w;
@@ -186,7 +196,8 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
                               const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                               const Addressing& addressing, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc,
-                              const std::optional<at::Tensor>& alibi_slopes, int sliding_window) {
+                              const std::optional<at::Tensor>& alibi_slopes, int sliding_window,
+                              const std::optional<at::Tensor>& sinks) {
   const int64_t num_seqs = seq_lens.size(0);
   check_addressing(op, addressing, seq_lens, shape, std::numeric_limits<int32_t>::max());
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -202,13 +213,15 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
   const int tile = std::max(1, kPrefillRowsPerTask / group);  // query tokens per task
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const int bs = int(shape.block_size);
 #ifdef __AVX512F__
   // float32, and bfloat16 with AVX512-BF16: query rows in lanes (see prefill_lanes).
   if (query.scalar_type() == at::kFloat) {
     const auto cache = make_cache<float>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(),
-                  shape.num_heads, num_seqs, lens, starts, float(scale), alibi, sliding_window);
+                  shape.num_heads, num_seqs, lens, starts, float(scale), alibi, sliding_window,
+                  sink);
     return;
   }
 #endif
@@ -217,7 +230,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
     const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
                   out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
-                  float(scale), alibi, sliding_window);
+                  float(scale), alibi, sliding_window, sink);
     return;
   }
 #endif
@@ -284,7 +297,10 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
           for (int j = 0; j < t.count; ++j) {
             const int64_t token = starts[t.seq] + t.first + j;
             scalar_t* dst = o + (token * shape.num_heads + int64_t(kv_head) * group) * head_size;
-            for (int g = 0; g < group; ++g) store_row(rows, j * group + g, dst + g * head_size);
+            for (int g = 0; g < group; ++g) {
+              store_row(rows, j * group + g, dst + g * head_size,
+                        sink ? sink + kv_head * group + g : nullptr);
+            }
           }
         });
   });
@@ -295,14 +311,15 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t block_size,
                              int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t sliding_window) {
+                             int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention_prefill";
   const PagedKVShape cache = check_paged_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-      query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window);
+      query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window, sinks);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
-                    block_tables, seq_lens, query_start_loc, alibi_slopes, int(sliding_window));
+                    block_tables, seq_lens, query_start_loc, alibi_slopes, int(sliding_window),
+                    sinks);
 }
 
 // ---------------------------------------------------------------------------
@@ -312,30 +329,31 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len,
-                                 int64_t sliding_window) {
+                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const char* op = "contiguous_attention_decode";
   const ContiguousKVShape cache =
       check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
-                                        seq_slots, seq_lens, max_seq_len, sliding_window);
+                                        seq_slots, seq_lens, max_seq_len, sliding_window, sinks);
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                   seq_lens, max_seq_len, std::nullopt, int(sliding_window));
+                   seq_lens, max_seq_len, std::nullopt, int(sliding_window), sinks);
 }
 
 void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                  int64_t max_query_len, int64_t sliding_window) {
+                                  int64_t max_query_len, int64_t sliding_window,
+                                  const std::optional<at::Tensor>& sinks) {
   const char* op = "contiguous_attention_prefill";
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-      query_start_loc, max_query_len, sliding_window);
+      query_start_loc, max_query_len, sliding_window, sinks);
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                    seq_lens, query_start_loc, std::nullopt, int(sliding_window));
+                    seq_lens, query_start_loc, std::nullopt, int(sliding_window), sinks);
 }
 
 }  // namespace pyllm::cpu

@@ -37,6 +37,11 @@
 // row's first key, so blocks wholly before every row's window are never read
 // (they may have been handed to another sequence).
 //
+// Sinks (gpt-oss): one logit per query head joins each row's softmax with no value.
+// It changes only the normalization, so it is folded in once at the end (store_row;
+// v2: the merge of the partitions): the running max becomes max(max, sink) and the
+// sum gains exp(sink - max). Without sinks nothing is added to the key loop.
+//
 // Memory: at long contexts decode reads each K/V byte once and does little
 // arithmetic per byte, so the aim is to stream the cache near the machine's
 // copy bandwidth; scattered blocks defeat the hardware prefetcher, hence the
@@ -617,11 +622,24 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
   }
 }
 
-// Writes row r's normalized output (zeros when it saw no key).
+// The factor that normalizes a row's acc when a sink joins its softmax: one more
+// logit with no value, so out = acc * alpha / (exp_sum * alpha + exp(sink - m)) with
+// m = max(max_logit, sink) and alpha = exp(max_logit - m) (0 when the row saw no
+// key).
+inline float sink_scale(float max_logit, float exp_sum, float sink) {
+  const float m = std::max(max_logit, sink);
+  if (m == kNegInf) return 0.0f;  // a -inf sink and no key: nothing to weigh
+  const float alpha = std::exp(max_logit - m);
+  return alpha / (exp_sum * alpha + std::exp(sink - m));
+}
+
+// Writes row r's normalized output (zeros when it saw no key); sink: the row's
+// head's sink, or null.
 template <typename scalar_t>
-void store_row(const Rows& rows, int r, scalar_t* out) {
+void store_row(const Rows& rows, int r, scalar_t* out, const float* sink = nullptr) {
   const float sum = rows.exp_sum[r];
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  if (sink != nullptr) inv = sink_scale(rows.max_logit[r], sum, *sink);
   const float* acc = &rows.acc[size_t(r) * rows.head_size];
   for (int d = 0; d < rows.head_size; ++d) out[d] = vec::from_float<scalar_t>(acc[d] * inv);
 }

@@ -49,6 +49,8 @@ constexpr int kLaneRows = 2 * kLanes;  // rows per task: RV <= 2 vectors
 constexpr int kKeyTile = 16;           // key tokens per tile
 // Tokens of a tile that always share a cache block (block_size is a multiple of 8).
 constexpr int kHalfTile = kKeyTile / 2;
+// The softmax runs in base 2: logits, alibi slopes and sinks times log2(e).
+constexpr float kLog2e = 1.44269504f;
 
 // How the lane rows meet a dtype's 32-bit words (vec::WordOps), and the two
 // conversions between words and the float32 rows of the softmax and output.
@@ -208,7 +210,6 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, const La
   auto value_token = [&](int tok) {
     return cache.value_cache + cache.block_offset(seq, kv_head, tok / bs) + tok % bs;
   };
-  constexpr float kLog2e = 1.44269504f;
   const Vec16 vscale = Vec16::set1(scale * kLog2e);
   for (int t0 = keys.first_key / kKeyTile * kKeyTile; t0 <= last_key; t0 += kKeyTile) {
     TileAddress<T> at;
@@ -317,7 +318,7 @@ void attend_lanes(const PagedCache<T>& cache, int64_t seq, int kv_head, const La
 template <typename T>
 void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride, T* out,
                    int64_t num_heads, int64_t num_seqs, const int32_t* lens, const int32_t* starts,
-                   float scale, const float* alibi, int sliding_window) {
+                   float scale, const float* alibi, int sliding_window, const float* sinks) {
   const int num_kv_heads = cache.num_kv_heads, D = cache.head_size;
   const int group = int(num_heads / num_kv_heads);
   struct Task {
@@ -356,7 +357,7 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
       const int token = row / group, g = row % group;
       qpos[lane] = float(pos0 + token);
       first_key[lane] = float(window_start(pos0 + token, sliding_window));
-      slope[lane] = alibi ? alibi[kv_head * group + g] * 1.44269504f : 0.0f;  // base 2
+      slope[lane] = alibi ? alibi[kv_head * group + g] * kLog2e : 0.0f;  // base 2
     }
     // Query words: 16 rows' words at a time, transposed to a row per lane
     // (padding lanes keep a zero query; head sizes of words not a multiple of 16
@@ -400,10 +401,25 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     // Normalize, make words of the dtype (bf16: dims 2j, 2j + 1 of a lane's row
     // in one word) and transpose 16 rows' words at a time back to rows.
     for (int r = 0; r < RV; ++r) {
-      alignas(64) float sums[kLanes];
-      st.exp_sum[r].store(sums);
-      for (float& x : sums) x = x > 0.0f ? 1.0f / x : 0.0f;
-      const Vec16 inv = Vec16::load(sums);
+      Vec16 inv;
+      if (sinks) {
+        // Each lane's head's sink as one more logit (base 2): rescale to
+        // m = max(max_logit, sink); a lane that saw no key gets alpha = 2^-inf = 0.
+        alignas(64) float sink[kLanes];
+        for (int l = 0; l < kLanes; ++l) {
+          const int row = t.first_row + std::min(r * kLanes + l, t.count - 1);
+          sink[l] = sinks[kv_head * group + row % group] * kLog2e;
+        }
+        const Vec16 s = Vec16::load(sink);
+        const Vec16 m = Vec16::max(st.max_logit[r], s);
+        const Vec16 alpha = (st.max_logit[r] - m).exp2_nonpositive();
+        inv = alpha / Vec16::fmadd(st.exp_sum[r], alpha, (s - m).exp2_nonpositive());
+      } else {
+        alignas(64) float sums[kLanes];
+        st.exp_sum[r].store(sums);
+        for (float& x : sums) x = x > 0.0f ? 1.0f / x : 0.0f;
+        inv = Vec16::load(sums);
+      }
       T* rows_out[kLanes];
       for (int l = 0; l < kLanes; ++l) {
         const int lane = r * kLanes + l;

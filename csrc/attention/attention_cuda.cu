@@ -9,8 +9,9 @@
 // block sizes for paged decode, 3 x 6 for contiguous decode (tile kTokenTile),
 // 3 x 6 per layout for prefill (its block size is a runtime value).
 //
-// The sliding_window argument (decode and prefill) is UNVERIFIED ON A GPU: compiled
-// and linked, not yet run; the rest has passed the CUDA kernel tests on an H200.
+// The sliding_window and sinks arguments (decode and prefill) are UNVERIFIED ON A
+// GPU: compiled and linked, not yet run; the rest has passed the CUDA kernel tests
+// on an H200.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -38,6 +39,11 @@ template <typename F>
 void dispatch_block_size(int64_t block_size, F&& f) {
   TORCH_CHECK(pyllm::dispatch_block_size(block_size, f), "block_size ", block_size,
               " is not supported; supported: ", list_text(kBlockSizes));
+}
+
+// The sinks' data (float32 [num_heads], checked), or null.
+const float* sinks_ptr(const std::optional<at::Tensor>& sinks) {
+  return sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
 }
 
 // The shape facts every attention op needs, checked once.
@@ -112,7 +118,7 @@ template <typename KV, typename BlockSizeDispatch>
 void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
                 const AttentionShape& shape, double scale, const float* alibi_slopes,
-                int sliding_window, BlockSizeDispatch&& dispatch_block) {
+                int sliding_window, const float* sinks, BlockSizeDispatch&& dispatch_block) {
   if (shape.num_tokens == 0 || shape.num_heads == 0) return;
   // Grid y and z are limited to 65535.
   TORCH_CHECK(shape.num_tokens <= 65535 && o.num_partitions <= 65535,
@@ -139,6 +145,7 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
     params.kv = kv;
     params.seq_lens = seq_lens.data_ptr<int>();
     params.alibi_slopes = alibi_slopes;
+    params.sinks = sinks;
     params.q_stride = query.stride(0);
     params.num_heads = shape.num_heads;
     params.num_kv_heads = shape.num_kv_heads;
@@ -157,7 +164,7 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
       attention_reduce_kernel<T>
           <<<dim3(shape.num_heads, shape.num_tokens), kDecodeThreads, 0, stream>>>(
               params.out, params.exp_sums, params.max_logits, params.tmp_out, params.seq_lens,
-              shape.head_size, static_cast<int>(kPartitionSize), o.num_partitions,
+              sinks, shape.head_size, static_cast<int>(kPartitionSize), o.num_partitions,
               o.max_partitions, sliding_window);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -172,7 +179,7 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes,
-                            int64_t sliding_window) {
+                            int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   check_cuda_caches(query, key_cache, value_cache);
   const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   DecodeOutputs outputs{&out, exp_sums, max_logits, tmp_out};
@@ -203,7 +210,7 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
   kv.block_stride = value_cache.stride(0);
   run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale,
              alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
-             static_cast<int>(sliding_window),
+             static_cast<int>(sliding_window), sinks_ptr(sinks),
              [&](auto&& launch) { dispatch_block_size(shape.block_size, launch); });
 }
 
@@ -238,7 +245,8 @@ template <typename KV>
 void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, const AttentionShape& shape, int num_seqs,
-                 double scale, const float* alibi_slopes, int sliding_window) {
+                 double scale, const float* alibi_slopes, int sliding_window,
+                 const float* sinks) {
   if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -257,6 +265,7 @@ void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
     params.seq_lens = seq_lens.data_ptr<int>();
     params.query_start_loc = query_start_loc.data_ptr<int>();
     params.alibi_slopes = alibi_slopes;
+    params.sinks = sinks;
     params.q_stride = query.stride(0);
     params.num_seqs = num_seqs;
     params.num_heads = shape.num_heads;
@@ -276,12 +285,14 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        const std::optional<at::Tensor>& sinks) {
   check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window);
+                           seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
+                           sinks);
   paged_attention_decode(out, nullptr, nullptr, nullptr, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                         alibi_slopes, sliding_window);
+                         alibi_slopes, sliding_window, sinks);
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -289,13 +300,14 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const at::Tensor& key_cache, const at::Tensor& value_cache,
                         int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                        const std::optional<at::Tensor>& sinks) {
   check_paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
                            num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                           alibi_slopes, sliding_window);
+                           alibi_slopes, sliding_window, sinks);
   paged_attention_decode(out, &exp_sums, &max_logits, &tmp_out, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                         alibi_slopes, sliding_window);
+                         alibi_slopes, sliding_window, sinks);
 }
 
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
@@ -304,11 +316,11 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                              int64_t block_size, int64_t max_query_len,
                              const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t sliding_window) {
+                             int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   // max_query_len is checked but not read: tiles are found from query_start_loc.
   check_paged_attention_prefill(out, query, key_cache, value_cache, num_kv_heads, scale,
                                 block_tables, seq_lens, query_start_loc, block_size,
-                                max_query_len, alibi_slopes, sliding_window);
+                                max_query_len, alibi_slopes, sliding_window, sinks);
   check_cuda_caches(query, key_cache, value_cache);
   const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   const int num_seqs = static_cast<int>(block_tables.size(0));
@@ -319,7 +331,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
   kv.block_stride = value_cache.stride(0);
   run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape, num_seqs,
               scale, alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
-              static_cast<int>(sliding_window));
+              static_cast<int>(sliding_window), sinks_ptr(sinks));
 }
 
 // Decode over the contiguous layout. Unlike paged_attention_v2 it takes no
@@ -330,10 +342,10 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len,
-                                 int64_t sliding_window) {
+                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
   const ContiguousKVShape cache =
       check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
-                                        seq_slots, seq_lens, max_seq_len, sliding_window);
+                                        seq_slots, seq_lens, max_seq_len, sliding_window, sinks);
   check_cuda_caches(query, key_cache, value_cache);
   const int64_t num_seqs = query.size(0);
   ContiguousKV kv = contiguous_kv(key_cache, value_cache, seq_slots, cache);
@@ -358,7 +370,7 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                             static_cast<int>(parts)};
   }
   run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale, nullptr,
-             static_cast<int>(sliding_window),
+             static_cast<int>(sliding_window), sinks_ptr(sinks),
              [](auto&& launch) { launch(std::integral_constant<int, kTokenTile>{}); });
 }
 
@@ -367,18 +379,20 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   int64_t num_kv_heads, double scale,
                                   const at::Tensor& seq_slots, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t max_query_len,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window,
+                                  const std::optional<at::Tensor>& sinks) {
   // max_query_len is checked but not read: tiles are found from query_start_loc.
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-      query_start_loc, max_query_len, sliding_window);
+      query_start_loc, max_query_len, sliding_window, sinks);
   check_cuda_caches(query, key_cache, value_cache);
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(num_seqs <= INT32_MAX, "at most INT32_MAX sequences, got ", num_seqs);
   const ContiguousKV kv = contiguous_kv(key_cache, value_cache, seq_slots, cache);
   const AttentionShape shape = attention_shape(query, num_kv_heads, kTokenTile);
   run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape,
-              static_cast<int>(num_seqs), scale, nullptr, static_cast<int>(sliding_window));
+              static_cast<int>(num_seqs), scale, nullptr, static_cast<int>(sliding_window),
+              sinks_ptr(sinks));
 }
 
 }  // namespace pyllm::cuda

@@ -12,6 +12,11 @@
 // kPartitionSize tokens followed by attention_reduce_kernel;
 // contiguous_attention_decode picks one of the two per call.
 //
+// Sinks (one logit per head with no value, gpt-oss) only change the final
+// normalization: v1 folds the head's sink into its merge of the warps, v2 into
+// attention_reduce_kernel's merge of the partitions (never per partition, whose
+// max and sum the reduce needs as they are).
+//
 // Memory access (the kernel is bound by reading K and V once):
 // - Key block of one head: [head_size / x][block_size][x], x = 16 bytes of
 //   elements. Lane = (group_lane, token_lane) with 8 token lanes: the 8 lanes
@@ -45,6 +50,7 @@ struct DecodeParams {
   KV kv;                // where each sequence's blocks are (kv_addressing.cuh)
   const int* seq_lens;      // [num_seqs]
   const float* alibi_slopes;  // [num_heads] or null
+  const float* sinks;         // [num_heads] or null
   int64_t q_stride;
   int num_heads;
   int num_kv_heads;
@@ -312,7 +318,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
     weight[w] = warp_max[w] == -INFINITY ? 0.f : __expf(warp_max[w] - total_max);
     total_sum += warp_sum_exp[w] * weight[w];
   }
-  const float inv_sum = total_sum > 0.f ? 1.f / total_sum : 0.f;
+  float inv_sum = total_sum > 0.f ? 1.f / total_sum : 0.f;
+  if (!partitioned && p.sinks != nullptr) {
+    // The sink as one more logit: rescale to max(total_max, sink). total_max is
+    // finite here (the block read at least one visible key).
+    const float sink = p.sinks[head];
+    const float m = fmaxf(total_max, sink);
+    const float alpha = __expf(total_max - m);
+    inv_sum = alpha / (total_sum * alpha + __expf(sink - m));
+  }
 
   const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
   T* out = partitioned ? p.tmp_out + (row * p.max_partitions + partition) * HEAD_SIZE
@@ -331,15 +345,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 // The partitioned decode's second step: merges a sequence's partitions, each
 // normalised by its own sum, weighting partition i by exp_sums[i] *
-// exp(max_logits[i] - max). One block per (head, sequence); every thread scans
-// the (few) partitions itself, so no shared memory is needed.
+// exp(max_logits[i] - max). A head's sink joins here as one more logit with no
+// value: it takes part in max and adds exp(sink - max) to the sum. One block per
+// (head, sequence); every thread scans the (few) partitions itself, so no shared
+// memory is needed.
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
     attention_reduce_kernel(T* __restrict__ out, const float* __restrict__ exp_sums,
                                   const float* __restrict__ max_logits,
                                   const T* __restrict__ tmp_out, const int* __restrict__ seq_lens,
-                                  int head_size, int partition_size, int num_partitions,
-                                  int max_partitions, int sliding_window) {
+                                  const float* __restrict__ sinks, int head_size,
+                                  int partition_size, int num_partitions, int max_partitions,
+                                  int sliding_window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int64_t row = static_cast<int64_t>(seq) * gridDim.x + head;
@@ -353,7 +370,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const float* maxes = max_logits + row * max_partitions;
   const T* partial = tmp_out + row * max_partitions * head_size;
 
-  if (parts - first <= 1) {
+  if (parts - first <= 1 && sinks == nullptr) {
     // Zero partitions: empty sequence. One: the partition's output is the answer.
     for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
       out_row[d] = parts - first == 1 ? partial[static_cast<int64_t>(first) * head_size + d]
@@ -361,10 +378,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     return;
   }
-  float total_max = -INFINITY;
+  const float sink = sinks != nullptr ? sinks[head] : -INFINITY;
+  float total_max = sink;
   for (int i = first; i < parts; ++i) total_max = fmaxf(total_max, maxes[i]);
+  // An empty sequence with a sink: total_max is the sink, the sum 1, the output 0.
+  const float sink_term = sinks != nullptr ? __expf(sink - total_max) : 0.f;
   for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
-    float total_sum = 0.f;
+    float total_sum = sink_term;
     float o = 0.f;
     for (int i = first; i < parts; ++i) {
       const float w = sums[i] * __expf(maxes[i] - total_max);

@@ -13,6 +13,9 @@
 // A thread scores keys col and col + 8 of the tile for its row, and owns the
 // output dimensions col * 4 + 32 * k .. + 3. The 8 threads of a row are
 // consecutive lanes of one warp, so row-wise max/sum are warp shuffles.
+//
+// Sinks (one logit per head with no value, gpt-oss) change only the final
+// normalization: each row's running max and sum are rescaled to max(max, sink).
 #pragma once
 
 #include "../cuda_utils.cuh"
@@ -36,6 +39,7 @@ struct PrefillParams {
   const int* seq_lens;        // [num_seqs]
   const int* query_start_loc; // [num_seqs + 1]
   const float* alibi_slopes;  // [num_heads] or null
+  const float* sinks;         // [num_heads] or null
   int64_t q_stride;
   int num_seqs;
   int num_heads;
@@ -306,7 +310,15 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 
   if (!row_valid) return;
-  const float inv_sum = l > 0.f ? 1.f / l : 0.f;
+  float inv_sum = l > 0.f ? 1.f / l : 0.f;
+  if (p.sinks != nullptr) {
+    // The sink as one more logit: rescale to max(m, sink) (m is finite: a valid
+    // row sees at least its own key).
+    const float sink = p.sinks[head];
+    const float m_all = fmaxf(m, sink);
+    const float alpha = __expf(m - m_all);
+    inv_sum = alpha / (l * alpha + __expf(sink - m_all));
+  }
   const int64_t out_token = q_begin + row0 + row;
   T* out_row = p.out + (out_token * p.num_heads + head) * HEAD_SIZE;
 #pragma unroll

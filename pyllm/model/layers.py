@@ -495,14 +495,14 @@ class Attention(nn.Module):
             _C.paged_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                block_size, meta.max_query_len, None, self.sliding_window,
+                block_size, meta.max_query_len, None, self.sliding_window, None,
             )  # fmt: skip
         if P < T:
             if v2_workspace is None:
                 _C.paged_attention_v1(
                     out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                     meta.decode_block_tables, meta.decode_seq_lens, block_size,
-                    meta.max_decode_seq_len, None, self.sliding_window,
+                    meta.max_decode_seq_len, None, self.sliding_window, None,
                 )  # fmt: skip
             else:
                 exp_sums, max_logits, tmp_out = v2_workspace
@@ -510,7 +510,7 @@ class Attention(nn.Module):
                     out[P:], exp_sums, max_logits, tmp_out, q[P:], key_cache, value_cache,
                     self.num_kv_heads, self.scale, meta.decode_block_tables,
                     meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
-                    self.sliding_window,
+                    self.sliding_window, None,
                 )  # fmt: skip
         return self.o_proj(out.view(T, self.q_size))
 
@@ -527,13 +527,13 @@ class Attention(nn.Module):
             _C.contiguous_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len, self.sliding_window,
+                meta.max_query_len, self.sliding_window, None,
             )  # fmt: skip
         if P < T:
             _C.contiguous_attention_decode(
                 out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
-                self.sliding_window,
+                self.sliding_window, None,
             )  # fmt: skip
 
 

@@ -4,6 +4,8 @@ The reference works on the dense per-sequence keys/values that make_paged_kv wro
 the cache, so it shares no code with the kernels. Cache slots no sequence owns are set
 to NaN before each call, so a kernel that reads past a sequence's end, or masks by
 arithmetic instead of selection, fails. Outputs are poisoned with NaN before each call.
+Attention sinks run on a covering subset of each grid (SINK_GRID) and in the window,
+alibi, long and empty-sequence cases.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ BLOCK_SIZES = list(ops.SUPPORTED_BLOCK_SIZES)
 HEAD_LAYOUTS = [(4, 4), (8, 2), (12, 1)]
 PARTITION = ops.PARTITION_SIZE
 
+# The grid cases that also run with sinks: one per (dtype, head size), the block size
+# and head layout rotating with both indices so that any two values of any two of the
+# four parameters meet in some case (18 cases instead of the grid's 162).
+SINK_GRID = [
+    (
+        dtype,
+        head_size,
+        BLOCK_SIZES[(h + d) % len(BLOCK_SIZES)],
+        HEAD_LAYOUTS[(h + 2 * d) % len(HEAD_LAYOUTS)],
+    )
+    for d, dtype in enumerate(DTYPES)
+    for h, head_size in enumerate(HEAD_SIZES)
+]
+SINK_GRID_IDS = [f"{str(c[0])[6:]}-d{c[1]}-b{c[2]}-h{c[3][0]}kv{c[3][1]}" for c in SINK_GRID]
+
 
 _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
@@ -48,12 +65,15 @@ def reference_attention(
     scale: float,
     alibi_slopes: torch.Tensor | None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention in float64 for one sequence.
 
     query [n, Hq, D] at key positions `positions` [n]; keys/values [L, Hkv, D] at
     positions 0..L-1. Query i attends to keys at positions <= positions[i], and with a
-    sliding window to those > positions[i] - sliding_window.
+    sliding window to those > positions[i] - sliding_window. sinks [Hq]: each head's
+    sink joins the softmax as one more logit column, dropped after it (as HF's gpt-oss
+    does), so its weight goes to no value.
     """
     num_heads = query.shape[1]
     if keys.shape[0] == 0:
@@ -72,10 +92,17 @@ def reference_attention(
     if sliding_window:
         hidden |= key_pos[None, :] <= query_pos[:, None] - sliding_window
     scores = scores.masked_fill(hidden[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    if sinks is not None:
+        column = sinks.double().to(query.device)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def reference_decode(query, kv: PagedKV, scale, alibi_slopes=None, window=None) -> torch.Tensor:
+def reference_decode(
+    query, kv: PagedKV, scale, alibi_slopes=None, window=None, sinks=None
+) -> torch.Tensor:
     outs = []
     for s, n in enumerate(kv.seq_lens.tolist()):
         positions = torch.tensor([n - 1])
@@ -88,12 +115,15 @@ def reference_decode(query, kv: PagedKV, scale, alibi_slopes=None, window=None) 
                 scale,
                 alibi_slopes,
                 window,
+                sinks,
             )  # fmt: skip
         )
     return torch.cat(outs)
 
 
-def reference_prefill(query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=None, window=None):
+def reference_prefill(
+    query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=None, window=None, sinks=None
+):
     """Query tokens of sequence s are its last q_lens[s] tokens among its first
     seq_lens[s]; keys beyond seq_lens[s] (later chunks already in the cache) are unseen."""
     outs, start = [], 0
@@ -108,6 +138,7 @@ def reference_prefill(query, kv: PagedKV, seq_lens, q_lens, scale, alibi_slopes=
                 scale,
                 alibi_slopes,
                 window,
+                sinks,
             )
         )
         start += q_len
@@ -160,19 +191,27 @@ def random_alibi(num_heads, device):
     return (-torch.rand(num_heads, dtype=torch.float32) * 0.5).to(device)
 
 
-def run_v1(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None):
+def random_sinks(num_heads, device):
+    """float32 [num_heads], the heads cycling through +8 (the sink takes most of the
+    weight), -8 (almost none), about 0 and 2 (a share comparable to the keys'), each
+    jittered."""
+    levels = torch.tensor([8.0, -8.0, 0.0, 2.0]).repeat(-(-num_heads // 4))[:num_heads]
+    return (levels + 0.1 * torch.randn(num_heads)).to(device)
+
+
+def run_v1(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None, sinks=None):
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
     max_seq_len = max(max(kv.seq_lens.tolist(), default=1), 1)
     with kernel_threads():
         ops.paged_attention_v1(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
-            kv.seq_lens, block_size, max_seq_len, alibi_slopes, window,
+            kv.seq_lens, block_size, max_seq_len, alibi_slopes, window, sinks,
         )  # fmt: skip
     return out
 
 
-def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None):
+def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None, sinks=None):
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
     max_seq_len = max(max(kv.seq_lens.tolist(), default=1), 1)
@@ -183,12 +222,14 @@ def run_v2(query, kv, num_kv_heads, scale, alibi_slopes=None, window=None):
         ops.paged_attention_v2(
             out, exp_sums, max_logits, tmp_out, query, kv.key_cache, kv.value_cache,
             num_kv_heads, scale, kv.block_tables, kv.seq_lens, block_size, max_seq_len,
-            alibi_slopes, window,
+            alibi_slopes, window, sinks,
         )  # fmt: skip
     return out
 
 
-def run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=None, window=None):
+def run_prefill(
+    query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=None, window=None, sinks=None
+):
     device = query.device
     out = torch.full_like(query, POISON, memory_format=torch.contiguous_format)
     block_size = kv.value_cache.shape[3]
@@ -197,14 +238,14 @@ def run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, alibi_slopes=N
         ops.paged_attention_prefill(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
             torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc.to(device),
-            block_size, max(max(q_lens, default=1), 1), alibi_slopes, window,
+            block_size, max(max(q_lens, default=1), 1), alibi_slopes, window, sinks,
         )  # fmt: skip
     return out
 
 
 def check_decode(
     seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
-    alibi=False, strided=False, window=None,
+    alibi=False, strided=False, window=None, sinks=False,
 ):  # fmt: skip
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, device)
     poison_unowned_slots(kv)
@@ -213,10 +254,11 @@ def check_decode(
     query = random_query(len(seq_lens), num_heads, head_size, dtype, device, strided)
     scale = 1.0 / math.sqrt(head_size)
     slopes = random_alibi(num_heads, device) if alibi else None
-    expected = reference_decode(query, kv, scale, slopes, window)
-    out_v1 = run_v1(query, kv, num_kv_heads, scale, slopes, window)
+    sink_values = random_sinks(num_heads, device) if sinks else None
+    expected = reference_decode(query, kv, scale, slopes, window, sink_values)
+    out_v1 = run_v1(query, kv, num_kv_heads, scale, slopes, window, sink_values)
     assert_close(out_v1, expected, dtype)
-    out_v2 = run_v2(query, kv, num_kv_heads, scale, slopes, window)
+    out_v2 = run_v2(query, kv, num_kv_heads, scale, slopes, window, sink_values)
     assert_close(out_v2, expected, dtype)
     # v2 rounds each partition's result to the dtype before merging; with one
     # partition it must match v1 exactly, with more within the dtype's tolerance.
@@ -225,7 +267,7 @@ def check_decode(
 
 def check_prefill(
     seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
-    alibi=False, strided=False, cache_lens=None, window=None,
+    alibi=False, strided=False, cache_lens=None, window=None, sinks=False,
 ):  # fmt: skip
     """cache_lens: tokens written to the cache per sequence (>= seq_lens; the extra
     tokens stand for later chunks and must stay unseen)."""
@@ -238,8 +280,9 @@ def check_prefill(
     query = random_query(sum(q_lens), num_heads, head_size, dtype, device, strided)
     scale = 1.0 / math.sqrt(head_size)
     slopes = random_alibi(num_heads, device) if alibi else None
-    expected = reference_prefill(query, kv, seq_lens, q_lens, scale, slopes, window)
-    out = run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, slopes, window)
+    sink_values = random_sinks(num_heads, device) if sinks else None
+    expected = reference_prefill(query, kv, seq_lens, q_lens, scale, slopes, window, sink_values)
+    out = run_prefill(query, kv, num_kv_heads, scale, seq_lens, q_lens, slopes, window, sink_values)
     assert_close(out, expected, dtype)
 
 
@@ -295,6 +338,32 @@ def test_decode_long(dtype, head_size, block_size, heads, device):
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype, head_size, block_size, heads", SINK_GRID, ids=SINK_GRID_IDS)
+def test_decode_grid_sinks(dtype, head_size, block_size, heads, device):
+    """v1 and v2 (up to three partitions) with sinks of +8, -8, ~0 and 2 across the heads."""
+    num_heads, num_kv_heads = heads
+    check_decode(
+        decode_lengths(block_size), num_heads, num_kv_heads, head_size, block_size, dtype,
+        device, sinks=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize(
+    "dtype, head_size, block_size, heads",
+    [LONG_CASES[2], LONG_CASES[6]],
+    ids=["bfloat16-d64-b16-h9kv3", "float32-d112-b8-h8kv2"],
+)
+def test_decode_long_sinks(dtype, head_size, block_size, heads, device):
+    """Sinks merged once over v2's eight partitions."""
+    num_heads, num_kv_heads = heads
+    seq_lens = [4000, PARTITION, 2 * PARTITION + 1, 3]
+    check_decode(
+        seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device, sinks=True
+    )
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("batch", [1, 3, 16, 40])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_batch_sizes(dtype, batch, device):
@@ -303,10 +372,12 @@ def test_decode_batch_sizes(dtype, batch, device):
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("sinks", [False, True], ids=["no_sinks", "sinks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_empty_sequence_gives_zeros(dtype, device):
-    """A sequence with seq_len 0 attends to nothing; its output is defined as zeros."""
-    check_decode([0, 40, 0, 600], 8, 2, 64, 16, dtype, device)
+def test_decode_empty_sequence_gives_zeros(dtype, sinks, device):
+    """A sequence with seq_len 0 attends to nothing; its output is defined as zeros
+    (with a sink too: all the weight goes to the sink, which has no value)."""
+    check_decode([0, 40, 0, 600], 8, 2, 64, 16, dtype, device, sinks=sinks)
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -372,23 +443,42 @@ def test_prefill_grid(dtype, head_size, block_size, heads, device):
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype, head_size, block_size, heads", SINK_GRID, ids=SINK_GRID_IDS)
+def test_prefill_grid_sinks(dtype, head_size, block_size, heads, device):
+    num_heads, num_kv_heads = heads
+    seq_lens, q_lens = prefill_cases(block_size)
+    check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
+                  sinks=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize(
-    "dtype, head_size, block_size, heads",
+    "dtype, head_size, block_size, heads, sinks",
     [
-        (torch.float32, 64, 16, (9, 3)),
-        (torch.bfloat16, 128, 32, (8, 2)),
-        (torch.float16, 80, 8, (4, 4)),
-        (torch.bfloat16, 64, 16, (12, 1)),
+        (torch.float32, 64, 16, (9, 3), False),
+        (torch.bfloat16, 128, 32, (8, 2), False),
+        (torch.float16, 80, 8, (4, 4), False),
+        (torch.bfloat16, 64, 16, (12, 1), False),
+        (torch.float32, 64, 16, (9, 3), True),
+        (torch.float16, 80, 8, (4, 4), True),
     ],
-    ids=["f32-d64-b16-h9kv3", "bf16-d128-b32-h8kv2", "f16-d80-b8-h4kv4", "bf16-d64-b16-h12kv1"],
+    ids=[
+        "f32-d64-b16-h9kv3",
+        "bf16-d128-b32-h8kv2",
+        "f16-d80-b8-h4kv4",
+        "bf16-d64-b16-h12kv1",
+        "f32-d64-b16-h9kv3-sinks",
+        "f16-d80-b8-h4kv4-sinks",
+    ],
 )
-def test_prefill_long(dtype, head_size, block_size, heads, device):
+def test_prefill_long(dtype, head_size, block_size, heads, sinks, device):
     """Prompts longer than one 512-token chunk (several query tiles and key chunks
     merged online), and a short continuation of a ~4000-token cached prefix."""
     num_heads, num_kv_heads = heads
     seq_lens = [700, 3990, 9]
     q_lens = [700, 14, 9]
-    check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device)
+    check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device,
+                  sinks=sinks)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -461,6 +551,13 @@ def window_sizes(block_size: int) -> list[int]:
     return [1, block_size // 2 + 1, 3 * block_size + 5, PARTITION + 40]
 
 
+def sink_window(dtype, block_size: int) -> int:
+    """The window the (dtype, block_size) case also runs with sinks: each of
+    window_sizes in turn across the cases."""
+    windows = window_sizes(block_size)
+    return windows[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % len(windows)]
+
+
 @pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -470,6 +567,8 @@ def test_decode_sliding_window(dtype, block_size, device):
     seq_lens = [1, 7, 2 * block_size, 5 * block_size + 3, 2 * PARTITION + block_size + 3]
     for window in window_sizes(block_size):
         check_decode(seq_lens, 8, 2, 64, block_size, dtype, device, window=window)
+    window = sink_window(dtype, block_size)
+    check_decode(seq_lens, 8, 2, 64, block_size, dtype, device, window=window, sinks=True)
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -495,6 +594,9 @@ def test_prefill_sliding_window(dtype, block_size, heads, device):
     for window in window_sizes(block_size):
         check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
                       device, window=window)  # fmt: skip
+    if num_kv_heads == 2:  # sinks on the cheaper head layout only
+        check_prefill(seq_lens, q_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
+                      device, window=sink_window(dtype, block_size), sinks=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -521,3 +623,14 @@ def test_prefill_sliding_window_chunked(dtype, window, device):
         )
         done += n
     assert_close(torch.cat(outputs), expected, dtype)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sinks_with_alibi_and_window(dtype, device):
+    """Sinks beside alibi and a window that leaves v2 one partition of three (the merge
+    still folds the sink in), and a prefill with all three."""
+    check_decode([3, 300, 1100], 12, 1, 128, 16, dtype, device, alibi=True, window=37,
+                 sinks=True)  # fmt: skip
+    check_prefill([40, 530], [40, 100], 8, 2, 64, 16, dtype, device, alibi=True, window=37,
+                  sinks=True)  # fmt: skip

@@ -51,6 +51,21 @@ SLOTS = [5, 2, 7, 0, 3]
 MAX_NUM_SEQS = 8
 
 
+def sink_cases():
+    """The grid cases that also run with sinks: every (device, dtype) and head size, the
+    head layout rotating with both."""
+    cases = []
+    for d, case in enumerate(DEVICE_DTYPES):
+        for h, head_size in enumerate(HEAD_SIZES):
+            heads = HEAD_LAYOUTS[(h + d) % len(HEAD_LAYOUTS)]
+            name = f"{case.id}-d{head_size}-h{heads[0]}kv{heads[1]}"
+            cases.append(pytest.param(*case.values, head_size, heads, id=name, marks=case.marks))
+    return cases
+
+
+SINK_CASES = sink_cases()
+
+
 _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
 
@@ -58,10 +73,11 @@ _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 # References and helpers (plain PyTorch).
 
 
-def reference_attention(query, keys, values, positions, scale, window=None):
+def reference_attention(query, keys, values, positions, scale, window=None, sinks=None):
     """Causal attention in float64 for one sequence: query [n, Hq, D] at `positions`,
     keys/values [L, Hkv, D] at positions 0..L-1; with a window, only keys at positions
-    > position - window."""
+    > position - window; sinks [Hq]: one more logit column per head, dropped after the
+    softmax."""
     if keys.shape[0] == 0:
         return torch.zeros(query.shape, dtype=torch.float64)
     group = query.shape[1] // keys.shape[1]
@@ -74,7 +90,12 @@ def reference_attention(query, keys, values, positions, scale, window=None):
     if window:
         hidden |= key_pos <= query_pos - window
     scores = scores.masked_fill(hidden[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    if sinks is not None:
+        column = sinks.double().cpu()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def store_tokens(arena, layer, slot, first, keys, values):
@@ -122,6 +143,12 @@ def random_query(num_tokens, num_heads, head_size, dtype, device):
     return torch.randn(num_tokens, num_heads, head_size).to(dtype).to(device)
 
 
+def random_sinks(num_heads, device):
+    """float32 [num_heads] cycling through +8, -8, about 0 and 2, jittered."""
+    levels = torch.tensor([8.0, -8.0, 0.0, 2.0]).repeat(-(-num_heads // 4))[:num_heads]
+    return (levels + 0.1 * torch.randn(num_heads)).to(device)
+
+
 def poison_tiles_before_window(arena, slots, first_positions, window):
     """NaN in each slot's tiles that hold no key of any of its queries' windows."""
     for slot, first in zip(slots, first_positions, strict=True):
@@ -130,7 +157,7 @@ def poison_tiles_before_window(arena, slots, first_positions, window):
         arena.value_cache(0)[slot, :, :tiles] = POISON
 
 
-def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window=None):
+def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window=None, sinks=None):
     out = torch.full_like(query, POISON)
     device = query.device
     with kernel_threads():
@@ -138,12 +165,14 @@ def run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window=None):
             out, query, arena.key_cache(0), arena.value_cache(0), num_kv_heads, scale,
             torch.tensor(slots, dtype=torch.int32, device=device),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), max(max(seq_lens), 1),
-            window,
+            window, sinks,
         )  # fmt: skip
     return out
 
 
-def run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window=None):
+def run_prefill(
+    arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window=None, sinks=None
+):
     out = torch.full_like(query, POISON)
     device = query.device
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -152,22 +181,23 @@ def run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, wind
             out, query, arena.key_cache(0), arena.value_cache(0), num_kv_heads, scale,
             torch.tensor(slots, dtype=torch.int32, device=device),
             torch.tensor(seq_lens, dtype=torch.int32, device=device), starts.to(device),
-            max(max(q_lens), 1), window,
+            max(max(q_lens), 1), window, sinks,
         )  # fmt: skip
     return out
 
 
-def paged_decode(kv, query, num_kv_heads, scale, window=None):
+def paged_decode(kv, query, num_kv_heads, scale, window=None, sinks=None):
     out = torch.full_like(query, POISON)
     with kernel_threads():
         ops.paged_attention_v1(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
             kv.seq_lens, kv.value_cache.shape[3], max(kv.seq_lens.tolist()), None, window,
+            sinks,
         )  # fmt: skip
     return out
 
 
-def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window=None):
+def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window=None, sinks=None):
     out = torch.full_like(query, POISON)
     device = query.device
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -175,7 +205,7 @@ def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window=None)
         ops.paged_attention_prefill(
             out, query, kv.key_cache, kv.value_cache, num_kv_heads, scale, kv.block_tables,
             torch.tensor(seq_lens, dtype=torch.int32, device=device), starts.to(device),
-            kv.value_cache.shape[3], max(max(q_lens), 1), None, window,
+            kv.value_cache.shape[3], max(max(q_lens), 1), None, window, sinks,
         )  # fmt: skip
     return out
 
@@ -184,7 +214,9 @@ def paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window=None)
 # Decode and prefill against the reference and the paged kernels.
 
 
-def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len, window=None):
+def check_decode(
+    seq_lens, slots, heads, head_size, dtype, device, max_model_len, window=None, sinks=False
+):
     num_heads, num_kv_heads = heads
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, TILE, dtype, device)
     arena = arena_like(kv, slots, max_model_len, dtype, device)
@@ -192,10 +224,13 @@ def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len
         poison_tiles_before_window(arena, slots, [n - 1 for n in seq_lens], window)
     query = random_query(len(seq_lens), num_heads, head_size, dtype, device)
     scale = 1.0 / math.sqrt(head_size)
-    out = run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window)
+    sink_values = random_sinks(num_heads, device) if sinks else None
+    out = run_decode(arena, query, num_kv_heads, scale, slots, seq_lens, window, sink_values)
     expected = torch.cat(
         [
-            reference_attention(query[s : s + 1], k, v, torch.tensor([n - 1]), scale, window)
+            reference_attention(
+                query[s : s + 1], k, v, torch.tensor([n - 1]), scale, window, sink_values
+            )
             for s, (n, k, v) in enumerate(zip(seq_lens, kv.keys, kv.values, strict=True))
         ]
     )
@@ -204,7 +239,8 @@ def check_decode(seq_lens, slots, heads, head_size, dtype, device, max_model_len
     # Not on CUDA, where contiguous decode splits long sequences into partitions when
     # the (sequence, head) pairs leave SMs idle, and paged v1 never splits.
     if device == "cpu":
-        assert torch.equal(out, paged_decode(kv, query, num_kv_heads, scale, window))
+        paged = paged_decode(kv, query, num_kv_heads, scale, window, sink_values)
+        assert torch.equal(out, paged)
 
 
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"h{h[0]}kv{h[1]}")
@@ -214,14 +250,27 @@ def test_decode_grid(device, dtype, head_size, heads):
     check_decode(SEQ_LENS, SLOTS, heads, head_size, dtype, device, max_model_len=640)
 
 
+@pytest.mark.parametrize(("device", "dtype", "head_size", "heads"), SINK_CASES)
+def test_decode_grid_sinks(device, dtype, head_size, heads):
+    check_decode(SEQ_LENS, SLOTS, heads, head_size, dtype, device, max_model_len=640, sinks=True)
+
+
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
 def test_decode_long(device, dtype):
     check_decode([4000, 33], [6, 1], (8, 2), 128, dtype, device, max_model_len=4096)
 
 
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
+def test_decode_long_sinks(device, dtype):
+    """On CUDA this call splits into partitions (few sequences leave SMs idle): the
+    sinks join their merge."""
+    check_decode([4000, 33], [6, 1], (8, 2), 128, dtype, device, max_model_len=4096, sinks=True)
+
+
 def check_prefill(
-    seq_lens, q_lens, slots, heads, head_size, dtype, device, max_model_len, window=None
-):
+    seq_lens, q_lens, slots, heads, head_size, dtype, device, max_model_len, window=None,
+    sinks=False,
+):  # fmt: skip
     num_heads, num_kv_heads = heads
     kv = make_paged_kv(seq_lens, num_kv_heads, head_size, TILE, dtype, device)
     arena = arena_like(kv, slots, max_model_len, dtype, device)
@@ -230,15 +279,18 @@ def check_prefill(
         poison_tiles_before_window(arena, slots, first_positions, window)
     query = random_query(sum(q_lens), num_heads, head_size, dtype, device)
     scale = 1.0 / math.sqrt(head_size)
-    out = run_prefill(arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window)
+    sink_values = random_sinks(num_heads, device) if sinks else None
+    out = run_prefill(
+        arena, query, num_kv_heads, scale, slots, seq_lens, q_lens, window, sink_values
+    )
     expected, start = [], 0
     for n, q_len, k, v in zip(seq_lens, q_lens, kv.keys, kv.values, strict=True):
         positions = torch.arange(n - q_len, n)
         q = query[start : start + q_len]
-        expected.append(reference_attention(q, k, v, positions, scale, window))
+        expected.append(reference_attention(q, k, v, positions, scale, window, sink_values))
         start += q_len
     assert_close(out, torch.cat(expected), dtype)
-    paged = paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window)
+    paged = paged_prefill(kv, query, num_kv_heads, scale, seq_lens, q_lens, window, sink_values)
     assert torch.equal(out, paged)
 
 
@@ -249,6 +301,14 @@ def test_prefill_grid(device, dtype, head_size, heads):
     # Whole prompts of 1, 15, 16, 17 tokens and the last 40 tokens of a 600-token one.
     q_lens = [1, 15, 16, 17, 40]
     check_prefill(SEQ_LENS, q_lens, SLOTS, heads, head_size, dtype, device, max_model_len=640)
+
+
+@pytest.mark.parametrize(("device", "dtype", "head_size", "heads"), SINK_CASES)
+def test_prefill_grid_sinks(device, dtype, head_size, heads):
+    q_lens = [1, 15, 16, 17, 40]
+    check_prefill(
+        SEQ_LENS, q_lens, SLOTS, heads, head_size, dtype, device, max_model_len=640, sinks=True
+    )
 
 
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
@@ -304,16 +364,22 @@ def test_chunked_prefill_equals_one_shot(device, dtype):
     assert_close(one_shot, torch.cat(expected), dtype)
 
 
-@pytest.mark.parametrize("window", [1, 9, 40, 530])
+@pytest.mark.parametrize(
+    ("window", "sinks"),
+    [(1, False), (9, False), (9, True), (40, False), (530, False), (530, True)],
+    ids=["1", "9", "9-sinks", "40", "530", "530-sinks"],
+)
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
-def test_sliding_window(device, dtype, window):
+def test_sliding_window(device, dtype, window, sinks):
     """Decode and prefill with windows smaller than a tile, a few tiles, and past one
     chunk; the tiles before each window hold NaN."""
-    check_decode(SEQ_LENS, SLOTS, (8, 2), 64, dtype, device, max_model_len=640, window=window)
+    check_decode(SEQ_LENS, SLOTS, (8, 2), 64, dtype, device, max_model_len=640, window=window,
+                 sinks=sinks)  # fmt: skip
     q_lens = [1, 15, 16, 17, 600]
     check_prefill(SEQ_LENS, q_lens, SLOTS, (12, 1), 128, dtype, device, max_model_len=640,
-                  window=window)  # fmt: skip
-    check_prefill([600], [40], [2], (8, 2), 64, dtype, device, max_model_len=640, window=window)
+                  window=window, sinks=sinks)  # fmt: skip
+    check_prefill([600], [40], [2], (8, 2), 64, dtype, device, max_model_len=640, window=window,
+                  sinks=sinks)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

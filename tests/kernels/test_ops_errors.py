@@ -71,6 +71,7 @@ def valid_attention_common(num_tokens):
         seq_lens=torch.tensor([16, 5], dtype=torch.int32),
         block_size=BLOCK_SIZE,
         alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+        sinks=torch.tensor([8.0, -8.0, 0.0, 2.0]),
     )
 
 
@@ -226,6 +227,7 @@ def valid_contiguous_attention_decode():
         seq_slots=torch.tensor([1, 3], dtype=torch.int32),
         seq_lens=torch.tensor([16, 5], dtype=torch.int32),
         max_seq_len=16,
+        sinks=torch.tensor([8.0, -8.0, 0.0, 2.0]),
     )
 
 
@@ -615,13 +617,30 @@ ATTENTION_COMMON = [
     ),
 ]
 
+# sinks: float32 [num_heads], contiguous, on the query's device (every attention op).
+SINKS_CASES = [
+    ("sinks_bfloat16", {"sinks": lambda a: a["sinks"].bfloat16()}, TypeError, "sinks"),
+    ("sinks_float64", {"sinks": lambda a: a["sinks"].double()}, TypeError, "sinks"),
+    ("sinks_num_kv_heads", {"sinks": torch.zeros(NUM_KV_HEADS)}, ValueError, "sinks"),
+    ("sinks_2d", {"sinks": lambda a: a["sinks"][None]}, ValueError, "sinks"),
+    (
+        "sinks_not_contiguous",
+        {"sinks": lambda a: torch.zeros(2 * NUM_HEADS)[::2]},
+        ValueError,
+        "sinks",
+    ),
+    ("sinks_on_meta", {"sinks": lambda a: on_meta(a["sinks"])}, ValueError, "sinks"),
+    ("sinks_list", {"sinks": [0.0] * NUM_HEADS}, TypeError, "sinks"),
+]
+
 for _function in ("paged_attention_v1", "paged_attention_v2", "paged_attention_prefill"):
-    CASES += cases_for(_function, *ATTENTION_COMMON)
+    CASES += cases_for(_function, *ATTENTION_COMMON, *SINKS_CASES)
 for _function in ("contiguous_attention_decode", "contiguous_attention_prefill"):
     CASES += cases_for(
         _function,
         ("sliding_window_negative", {"sliding_window": -2}, ValueError, "sliding_window"),
         ("sliding_window_huge", {"sliding_window": 2**40}, ValueError, "sliding_window"),
+        *SINKS_CASES,
     )
 
 CASES += [
