@@ -68,6 +68,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Added to every RMSNorm weight at load: HF's Gemma stores w for a scale of 1 + w.
     norm_weight_offset: float = 0.0
+    # A learned logit per query head in every attention softmax, with no value (gpt-oss).
+    attn_sinks: bool = False
     # Mixture of experts (num_experts 0: every MLP is dense). A sparse layer's router
     # scores num_experts experts (gated MLPs of moe_intermediate_size) per token and
     # sums the outputs of the best num_experts_per_tok, weighted by the softmax of their

@@ -460,6 +460,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a learned logit per head that joins every softmax with no value
+        # (float32, as the attention ops take it).
+        self.sinks = (
+            _param(self.num_heads, dtype=torch.float32, device=device)
+            if config.attn_sinks
+            else None
+        )
 
     def forward(
         self,
@@ -495,14 +502,14 @@ class Attention(nn.Module):
             _C.paged_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                block_size, meta.max_query_len, None, self.sliding_window, None,
+                block_size, meta.max_query_len, None, self.sliding_window, self.sinks,
             )  # fmt: skip
         if P < T:
             if v2_workspace is None:
                 _C.paged_attention_v1(
                     out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                     meta.decode_block_tables, meta.decode_seq_lens, block_size,
-                    meta.max_decode_seq_len, None, self.sliding_window, None,
+                    meta.max_decode_seq_len, None, self.sliding_window, self.sinks,
                 )  # fmt: skip
             else:
                 exp_sums, max_logits, tmp_out = v2_workspace
@@ -510,7 +517,7 @@ class Attention(nn.Module):
                     out[P:], exp_sums, max_logits, tmp_out, q[P:], key_cache, value_cache,
                     self.num_kv_heads, self.scale, meta.decode_block_tables,
                     meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
-                    self.sliding_window, None,
+                    self.sliding_window, self.sinks,
                 )  # fmt: skip
         return self.o_proj(out.view(T, self.q_size))
 
@@ -527,13 +534,13 @@ class Attention(nn.Module):
             _C.contiguous_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len, self.sliding_window, None,
+                meta.max_query_len, self.sliding_window, self.sinks,
             )  # fmt: skip
         if P < T:
             _C.contiguous_attention_decode(
                 out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
                 meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
-                self.sliding_window, None,
+                self.sliding_window, self.sinks,
             )  # fmt: skip
 
 

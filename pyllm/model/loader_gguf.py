@@ -121,6 +121,8 @@ def hf_names(config: ModelConfig, slots: dict, tensors: dict[str, GGUFTensor]) -
         for hf_base, (_, gguf_base) in table.mapping.items():
             for kind in ("weight", "bias"):
                 hf, name = f"{hf_base}.{kind}", f"{gguf_base}.{kind}"
+                if kind == "weight" and hf_base in slots:
+                    hf = hf_base  # a bare parameter (gpt-oss's self_attn.sinks)
                 if hf not in slots or (fallback and name in names):
                     continue
                 tensor = tensors.get(name)

@@ -88,6 +88,51 @@ def _mixtral_hf(raw: dict[str, Any]) -> Fields:
     }
 
 
+# gpt-oss: layers alternate between a sliding window (even layers) and the whole
+# sequence, attention has biases and sinks, and every MLP is experts with biases
+# behind a router with a bias, top-k then softmax (softmax and renormalize, the same),
+# and a clamped SwiGLU.
+def _gpt_oss_layer_types(num_layers: int) -> tuple[str, ...]:
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
+
+
+def _gpt_oss_common() -> Fields:
+    return {
+        "qkv_bias": True,
+        "o_bias": True,
+        "attn_sinks": True,
+        "norm_topk_prob": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "moe_activation": "swigluoai",
+    }
+
+
+def _gpt_oss_hf(raw: dict[str, Any]) -> Fields:
+    layers = raw.get("layer_types") or _gpt_oss_layer_types(raw["num_hidden_layers"])
+    return {
+        **_gpt_oss_common(),
+        "qkv_bias": bool(raw.get("attention_bias", True)),
+        "o_bias": bool(raw.get("attention_bias", True)),
+        "layer_types": tuple(layers),
+        "sliding_window": raw.get("sliding_window"),
+        "num_experts": _experts(raw),
+        "num_experts_per_tok": raw.get("num_experts_per_tok"),
+        "moe_intermediate_size": raw.get("intermediate_size"),
+        "moe_alpha": float(raw.get("swiglu_alpha", 1.702)),
+        "moe_limit": float(raw.get("swiglu_limit", 7.0)),
+    }
+
+
+def _gpt_oss_gguf(key: Callable[..., Any], meta: dict[str, Any]) -> Fields:
+    # llama.cpp's gpt-oss graph fixes the SwiGLU's alpha and limit (1.702, 7.0).
+    return {
+        **_gpt_oss_common(),
+        "layer_types": _gpt_oss_layer_types(int(key("block_count"))),
+        "sliding_window": int(key("attention.sliding_window")),
+    }
+
+
 # Gemma 3: every sixth layer attends globally, the others within the sliding window,
 # with a rope base of their own. HF stores RMSNorm weights w applied as (1 + w); GGUF
 # converters store 1 + w.
@@ -177,6 +222,7 @@ FAMILIES: dict[str, Family] = {
         ),
         # Mixtral's GGUF files are llama's with llama.expert_count; "mixtral" is only HF's.
         Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), _LLAMA, _mixtral_hf),
+        Family("gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), _LLAMA, _gpt_oss_hf, _gpt_oss_gguf),
         # Phi-3: q/k/v and gate/up already fused in the checkpoint, LongRoPE.
         Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _LLAMA, _llama_hf, _phi3_gguf),
         Family(

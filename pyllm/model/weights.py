@@ -26,9 +26,10 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # One expert's checkpoint tensor, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
 _ONE_EXPERT = re.compile(r".*\.experts\.(\d+)\..*")
 
-# Other names of our tensors in checkpoints: Mixtral's original ones.
+# Other names of our tensors in checkpoints: Mixtral's original ones, gpt-oss's router.
 _RENAMES = (
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.mlp\.router\."), ".mlp.gate."),
     (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
@@ -39,11 +40,24 @@ _RENAMES = (
 FusedExperts = tuple[list[str], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]
 
 
-def fused_expert_forms(base: str) -> dict[str, FusedExperts]:
-    """transformers' in-memory layout of a layer's experts (``base``: its
+def fused_expert_forms(base: str, architecture: str) -> dict[str, FusedExperts]:
+    """transformers' layout of a layer's experts (``base``: its
     ``model.layers.N.mlp.experts``): gate_up_proj [E, 2I, H], gate rows first, and
-    down_proj [E, H, I]. A family whose checkpoints lay them out otherwise (gpt-oss:
-    [E, H, 2I] with gate and up interleaved, and their biases) adds its forms here."""
+    down_proj [E, H, I]; gpt-oss's checkpoints instead hold them as x @ W (gate_up_proj
+    [E, H, 2I] with gate and up interleaved, down_proj [E, I, H]) with their biases."""
+    if architecture == "gpt-oss":
+        return {
+            f"{base}.gate_up_proj": (
+                [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"],
+                lambda t: (t[..., ::2].transpose(1, 2), t[..., 1::2].transpose(1, 2)),
+            ),
+            f"{base}.gate_up_proj_bias": (
+                [f"{base}.gate_proj.bias", f"{base}.up_proj.bias"],
+                lambda t: (t[:, ::2], t[:, 1::2]),
+            ),
+            f"{base}.down_proj": ([f"{base}.down_proj.weight"], lambda t: (t.transpose(1, 2),)),
+            f"{base}.down_proj_bias": ([f"{base}.down_proj.bias"], lambda t: (t,)),
+        }
     return {
         f"{base}.gate_up_proj": (
             [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"],
@@ -142,6 +156,9 @@ def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, li
                 full = (param.shape[0], config.q_size if prefix.endswith(".o_proj") else
                         config.intermediate_size)  # fmt: skip
                 slots[name] = Slot(param, full, 1, take)
+        elif name.endswith(".self_attn.sinks") and split:
+            heads = shard.split(config.num_attention_heads)
+            slots[name] = Slot(param, (config.num_attention_heads,), 0, heads)
         elif name in ("model.embed_tokens.weight", "lm_head.weight") and split:
             slots[name] = Slot(param, (config.vocab_size, param.shape[1]), 0, model.vocab_range)
         else:
@@ -184,7 +201,8 @@ class WeightFiller:
         self.expert_forms: dict[str, FusedExperts] = {}
         for layer, module in model.named_modules():
             if isinstance(module, SparseMoeBlock):
-                self.expert_forms.update(fused_expert_forms(f"{layer}.experts"))
+                forms = fused_expert_forms(f"{layer}.experts", model.config.architecture)
+                self.expert_forms.update(forms)
         self.num_experts = model.config.num_experts
         self.held = model.local_config.expert_range  # the others: expert parallelism
         self.filled: set[str] = set()
@@ -278,7 +296,7 @@ class WeightFiller:
         """A checkpoint tensor of several of our expert tensors: cut, each piece filled."""
         targets, cut = self.expert_forms[name]
         expected = [self.slots[t].full_shape for t in targets]
-        pieces = cut(tensor) if tensor.dim() == 3 else ()
+        pieces = cut(tensor) if tensor.dim() in (2, 3) else ()
         if [tuple(p.shape) for p in pieces] != expected:
             raise ValueError(
                 f"{where}: tensor {given!r} has shape {tuple(tensor.shape)}; the model expects "

@@ -60,8 +60,9 @@ def test_tp2_generates_what_tp1_does(tmp_path, kind, overrides):
 @pytest.mark.parametrize(
     "kind, overrides",
     [("qwen3moe", {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True}),
-     ("mixtral", {"sliding_window": 12})],
-    ids=["qwen3moe", "mixtral"],
+     ("mixtral", {"sliding_window": 12}),
+     ("gpt_oss", {"swiglu_limit": 1.5})],
+    ids=["qwen3moe", "mixtral", "gpt-oss"],
 )  # fmt: skip
 def test_moe_tp2_generates_what_tp1_does(tmp_path, kind, overrides):
     """Each rank every expert's half of the intermediate rows (the default), or half

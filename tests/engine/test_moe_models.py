@@ -1,5 +1,5 @@
 """Mixture-of-experts models through the whole engine: greedy tokens equal to HF's
-for Qwen3-MoE and Mixtral, alone and batched with chunked prefill, in both KV-cache
+for Qwen3-MoE, Mixtral and gpt-oss, alone and batched with chunked prefill, in both KV-cache
 modes; and `pyllm generate` on a tiny Qwen3-MoE GGUF file."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 KINDS = {
     "qwen3moe": {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True},
     "mixtral": {"sliding_window": 12},
+    "gpt_oss": {"swiglu_limit": 1.5},
 }
 
 

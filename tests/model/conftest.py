@@ -40,6 +40,10 @@ MOE = {
     "qwen3moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
                     sliding_window=None),
+    # gpt-oss: layers alternate between a window of 12 (shorter than the test sequences)
+    # and the whole sequence.
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
+                    sliding_window=12),
 }  # fmt: skip
 
 
@@ -51,8 +55,10 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("mlp.gate.weight"):  # a mixture of experts' router
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # experts' router
                 p.copy_(ROUTER_SCALE * noise / math.sqrt(p.shape[-1]))
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: logits of order one
+                p.copy_(noise)
             elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * noise)
             elif name.endswith("bias"):
@@ -75,6 +81,7 @@ def make_hf_model(kind: str, path, max_shard_size: str | None = None, **override
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[kind]
     kwargs = dict(TINY, **MOE.get(kind, {}))
     if kind == "mistral":

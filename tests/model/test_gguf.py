@@ -193,6 +193,12 @@ _GGUF_PARTS = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
 }  # fmt: skip
+# gpt-oss: its post-attention norm is llama.cpp's post_attention_norm; sinks per head.
+_GPT_OSS_PARTS = {
+    **_GGUF_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.sinks": "attn_sinks",
+}
 # Gemma's norms around attention and MLP (llama.cpp's names differ from Llama's).
 _GEMMA_PARTS = {
     **_GGUF_PARTS,
@@ -236,10 +242,13 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None, tokenizer: dict | No
         metadata[f"{arch}.rope.scaling.original_context_length"] = int(
             rope["original_max_position_embeddings"]
         )
-    if getattr(cfg, "sliding_window", None) and arch in ("gemma3", "phi3"):
+    if getattr(cfg, "sliding_window", None) and arch in ("gemma3", "phi3", "gpt-oss"):
         metadata[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if arch == "gemma3":
         parts = _GEMMA_PARTS
+    if arch == "gpt-oss":
+        parts = _GPT_OSS_PARTS
+        metadata[f"{arch}.expert_feed_forward_length"] = cfg.intermediate_size
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
         metadata[f"{arch}.expert_count"] = experts
@@ -262,8 +271,10 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None, tokenizer: dict | No
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             part, kind = rest.rsplit(".", 1)
-            if rest.startswith("mlp.experts.") or rest == "mlp.gate.weight":
-                tensors.update(_gguf_experts(layer, rest, value, qtype))
+            if rest == "self_attn.sinks":
+                part, kind = rest, "weight"
+            if rest.startswith(("mlp.experts.", "mlp.router.")) or rest == "mlp.gate.weight":
+                tensors.update(_gguf_experts(layer, rest, value, qtype, arch))
                 continue
             if arch == "llama" and part == "self_attn.q_proj":
                 value = llama_cpp_permute(value, cfg.num_attention_heads)
@@ -278,12 +289,24 @@ def write_hf_as_gguf(hf_model, path, arch: str, qtype=None, tokenizer: dict | No
     write_gguf(path, arch, metadata, tensors)
 
 
-def _gguf_experts(layer: str, name: str, value: np.ndarray, qtype) -> dict:
+def _gguf_experts(layer: str, name: str, value: np.ndarray, qtype, arch: str) -> dict:
     """HF's in-memory experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and router
     as llama.cpp's tensors; the router stays F32, as llama.cpp's quantizer keeps it."""
-    if name == "mlp.gate.weight":
-        return {f"blk.{layer}.ffn_gate_inp.weight": value}
-    if name == "mlp.experts.gate_up_proj":
+    if name in ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias"):
+        return {f"blk.{layer}.ffn_gate_inp.{name.rsplit('.', 1)[1]}": value}
+    if name.endswith("_bias"):  # gpt-oss: biases of interleaved gate/up, and of down
+        if name.endswith("gate_up_proj_bias"):
+            named = {"ffn_gate_exps": value[:, ::2], "ffn_up_exps": value[:, 1::2]}
+        else:
+            named = {"ffn_down_exps": value}
+        return {f"blk.{layer}.{n}.bias": np.ascontiguousarray(b) for n, b in named.items()}
+    if arch == "gpt-oss":  # x @ W: gate_up_proj [E, H, 2I] interleaved, down [E, I, H]
+        value = value.swapaxes(1, 2)
+        if name == "mlp.experts.gate_up_proj":
+            named = {"ffn_gate_exps": value[:, ::2], "ffn_up_exps": value[:, 1::2]}
+        else:
+            named = {"ffn_down_exps": value}
+    elif name == "mlp.experts.gate_up_proj":
         gate, up = np.split(value, 2, axis=1)
         named = {"ffn_gate_exps": gate, "ffn_up_exps": up}
     else:
@@ -319,6 +342,8 @@ GGUF_VARIANTS = {
                               "norm_topk_prob": True}),
     "qwen3moe-unnormed": ("qwen3moe", {"norm_topk_prob": False}),
     "mixtral": ("mixtral", {}),
+    # gpt-oss: GGUF files carry no SwiGLU limit (llama.cpp fixes it at 7.0).
+    "gpt-oss": ("gpt_oss", {}),
     "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0 + 0.1 * i for i in range(32)],
@@ -327,7 +352,7 @@ GGUF_VARIANTS = {
 
 
 # The GGUF architecture of HF families whose files are another's.
-GGUF_ARCH = {"mixtral": "llama"}
+GGUF_ARCH = {"mixtral": "llama", "gpt_oss": "gpt-oss"}
 
 
 @pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
@@ -339,7 +364,7 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
     model, config = load_model(tmp_path / "tiny.gguf", dtype="float32")
     assert config.architecture == arch
     assert config.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert config.qkv_bias == (variant == "qwen2")
+    assert config.qkv_bias == (variant in ("qwen2", "gpt-oss"))
     # The weights come back exactly (F32; Gemma's norms as the 1 + w it stores), q/k rows
     # in HF's order ...
     expected = expected_params(hf, config)
@@ -353,7 +378,7 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
         assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3", "qwen3moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3", "qwen3moe", "mixtral", "gpt-oss"])
 def test_tiny_model_with_q8_0_projections(tmp_path, variant):
     """The families' quantized path: Q8_0 projections stay in their blocks and follow the
     same file widened to float32 (logits correlate >= 0.999 at every position); experts

@@ -83,6 +83,10 @@ FAMILIES = {
     "qwen3moe-unnormed": ("qwen3moe", {"norm_topk_prob": False}),
     # Mixtral: Mistral's attention within a sliding window, every layer sparse.
     "mixtral": ("mixtral", {"sliding_window": 12}),
+    # gpt-oss: attention sinks and biases, windowed and full layers in turn, YaRN, experts
+    # with biases behind a router with a bias, a SwiGLU clamped at 1.5 (so that the clamp
+    # engages on these weights).
+    "gpt-oss": ("gpt_oss", {"swiglu_limit": 1.5}),
     # Gemma 3: a sliding-window layer and a global one (each its rope base), softmax
     # scale from query_pre_attn_scalar, GELU gate, sandwich norms of (1 + w). The
     # window (16) is shorter than every test sequence.

@@ -47,6 +47,9 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
                 fused = torch.cat([sd[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"])
             out[p + f"self_attn.qkv_proj.{kind}"] = fused
         out[p + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        if p + "self_attn.sinks" in sd:  # gpt-oss
+            out.update(_gpt_oss_params(sd, p))
+            continue
         if p + "mlp.gate.weight" in sd:  # a sparse layer: HF keeps gate/up fused, [E, 2I, H]
             gate, up = sd[p + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
             out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
@@ -62,6 +65,28 @@ def expected_params(hf_model, config: ModelConfig) -> dict[str, torch.Tensor]:
     # Every norm (the layers' two, q/k norms, Gemma's four) keeps HF's name.
     out.update({name: t for name, t in sd.items() if name.endswith("norm.weight")})
     return out
+
+
+def _gpt_oss_params(sd: dict, p: str) -> dict[str, torch.Tensor]:
+    """gpt-oss's layer: attention's o bias and sinks; the router (HF: mlp.router); experts
+    stored as x @ W with gate and up interleaved, and their biases."""
+    gate_up, gate_up_bias = (
+        sd[p + "mlp.experts.gate_up_proj"],
+        sd[p + "mlp.experts.gate_up_proj_bias"],
+    )
+    e = p + "mlp.experts."
+    return {
+        p + "self_attn.o_proj.bias": sd[p + "self_attn.o_proj.bias"],
+        p + "self_attn.sinks": sd[p + "self_attn.sinks"],
+        p + "mlp.gate.weight": sd[p + "mlp.router.weight"],
+        p + "mlp.gate.bias": sd[p + "mlp.router.bias"],
+        e + "gate_proj.weight": gate_up[..., ::2].transpose(1, 2),
+        e + "up_proj.weight": gate_up[..., 1::2].transpose(1, 2),
+        e + "gate_proj.bias": gate_up_bias[:, ::2],
+        e + "up_proj.bias": gate_up_bias[:, 1::2],
+        e + "down_proj.weight": sd[e + "down_proj"].transpose(1, 2),
+        e + "down_proj.bias": sd[e + "down_proj_bias"],
+    }
 
 
 def dense_params(model) -> dict[str, torch.Tensor]:
