@@ -316,7 +316,7 @@ class OpenAIServing:
             param = body._param_of(name, max_tokens_name) or prompt_field
             if name and name != param and message.startswith(name):
                 message = param + message[len(name) :]  # in the request's own terms
-            code = None
+            code = getattr(error, "code", None)
             if "context length" in message:
                 code = "context_length_exceeded"
                 # The prompt fits alone: what the client asked for on top is too much.
@@ -429,13 +429,14 @@ class OpenAIServing:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def _collect(self, request: Request, jobs: list[_Job], progress: _Progress) -> None:
+    async def _collect(self, request: Request, body, jobs: list[_Job], progress: _Progress) -> None:
         """Runs the jobs to the end; aborts them if the client disconnects first."""
         self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
 
         async def run() -> None:
             async for index, output in self._outputs(jobs):
                 self._track(progress, index, output)
+                _raise_failed(body, output)
 
         try:
             async with _cancel_on_disconnect(request):
@@ -599,7 +600,7 @@ class OpenAIServing:
         created = api.now()
         if body.stream:
             return _event_stream(self._chat_stream(body, jobs, created, progress))
-        await self._collect(request, jobs, progress)
+        await self._collect(request, body, jobs, progress)
         choices = []
         for c in progress.finals[0].outputs:
             logprobs = None
@@ -682,7 +683,7 @@ class OpenAIServing:
         created = api.now()
         if body.stream:
             return _event_stream(self._completion_stream(body, jobs, created, progress))
-        await self._collect(request, jobs, progress)
+        await self._collect(request, body, jobs, progress)
         choices = []
         for index, job in enumerate(jobs):
             prefix = job.prompt_text if body.echo else ""
@@ -789,6 +790,7 @@ class OpenAIServing:
             yield _sse(chunk(choices=[first]))
         async for index, output in self._outputs(jobs):
             self._track(progress, index, output)
+            _raise_failed(body, output)
             for c in output.outputs:
                 choice_state = state[(index, c.index)]
                 offset = choice_state.text_sent
@@ -800,6 +802,16 @@ class OpenAIServing:
         if body.include_usage:
             yield _sse(chunk(choices=[], usage=self._usage(progress, jobs)))
         yield "data: [DONE]\n\n"
+
+
+def _raise_failed(body, output: RequestOutput) -> None:
+    """A choice the engine ended with an error (its grammar went past the limits while
+    generating) fails the request: a 400, or the stream's last event."""
+    for c in output.outputs:
+        if c.finish_reason == "error":
+            field = body.structured_field() or "structured_output"
+            message = (c.error or "generation failed").replace("structured_output", field, 1)
+            raise RequestError(message, field, code="grammar_too_complex")
 
 
 def _delta(state: _Choice, c: CompletionOutput):
@@ -845,7 +857,10 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except (RequestError, ValueError) as error:
+        except RequestError as error:
+            yield _sse(error_body(error.message, error.type, error.param, error.code))
+            yield "data: [DONE]\n\n"
+        except ValueError as error:
             yield _sse(error_body(str(error), "invalid_request_error", None, None))
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:  # shut down (or the engine stopped): expected
