@@ -123,6 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _origins(value: str) -> list[str]:
+    """A comma-separated list (of origins or host names)."""
     return [origin.strip() for origin in value.split(",") if origin.strip()]
 
 
@@ -145,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts,
         max_seqs_per_request=args.max_seqs_per_request,
         shutdown_timeout=args.shutdown_timeout,
         ui=not args.no_ui,
@@ -230,8 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         "--allowed-origins",
         type=_origins,
         default=None,
-        help="browser origins allowed to call the API, comma-separated, or '*' for any "
-        "(default: none, no CORS headers)",
+        help="browser origins allowed to call the API besides the server's own, "
+        "comma-separated, or '*' for any (default: none; other origins get 403)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=_origins,
+        default=None,
+        help="Host header names answered besides localhost, 127.0.0.1 and [::1], "
+        "comma-separated, or '*' for any (checked only when --host is a loopback "
+        "address; others get 421)",
     )
     serve.add_argument(
         "--max-seqs-per-request",

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -43,6 +42,13 @@ from pyllm.entrypoints import openai_protocol as api
 from pyllm.entrypoints.chat_ui import add_chat_ui
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
+from pyllm.entrypoints.security import (
+    ApiKeyAuth,
+    ContentLengthLimit,
+    CrossSiteGuard,
+    is_loopback,
+    send_json,
+)
 from pyllm.entrypoints.tool_calls import (
     Call,
     call_id,
@@ -69,22 +75,6 @@ ABORT_GRACE_S = 5  # for streams to send their last event once the engine ends t
 # ----------------------------------------------------------------- middleware
 
 
-async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
-
-
 @dataclass
 class DrainState:
     """HTTP requests in flight, and whether the server has begun to shut down."""
@@ -108,62 +98,14 @@ class _Drain:
         if self.state.draining:
             headers = [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
             if scope["path"] == "/health":
-                return await _send_json(send, 503, {"status": "shutting down"}, headers)
+                return await send_json(send, 503, {"status": "shutting down"}, headers)
             body = error_body(SHUTTING_DOWN, "server_error", None, "server_shutting_down")
-            return await _send_json(send, 503, body, headers)
+            return await send_json(send, 503, body, headers)
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
-
-
-class _ContentLengthLimit:
-    """Refuses a declared body over the limit with 413 before reading any of it.
-
-    A body without Content-Length (chunked) is counted as it is read instead, in
-    `_read_request`.
-    """
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-                message = f"the request body is larger than {self.max_bytes} bytes"
-                body = error_body(message, "invalid_request_error", None, "request_too_large")
-                await _send_json(send, 413, body)
-                return
-        await self.app(scope, receive, send)
-
-
-_PROTECTED = ("/v1", "/tokenize", "/detokenize")
-
-
-class _ApiKeyAuth:
-    """With an API key set, every request to the model (/v1/, /tokenize, /detokenize)
-    needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant time: how much of the key matched must not show in the timing.
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    "invalid_request_error",
-                    None,
-                    "invalid_api_key",
-                )
-                await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
-                return
-        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------- request parsing
@@ -950,12 +892,16 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     ui: bool = True,
+    allowed_hosts: list[str] | None = None,
+    check_host: bool = True,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
-    stops the engine thread. `allowed_origins`: the browser origins allowed to call it
-    (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
-    (prompts x n, or best_of if larger) one request may ask for. `ui`: serve the chat
-    page at /."""
+    stops the engine thread. `allowed_origins`: the browser origins besides its own
+    allowed to call it (["*"]: any), with CORS headers; others get 403.
+    `allowed_hosts`: Host names besides loopback ones it answers to, when `check_host`
+    (it listens on loopback only; security.CrossSiteGuard). `max_seqs_per_request`: the
+    most sequences (prompts x n, or best_of if larger) one request may ask for. `ui`:
+    serve the chat page at /."""
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
@@ -973,9 +919,15 @@ def create_app(
     _add_openapi_schemas(app)
     # Outermost last: the size check runs before authentication reads anything.
     if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
-    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(ContentLengthLimit, max_bytes=max_request_bytes)
     app.add_middleware(_Drain, state=app.state.drain)
+    app.add_middleware(
+        CrossSiteGuard,
+        allowed_origins=allowed_origins or (),
+        allowed_hosts=allowed_hosts or (),
+        check_host=check_host,
+    )
     if allowed_origins:
         # Outermost: a preflight carries no API key, and a page must read errors too.
         app.add_middleware(
@@ -1248,6 +1200,7 @@ def run_server(
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     shutdown_timeout: float = 30.0,
     ui: bool = True,
+    allowed_hosts: list[str] | None = None,
 ) -> int:
     """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
     says; returns the exit code: 0, or 1 if the engine failed for good (a lost
@@ -1271,6 +1224,8 @@ def run_server(
         allowed_origins=allowed_origins,
         max_seqs_per_request=max_seqs_per_request,
         ui=ui,
+        allowed_hosts=allowed_hosts,
+        check_host=is_loopback(host),
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
