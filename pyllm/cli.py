@@ -134,6 +134,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not args.read_timeout > 0:
+        raise ValueError(f"--read-timeout must be positive, got {args.read_timeout}")
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be positive, got {args.limit_concurrency}")
     if args.max_seqs_per_request < 1:
         raise ValueError(
             f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
@@ -149,6 +153,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_hosts,
         max_seqs_per_request=args.max_seqs_per_request,
         shutdown_timeout=args.shutdown_timeout,
+        read_timeout=args.read_timeout,
+        limit_concurrency=args.limit_concurrency,
         ui=not args.no_ui,
     )
 
@@ -255,6 +261,19 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
         "ended (new ones get 503 meanwhile)",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers, and then its body; a "
+        "connection that takes longer is closed with 408",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=512,
+        help="open connections (or requests) served at once; past it, 503",
     )
     serve.add_argument(
         "--no-ui", action="store_true", help="do not serve the chat page at / (then 404)"

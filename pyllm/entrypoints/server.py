@@ -34,12 +34,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
 from pyllm.entrypoints.chat_ui import add_chat_ui
+from pyllm.entrypoints.connections import (
+    LIMIT_CONCURRENCY,
+    READ_TIMEOUT_S,
+    BodyTimeout,
+    guarded_protocol,
+)
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.security import (
@@ -139,15 +146,19 @@ def _describe(error: ValidationError) -> RequestError:
 
 async def _read_request(request: Request, model: type[BaseModel], max_bytes: int):
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(
-                f"the request body is larger than {max_bytes} bytes",
-                status_code=413,
-                code="request_too_large",
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise RequestError(
+                    f"the request body is larger than {max_bytes} bytes",
+                    status_code=413,
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # an everyday event, not the server's error
+        logger.debug("%s left before sending its whole request", request.client)
+        raise RequestError("the client disconnected", status_code=499) from None
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as error:
@@ -894,6 +905,7 @@ def create_app(
     ui: bool = True,
     allowed_hosts: list[str] | None = None,
     check_host: bool = True,
+    read_timeout: float = READ_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
     stops the engine thread. `allowed_origins`: the browser origins besides its own
@@ -901,7 +913,8 @@ def create_app(
     `allowed_hosts`: Host names besides loopback ones it answers to, when `check_host`
     (it listens on loopback only; security.CrossSiteGuard). `max_seqs_per_request`: the
     most sequences (prompts x n, or best_of if larger) one request may ask for. `ui`:
-    serve the chat page at /."""
+    serve the chat page at /. `read_timeout`: seconds a request's body may take to
+    arrive (its headers: connections.guarded_protocol, in run_server)."""
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
@@ -922,6 +935,7 @@ def create_app(
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(ContentLengthLimit, max_bytes=max_request_bytes)
     app.add_middleware(_Drain, state=app.state.drain)
+    app.add_middleware(BodyTimeout, timeout=read_timeout)
     app.add_middleware(
         CrossSiteGuard,
         allowed_origins=allowed_origins or (),
@@ -1201,6 +1215,8 @@ def run_server(
     shutdown_timeout: float = 30.0,
     ui: bool = True,
     allowed_hosts: list[str] | None = None,
+    read_timeout: float = READ_TIMEOUT_S,
+    limit_concurrency: int | None = LIMIT_CONCURRENCY,
 ) -> int:
     """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
     says; returns the exit code: 0, or 1 if the engine failed for good (a lost
@@ -1212,6 +1228,10 @@ def run_server(
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
+    if not read_timeout > 0:
+        raise ValueError(f"read_timeout must be positive, got {read_timeout}")
+    if limit_concurrency is not None and limit_concurrency < 1:
+        raise ValueError(f"limit_concurrency must be positive, got {limit_concurrency}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series: this process is ours
     config = EngineConfig(**engine_options)
@@ -1226,13 +1246,20 @@ def run_server(
         ui=ui,
         allowed_hosts=allowed_hosts,
         check_host=is_loopback(host),
+        read_timeout=read_timeout,
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
     if ui:
         logger.info("chat page: http://%s:%d/", host, port)
     server_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=ABORT_GRACE_S,
+        http=guarded_protocol(read_timeout),
+        limit_concurrency=limit_concurrency,
     )
     _GracefulServer(server_config, engine, app.state.drain, shutdown_timeout).run()
     return 1 if engine.fatal_error else 0
