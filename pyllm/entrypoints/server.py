@@ -817,11 +817,12 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
             yield _sse(error_body(str(error), "invalid_request_error", None, None))
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:  # shut down (or the engine stopped): expected
-            yield _sse(error_body(str(error), "server_error", None, "server_shutting_down"))
+            yield _sse(error_body(str(error), "server_error", None, error.code))
             yield "data: [DONE]\n\n"
         except Exception as error:
-            logger.exception("stream failed")
-            yield _sse(error_body(f"internal error: {error}", "server_error", None, None))
+            logger.exception("stream failed")  # the details: in the log, not to the client
+            message = f"internal error: {type(error).__name__}"
+            yield _sse(error_body(message, "server_error", None, None))
             yield "data: [DONE]\n\n"
         finally:
             await events.aclose()  # aborts the engine requests if they are still running
@@ -981,7 +982,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
-        return JSONResponse(error_body(str(error), "server_error", None, None), status_code=503)
+        body = error_body(str(error), "server_error", None, error.code)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception):
