@@ -996,10 +996,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 _ERRORS = {
     400: "An invalid request; error.param names the field at fault",
     401: "A missing or wrong API key (when the server has one)",
+    403: "An Origin that is not the server's own nor allowed (code origin_not_allowed)",
     404: "An unknown model (code model_not_found)",
+    408: "A request body not received within the read timeout (code request_timeout)",
     413: "A request body over the size limit",
-    503: "The engine has stopped",
+    415: "A request body that is not application/json (code unsupported_media_type)",
+    421: "A Host that is not a loopback name nor allowed (code host_not_allowed)",
+    503: "The server is busy, shutting down, or its engine has stopped",
 }
+_ANY = (403, 421, 503)  # what any route may answer (security.py, the drain)
+_WITH_BODY = (400, 401, 404, 408, 413, 415, *_ANY)  # what a POST route may answer
 _STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
 
 
@@ -1081,13 +1087,13 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
             id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
-    @app.get("/v1/models", responses=_responses(api.ModelList, 401))
+    @app.get("/v1/models", responses=_responses(api.ModelList, 401, *_ANY))
     async def list_models():
         return Response(
             api.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
         )
 
-    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404))
+    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404, *_ANY))
     async def get_model(model_id: str):
         serving._check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
@@ -1095,7 +1101,7 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/tokenize",
         openapi_extra=_json_body(api.TokenizeRequest),
-        responses=_responses(api.TokenizeResponse, 400, 401, 404, 413, 503),
+        responses=_responses(api.TokenizeResponse, *_WITH_BODY),
     )
     async def tokenize(request: Request):
         response = await serving.tokenize(request)
@@ -1104,20 +1110,22 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/detokenize",
         openapi_extra=_json_body(api.DetokenizeRequest),
-        responses=_responses(api.DetokenizeResponse, 400, 401, 404, 413, 503),
+        responses=_responses(api.DetokenizeResponse, *_WITH_BODY),
     )
     async def detokenize(request: Request):
         response = await serving.detokenize(request)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    @app.get("/version", responses=_responses(api.VersionResponse))
+    @app.get("/version", responses=_responses(api.VersionResponse, *_ANY))
     async def version():
         return api.VersionResponse(version=__version__)
 
     @app.post(
         "/v1/chat/completions",
         openapi_extra=_json_body(api.ChatCompletionRequest),
-        responses=_responses(api.ChatCompletionResponse, *_ERRORS, chunk=api.ChatCompletionChunk),
+        responses=_responses(
+            api.ChatCompletionResponse, *_WITH_BODY, chunk=api.ChatCompletionChunk
+        ),
     )
     async def chat_completions(request: Request):
         return await serving.chat(request)
@@ -1125,7 +1133,7 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/v1/completions",
         openapi_extra=_json_body(api.CompletionRequest),
-        responses=_responses(api.CompletionResponse, *_ERRORS, chunk=api.CompletionResponse),
+        responses=_responses(api.CompletionResponse, *_WITH_BODY, chunk=api.CompletionResponse),
     )
     async def completions(request: Request):
         return await serving.completions(request)

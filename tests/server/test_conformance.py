@@ -163,7 +163,7 @@ def test_openapi_declares_the_bodies(openapi, path, required, response_name):
     assert "text/event-stream" in ok
     response = _resolve(openapi, ok["application/json"]["schema"])
     assert response["properties"]["system_fingerprint"]["type"] == "string"
-    for status in ("400", "401", "404", "413"):
+    for status in ("400", "401", "403", "404", "408", "413", "415", "421", "503"):
         _assert_error_schema(openapi, operation["responses"][status])
 
 
