@@ -5,6 +5,9 @@
     POST /tokenize, POST /detokenize, GET /version    (vLLM's)
     GET  /                                            (a chat page, chat_ui.py)
 
+Before a route sees a request, connections.py bounds how long its client may take to
+send it and how many are served at once, and security.py refuses what a cross-site page
+would send (Content-Type, Origin, Host), bodies over the size limit and a wrong API key.
 A request is parsed, checked, tokenized and validated against the engine in its
 handler, before anything reaches the engine, so every client mistake is a 4xx in
 OpenAI's error shape {"error": {"message", "type", "param", "code"}}. The engine runs
