@@ -130,6 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _origins(value: str) -> list[str]:
+    """A comma-separated list (of origins or host names)."""
     return [origin.strip() for origin in value.split(",") if origin.strip()]
 
 
@@ -140,6 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not args.read_timeout > 0:
+        raise ValueError(f"--read-timeout must be positive, got {args.read_timeout}")
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be positive, got {args.limit_concurrency}")
     if args.max_seqs_per_request < 1:
         raise ValueError(
             f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
@@ -152,8 +157,11 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts,
         max_seqs_per_request=args.max_seqs_per_request,
         shutdown_timeout=args.shutdown_timeout,
+        read_timeout=args.read_timeout,
+        limit_concurrency=args.limit_concurrency,
         ui=not args.no_ui,
     )
 
@@ -237,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         "--allowed-origins",
         type=_origins,
         default=None,
-        help="browser origins allowed to call the API, comma-separated, or '*' for any "
-        "(default: none, no CORS headers)",
+        help="browser origins allowed to call the API besides the server's own, "
+        "comma-separated, or '*' for any (default: none; other origins get 403)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=_origins,
+        default=None,
+        help="Host header names answered besides localhost, 127.0.0.1 and [::1], "
+        "comma-separated, or '*' for any (checked only when --host is a loopback "
+        "address; others get 421)",
     )
     serve.add_argument(
         "--max-seqs-per-request",
@@ -252,6 +268,19 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
         "ended (new ones get 503 meanwhile)",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers, and then its body; a "
+        "connection that takes longer is closed with 408",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=512,
+        help="open connections (or requests) served at once; past it, 503",
     )
     serve.add_argument(
         "--no-ui", action="store_true", help="do not serve the chat page at / (then 404)"

@@ -28,6 +28,7 @@ from pyllm.distributed.parallel import Shard, TensorParallelGroup, WorkerLostErr
 from pyllm.distributed.protocol import STOP, Header
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_REAP_WAIT_S = 0.5  # how long a failure waits to see which rank exited
 
 
 def under_torchrun() -> bool:
@@ -107,6 +108,10 @@ class Ranks:
                 self._last = time.monotonic()
 
     def _describe(self, error: Exception) -> str:
+        # A killed rank's sockets close a moment before its process can be reaped.
+        deadline = time.monotonic() + _REAP_WAIT_S
+        while all(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
         exits = [(i + 1, p.poll()) for i, p in enumerate(self.procs) if p.poll() is not None]
         what = ", ".join(f"rank {r} exited with code {code}" for r, code in exits)
         first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__

@@ -34,8 +34,18 @@ logger = logging.getLogger("pyllm")
 _IDLE_POLL_S = 0.5  # how often an idle engine thread checks whether it should stop
 
 
+# What a client is told when a rank is lost; the rank's own error (a gloo source path,
+# an internal port) goes to the log only.
+WORKER_LOST = "tensor-parallel engine stopped: a rank was lost (the server log says why)"
+
+
 class EngineDeadError(RuntimeError):
-    """The engine thread is not running: no request can be served."""
+    """The engine thread is not running: no request can be served. `code`: why, for a
+    client (server_shutting_down, engine_stopped, engine_failed)."""
+
+    def __init__(self, message: str, code: str = "engine_stopped") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _RequestStream:
@@ -93,7 +103,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
-        self._closing: str | None = None  # why new requests are refused, once set
+        self._closing: EngineDeadError | None = None  # why new requests are refused, once set
         self.fatal_error: str | None = None  # set when the engine can no longer run
         # Each counter has one writer (the event loop, the engine thread), so no lock.
         self._num_submitted = 0
@@ -149,8 +159,10 @@ class AsyncEngine:
         If the caller stops iterating early (a client disconnected, a task was
         cancelled), the request is aborted and its KV blocks freed.
         """
-        if not self.is_running or self._closing:
-            raise EngineDeadError(self._closing or "the engine is not running")
+        if self._closing is not None:
+            raise EngineDeadError(str(self._closing), self._closing.code)
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
         stream = _RequestStream(asyncio.get_running_loop())
         self._num_submitted += 1
         command = _Add(request_id, list(prompt_token_ids), params, stream, priority, group)
@@ -174,7 +186,7 @@ class AsyncEngine:
     def abort_all(self, reason: str) -> None:
         """Ends every request, running or queued, with EngineDeadError(reason), and
         refuses new ones the same way: the last step of a graceful shutdown."""
-        self._closing = reason
+        self._closing = EngineDeadError(reason, "server_shutting_down")
         self._commands.put(_AbortAll(reason))
 
     # --------------------------------------------------------- engine thread
@@ -188,7 +200,8 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests() and not self._step():
                 break
         for request_id in list(self._streams):
-            self._fail(request_id, EngineDeadError("the server is shutting down"))
+            error = EngineDeadError("the server is shutting down", "server_shutting_down")
+            self._fail(request_id, error)
         logger.info("pyllm engine loop stopped")
 
     def _take_commands(self, block: bool) -> bool:
@@ -210,7 +223,7 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._streams):
-                    self._fail(request_id, EngineDeadError(command.reason))
+                    self._fail(request_id, EngineDeadError(command.reason, "server_shutting_down"))
             else:
                 self._abort(command.request_id)
 
@@ -242,9 +255,10 @@ class AsyncEngine:
             outputs = self.engine.step()
         except WorkerLostError as error:
             logger.error("%s", error)
-            self.fatal_error = self._closing = str(error)
+            self.fatal_error = WORKER_LOST
+            self._closing = EngineDeadError(WORKER_LOST, "engine_failed")
             for request_id in list(self.engine.requests):
-                self._fail(request_id, EngineDeadError(str(error)))
+                self._fail(request_id, EngineDeadError(WORKER_LOST, "engine_failed"))
             return False
         except Exception as error:
             # Which request caused it is unknown: fail all those in flight, keep going.

@@ -34,7 +34,7 @@ from pyllm.sampling.detokenizer import IncrementalDetokenizer
 from pyllm.sampling.logprobs import prompt_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.sampler import Sampler
-from pyllm.sampling.structured import GrammarCompiler
+from pyllm.sampling.structured import GrammarCompiler, matcher_error
 
 logger = logging.getLogger("pyllm")
 
@@ -284,6 +284,9 @@ class LLMEngine:
         delta = request.detokenizers[id(seq)].add(token)
         seq.output_text += delta
         check_stop(seq, delta, self.eos_token_ids, self.max_model_len)
+        seq.error = matcher_error(seq.matcher)
+        if seq.error is not None:  # the grammar went past its limits: not a real stop
+            seq.finish_reason, seq.stop_reason = "error", None
         if seq.finish_reason is not None:
             reason = seq.finish_reason
             self.scheduler.finish(seq, reason)
@@ -306,6 +309,7 @@ class LLMEngine:
                     token_ids=seq.output_token_ids,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    error=seq.error,
                     logprobs=list(seq.logprobs)
                     if seq.sampling_params.logprobs is not None
                     else None,

@@ -10,10 +10,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (see error) or None while running.
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that matched
     # Per generated token: (chosen token's logprob, {token_id: logprob} of the top k).
     logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # With finish_reason "error": why (a grammar that went past its limits mid-way).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

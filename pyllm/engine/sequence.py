@@ -61,6 +61,7 @@ class Sequence:
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     # Structured output: the grammar matcher that has seen the output so far.
     matcher: object = None
+    error: str | None = None  # why it ended, when finish_reason is "error"
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import time
 import uuid
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pyllm.sampling.json_depth import loads_bounded
 from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.structured import StructuredOutput
 
@@ -101,12 +101,26 @@ class TextContentPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    # OpenAI's is a JSON string; an object is taken too (HF templates want one).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 
     def template_message(self) -> dict[str, Any]:
@@ -132,12 +146,18 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
-    if isinstance(function.get("arguments"), str):
-        with contextlib.suppress(ValueError):
-            function["arguments"] = json.loads(function["arguments"])
-    return {**call, "function": function, **function}
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    """The call as templates read it: OpenAI's nesting, and name and arguments at the
+    top too (some templates read call.name, others call.function.name)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # not JSON (or too deep): the string itself
+            arguments = loads_bounded(arguments)
+    function = {"name": call.function.name, "arguments": arguments}
+    template_call = {"type": call.type, "function": function, **function}
+    if call.id is not None:
+        template_call["id"] = call.id
+    return template_call
 
 
 class JsonSchemaFormat(_Strict):

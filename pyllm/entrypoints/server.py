@@ -5,6 +5,9 @@
     POST /tokenize, POST /detokenize, GET /version    (vLLM's)
     GET  /                                            (a chat page, chat_ui.py)
 
+Before a route sees a request, connections.py bounds how long its client may take to
+send it and how many are served at once, and security.py refuses what a cross-site page
+would send (Content-Type, Origin, Host), bodies over the size limit and a wrong API key.
 A request is parsed, checked, tokenized and validated against the engine in its
 handler, before anything reaches the engine, so every client mistake is a 4xx in
 OpenAI's error shape {"error": {"message", "type", "param", "code"}}. The engine runs
@@ -19,7 +22,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -35,14 +37,28 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.entrypoints import openai_protocol as api
 from pyllm.entrypoints.chat_ui import add_chat_ui
+from pyllm.entrypoints.connections import (
+    LIMIT_CONCURRENCY,
+    READ_TIMEOUT_S,
+    BodyTimeout,
+    guarded_protocol,
+)
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
+from pyllm.entrypoints.security import (
+    ApiKeyAuth,
+    ContentLengthLimit,
+    CrossSiteGuard,
+    is_loopback,
+    send_json,
+)
 from pyllm.entrypoints.tool_calls import (
     Call,
     call_id,
@@ -69,22 +85,6 @@ ABORT_GRACE_S = 5  # for streams to send their last event once the engine ends t
 # ----------------------------------------------------------------- middleware
 
 
-async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
-
-
 @dataclass
 class DrainState:
     """HTTP requests in flight, and whether the server has begun to shut down."""
@@ -108,62 +108,14 @@ class _Drain:
         if self.state.draining:
             headers = [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
             if scope["path"] == "/health":
-                return await _send_json(send, 503, {"status": "shutting down"}, headers)
+                return await send_json(send, 503, {"status": "shutting down"}, headers)
             body = error_body(SHUTTING_DOWN, "server_error", None, "server_shutting_down")
-            return await _send_json(send, 503, body, headers)
+            return await send_json(send, 503, body, headers)
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
-
-
-class _ContentLengthLimit:
-    """Refuses a declared body over the limit with 413 before reading any of it.
-
-    A body without Content-Length (chunked) is counted as it is read instead, in
-    `_read_request`.
-    """
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-                message = f"the request body is larger than {self.max_bytes} bytes"
-                body = error_body(message, "invalid_request_error", None, "request_too_large")
-                await _send_json(send, 413, body)
-                return
-        await self.app(scope, receive, send)
-
-
-_PROTECTED = ("/v1", "/tokenize", "/detokenize")
-
-
-class _ApiKeyAuth:
-    """With an API key set, every request to the model (/v1/, /tokenize, /detokenize)
-    needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant time: how much of the key matched must not show in the timing.
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    "invalid_request_error",
-                    None,
-                    "invalid_api_key",
-                )
-                await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
-                return
-        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------- request parsing
@@ -197,15 +149,19 @@ def _describe(error: ValidationError) -> RequestError:
 
 async def _read_request(request: Request, model: type[BaseModel], max_bytes: int):
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(
-                f"the request body is larger than {max_bytes} bytes",
-                status_code=413,
-                code="request_too_large",
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise RequestError(
+                    f"the request body is larger than {max_bytes} bytes",
+                    status_code=413,
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # an everyday event, not the server's error
+        logger.debug("%s left before sending its whole request", request.client)
+        raise RequestError("the client disconnected", status_code=499) from None
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as error:
@@ -316,7 +272,7 @@ class OpenAIServing:
             param = body._param_of(name, max_tokens_name) or prompt_field
             if name and name != param and message.startswith(name):
                 message = param + message[len(name) :]  # in the request's own terms
-            code = None
+            code = getattr(error, "code", None)
             if "context length" in message:
                 code = "context_length_exceeded"
                 # The prompt fits alone: what the client asked for on top is too much.
@@ -429,13 +385,14 @@ class OpenAIServing:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def _collect(self, request: Request, jobs: list[_Job], progress: _Progress) -> None:
+    async def _collect(self, request: Request, body, jobs: list[_Job], progress: _Progress) -> None:
         """Runs the jobs to the end; aborts them if the client disconnects first."""
         self.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
 
         async def run() -> None:
             async for index, output in self._outputs(jobs):
                 self._track(progress, index, output)
+                _raise_failed(body, output)
 
         try:
             async with _cancel_on_disconnect(request):
@@ -599,7 +556,7 @@ class OpenAIServing:
         created = api.now()
         if body.stream:
             return _event_stream(self._chat_stream(body, jobs, created, progress))
-        await self._collect(request, jobs, progress)
+        await self._collect(request, body, jobs, progress)
         choices = []
         for c in progress.finals[0].outputs:
             logprobs = None
@@ -682,7 +639,7 @@ class OpenAIServing:
         created = api.now()
         if body.stream:
             return _event_stream(self._completion_stream(body, jobs, created, progress))
-        await self._collect(request, jobs, progress)
+        await self._collect(request, body, jobs, progress)
         choices = []
         for index, job in enumerate(jobs):
             prefix = job.prompt_text if body.echo else ""
@@ -789,6 +746,7 @@ class OpenAIServing:
             yield _sse(chunk(choices=[first]))
         async for index, output in self._outputs(jobs):
             self._track(progress, index, output)
+            _raise_failed(body, output)
             for c in output.outputs:
                 choice_state = state[(index, c.index)]
                 offset = choice_state.text_sent
@@ -800,6 +758,16 @@ class OpenAIServing:
         if body.include_usage:
             yield _sse(chunk(choices=[], usage=self._usage(progress, jobs)))
         yield "data: [DONE]\n\n"
+
+
+def _raise_failed(body, output: RequestOutput) -> None:
+    """A choice the engine ended with an error (its grammar went past the limits while
+    generating) fails the request: a 400, or the stream's last event."""
+    for c in output.outputs:
+        if c.finish_reason == "error":
+            field = body.structured_field() or "structured_output"
+            message = (c.error or "generation failed").replace("structured_output", field, 1)
+            raise RequestError(message, field, code="grammar_too_complex")
 
 
 def _delta(state: _Choice, c: CompletionOutput):
@@ -845,15 +813,19 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except (RequestError, ValueError) as error:
+        except RequestError as error:
+            yield _sse(error_body(error.message, error.type, error.param, error.code))
+            yield "data: [DONE]\n\n"
+        except ValueError as error:
             yield _sse(error_body(str(error), "invalid_request_error", None, None))
             yield "data: [DONE]\n\n"
         except EngineDeadError as error:  # shut down (or the engine stopped): expected
-            yield _sse(error_body(str(error), "server_error", None, "server_shutting_down"))
+            yield _sse(error_body(str(error), "server_error", None, error.code))
             yield "data: [DONE]\n\n"
         except Exception as error:
-            logger.exception("stream failed")
-            yield _sse(error_body(f"internal error: {error}", "server_error", None, None))
+            logger.exception("stream failed")  # the details: in the log, not to the client
+            message = f"internal error: {type(error).__name__}"
+            yield _sse(error_body(message, "server_error", None, None))
             yield "data: [DONE]\n\n"
         finally:
             await events.aclose()  # aborts the engine requests if they are still running
@@ -935,12 +907,18 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     ui: bool = True,
+    allowed_hosts: list[str] | None = None,
+    check_host: bool = True,
+    read_timeout: float = READ_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app over a (started or not) AsyncEngine; its lifespan starts and
-    stops the engine thread. `allowed_origins`: the browser origins allowed to call it
-    (["*"]: any); none, no CORS headers. `max_seqs_per_request`: the most sequences
-    (prompts x n, or best_of if larger) one request may ask for. `ui`: serve the chat
-    page at /."""
+    stops the engine thread. `allowed_origins`: the browser origins besides its own
+    allowed to call it (["*"]: any), with CORS headers; others get 403.
+    `allowed_hosts`: Host names besides loopback ones it answers to, when `check_host`
+    (it listens on loopback only; security.CrossSiteGuard). `max_seqs_per_request`: the
+    most sequences (prompts x n, or best_of if larger) one request may ask for. `ui`:
+    serve the chat page at /. `read_timeout`: seconds a request's body may take to
+    arrive (its headers: connections.guarded_protocol, in run_server)."""
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be positive, got {max_seqs_per_request}")
     app = FastAPI(title="pyllm", lifespan=_lifespan(engine), docs_url=None, redoc_url=None)
@@ -958,9 +936,16 @@ def create_app(
     _add_openapi_schemas(app)
     # Outermost last: the size check runs before authentication reads anything.
     if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
-    app.add_middleware(_ContentLengthLimit, max_bytes=max_request_bytes)
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(ContentLengthLimit, max_bytes=max_request_bytes)
     app.add_middleware(_Drain, state=app.state.drain)
+    app.add_middleware(BodyTimeout, timeout=read_timeout)
+    app.add_middleware(
+        CrossSiteGuard,
+        allowed_origins=allowed_origins or (),
+        allowed_hosts=allowed_hosts or (),
+        check_host=check_host,
+    )
     if allowed_origins:
         # Outermost: a preflight carries no API key, and a page must read errors too.
         app.add_middleware(
@@ -1000,7 +985,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
-        return JSONResponse(error_body(str(error), "server_error", None, None), status_code=503)
+        body = error_body(str(error), "server_error", None, error.code)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception):
@@ -1013,10 +999,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 _ERRORS = {
     400: "An invalid request; error.param names the field at fault",
     401: "A missing or wrong API key (when the server has one)",
+    403: "An Origin that is not the server's own nor allowed (code origin_not_allowed)",
     404: "An unknown model (code model_not_found)",
+    408: "A request body not received within the read timeout (code request_timeout)",
     413: "A request body over the size limit",
-    503: "The engine has stopped",
+    415: "A request body that is not application/json (code unsupported_media_type)",
+    421: "A Host that is not a loopback name nor allowed (code host_not_allowed)",
+    503: "The server is busy, shutting down, or its engine has stopped",
 }
+_ANY = (403, 421, 503)  # what any route may answer (security.py, the drain)
+_WITH_BODY = (400, 401, 404, 408, 413, 415, *_ANY)  # what a POST route may answer
 _STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
 
 
@@ -1098,13 +1090,13 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
             id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
         )
 
-    @app.get("/v1/models", responses=_responses(api.ModelList, 401))
+    @app.get("/v1/models", responses=_responses(api.ModelList, 401, *_ANY))
     async def list_models():
         return Response(
             api.ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
         )
 
-    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404))
+    @app.get("/v1/models/{model_id:path}", responses=_responses(api.ModelCard, 401, 404, *_ANY))
     async def get_model(model_id: str):
         serving._check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
@@ -1112,7 +1104,7 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/tokenize",
         openapi_extra=_json_body(api.TokenizeRequest),
-        responses=_responses(api.TokenizeResponse, 400, 401, 404, 413, 503),
+        responses=_responses(api.TokenizeResponse, *_WITH_BODY),
     )
     async def tokenize(request: Request):
         response = await serving.tokenize(request)
@@ -1121,20 +1113,22 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/detokenize",
         openapi_extra=_json_body(api.DetokenizeRequest),
-        responses=_responses(api.DetokenizeResponse, 400, 401, 404, 413, 503),
+        responses=_responses(api.DetokenizeResponse, *_WITH_BODY),
     )
     async def detokenize(request: Request):
         response = await serving.detokenize(request)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    @app.get("/version", responses=_responses(api.VersionResponse))
+    @app.get("/version", responses=_responses(api.VersionResponse, *_ANY))
     async def version():
         return api.VersionResponse(version=__version__)
 
     @app.post(
         "/v1/chat/completions",
         openapi_extra=_json_body(api.ChatCompletionRequest),
-        responses=_responses(api.ChatCompletionResponse, *_ERRORS, chunk=api.ChatCompletionChunk),
+        responses=_responses(
+            api.ChatCompletionResponse, *_WITH_BODY, chunk=api.ChatCompletionChunk
+        ),
     )
     async def chat_completions(request: Request):
         return await serving.chat(request)
@@ -1142,7 +1136,7 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(
         "/v1/completions",
         openapi_extra=_json_body(api.CompletionRequest),
-        responses=_responses(api.CompletionResponse, *_ERRORS, chunk=api.CompletionResponse),
+        responses=_responses(api.CompletionResponse, *_WITH_BODY, chunk=api.CompletionResponse),
     )
     async def completions(request: Request):
         return await serving.completions(request)
@@ -1233,6 +1227,9 @@ def run_server(
     max_seqs_per_request: int = api.MAX_SEQS_PER_REQUEST,
     shutdown_timeout: float = 30.0,
     ui: bool = True,
+    allowed_hosts: list[str] | None = None,
+    read_timeout: float = READ_TIMEOUT_S,
+    limit_concurrency: int | None = LIMIT_CONCURRENCY,
 ) -> int:
     """Loads the engine, then serves until SIGINT/SIGTERM, draining as _GracefulServer
     says; returns the exit code: 0, or 1 if the engine failed for good (a lost
@@ -1244,6 +1241,10 @@ def run_server(
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
+    if not read_timeout > 0:
+        raise ValueError(f"read_timeout must be positive, got {read_timeout}")
+    if limit_concurrency is not None and limit_concurrency < 1:
+        raise ValueError(f"limit_concurrency must be positive, got {limit_concurrency}")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series: this process is ours
     config = EngineConfig(**engine_options)
@@ -1256,13 +1257,22 @@ def run_server(
         allowed_origins=allowed_origins,
         max_seqs_per_request=max_seqs_per_request,
         ui=ui,
+        allowed_hosts=allowed_hosts,
+        check_host=is_loopback(host),
+        read_timeout=read_timeout,
     )
     logger.info("serving %r on http://%s:%d (api key %s)", name, host, port,
                 "required" if api_key else "off")  # fmt: skip
     if ui:
         logger.info("chat page: http://%s:%d/", host, port)
     server_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=ABORT_GRACE_S,
+        http=guarded_protocol(read_timeout),
+        limit_concurrency=limit_concurrency,
     )
     _GracefulServer(server_config, engine, app.state.drain, shutdown_timeout).run()
     return 1 if engine.fatal_error else 0

@@ -86,7 +86,11 @@ def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(tiny_llama, tmp
         try:
             response = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 503, response.text
-            assert response.json()["error"]["type"] == "server_error"
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "engine_failed", error
+            # What a user needs; gloo's source paths and the group's port stay in the log.
+            assert "a rank was lost" in error["message"] and "server log" in error["message"]
+            assert not any(s in error["message"] for s in (".cc", "gloo", "127.0.0.1")), error
         except httpx.TransportError:
             pass  # already gone: the server stops as soon as the engine has failed
         assert server.wait(30) == 1

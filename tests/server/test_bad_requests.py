@@ -34,6 +34,12 @@ def chat(**fields) -> dict:
     return {"messages": MESSAGES, "max_tokens": 4, **fields}
 
 
+def call(function) -> dict:
+    """An assistant message holding one earlier tool call of `function`."""
+    tool_call = {"id": "1", "type": "function", "function": function}
+    return {"role": "assistant", "tool_calls": [tool_call]}
+
+
 def completion(**fields) -> dict:
     return {"prompt": "Hi", "max_tokens": 4, **fields}
 
@@ -52,6 +58,18 @@ CASES = [
     Case("unknown role", 400, "messages[0].role", body=chat(messages=[{"role": "wizard", "content": "x"}])),  # noqa: E501
     Case("content a number", 400, "messages[0].content", body=chat(messages=[{"role": "user", "content": 5}])),  # noqa: E501
     Case("user content null", 400, "messages[0].content", body=chat(messages=[{"role": "user"}])),
+    # An assistant's earlier tool calls, and content parts.
+    Case("tool call function a string", 400, "messages[0].tool_calls[0].function", body=chat(messages=[call("f"), *MESSAGES])),  # noqa: E501
+    Case("tool call function a number", 400, "messages[0].tool_calls[0].function", body=chat(messages=[call(5), *MESSAGES])),  # noqa: E501
+    Case("tool call function without a name", 400, "messages[0].tool_calls[0].function.name", body=chat(messages=[call({"arguments": "{}"}), *MESSAGES])),  # noqa: E501
+    Case("tool call arguments a number", 400, "messages[0].tool_calls[0].function.arguments", body=chat(messages=[call({"name": "f", "arguments": 5}), *MESSAGES])),  # noqa: E501
+    Case("tool_calls not a list", 400, "messages[0].tool_calls", body=chat(messages=[{"role": "assistant", "tool_calls": {"id": "1"}}, *MESSAGES])),  # noqa: E501
+    Case("tool call a string", 400, "messages[0].tool_calls[0]", body=chat(messages=[{"role": "assistant", "tool_calls": ["f"]}, *MESSAGES])),  # noqa: E501
+    Case("tool call function, /tokenize", 400, "messages[0].tool_calls[0].function", path="/tokenize", body={"messages": [call("f"), *MESSAGES]}),  # noqa: E501
+    Case("image content part", 400, "messages[0].content", body=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),  # noqa: E501
+    Case("text part without text", 400, "messages[0].content", body=chat(messages=[{"role": "user", "content": [{"type": "text"}]}])),  # noqa: E501
+    Case("tool parameters not an object", 400, "tools[0].function.parameters", body=chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}])),  # noqa: E501
+    Case("body nested 5,000 deep", 400, raw=b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
     # Wrong types and values.
     Case("max_tokens a string", 400, "max_tokens", body=chat(max_tokens="ten")),
     Case("max_tokens a float", 400, "max_tokens", body=chat(max_tokens=1.5)),

@@ -163,7 +163,7 @@ def test_openapi_declares_the_bodies(openapi, path, required, response_name):
     assert "text/event-stream" in ok
     response = _resolve(openapi, ok["application/json"]["schema"])
     assert response["properties"]["system_fingerprint"]["type"] == "string"
-    for status in ("400", "401", "404", "413"):
+    for status in ("400", "401", "403", "404", "408", "413", "415", "421", "503"):
         _assert_error_schema(openapi, operation["responses"][status])
 
 
@@ -200,7 +200,7 @@ class _StandInEngine:
 
 def _app_client(**options) -> TestClient:
     app = create_app(AsyncEngine(_StandInEngine()), "stand-in", **options)
-    return TestClient(app)
+    return TestClient(app, base_url="http://localhost")  # a loopback Host
 
 
 def _preflight(client: TestClient, origin: str = ORIGIN):
@@ -227,7 +227,8 @@ def test_cors_preflight_and_responses_for_allowed_origins():
     other = client.get(
         "/v1/models", headers={"Origin": "https://other.example", "Authorization": "Bearer k"}
     )  # noqa: E501
-    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+    assert other.json()["error"]["code"] == "origin_not_allowed"
     assert _preflight(client, "https://other.example").status_code == 400
 
 
@@ -239,9 +240,9 @@ def test_cors_any_origin():
 
 
 def test_no_cors_by_default(http):
-    """The shared server runs without --allowed-origins."""
+    """The shared server runs without --allowed-origins: other origins are refused."""
     models = http.get("/v1/models", headers={"Origin": ORIGIN})
-    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    assert models.status_code == 403 and "access-control-allow-origin" not in models.headers
     preflight = http.options(
         "/v1/chat/completions",
         headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
@@ -274,11 +275,14 @@ def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
     monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw) or 0)
     origins = f"{ORIGIN}, https://b.example"
-    assert cli.main(["serve", "--allowed-origins", origins, "--max-seqs-per-request", "8"]) == 0
+    argv = ["serve", "--allowed-origins", origins, "--max-seqs-per-request", "8"]
+    assert cli.main([*argv, "--allowed-hosts", "a.lan, b.lan:8000"]) == 0
     assert seen["allowed_origins"] == [ORIGIN, "https://b.example"]
+    assert seen["allowed_hosts"] == ["a.lan", "b.lan:8000"]
     assert seen["max_seqs_per_request"] == 8
     assert cli.main(["serve"]) == 0
     assert seen["allowed_origins"] is None and seen["max_seqs_per_request"] == 256
+    assert seen["allowed_hosts"] is None
     seen.clear()
     assert cli.main(["serve", "--max-seqs-per-request", "0"]) == 2 and not seen
 

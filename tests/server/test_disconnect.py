@@ -83,7 +83,8 @@ def test_non_streaming_client_disconnects(server):
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + b"Content-Type: application/json\r\n"
             + f"Authorization: Bearer {server.api_key}\r\n".encode()
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body

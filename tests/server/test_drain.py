@@ -138,7 +138,8 @@ def test_sigterm_past_the_timeout_ends_streams_with_an_error_event(tmp_path):
             assert 0 < stream.num_tokens() < 1500
         thread.join(timeout=60)
         assert waiting["response"].status_code == 503
-        assert waiting["response"].json()["error"]["type"] == "server_error"
+        error = waiting["response"].json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "server_shutting_down", error
         _assert_clean_exit(server)
         assert time.monotonic() - sent < 30
     finally:
