@@ -607,12 +607,15 @@ class AssistantMessage(_Response):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking apart from its answer (vLLM's field; gpt-oss's analysis).
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_no_calls(self, handler):
         body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if body.get(key) is None:
+                body.pop(key, None)
         return body
 
 
@@ -637,6 +640,7 @@ class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):

@@ -50,6 +50,8 @@ from pyllm.entrypoints.connections import (
     BodyTimeout,
     guarded_protocol,
 )
+from pyllm.entrypoints.harmony import HarmonyStream, speaks_harmony
+from pyllm.entrypoints.harmony import parse as parse_harmony
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.security import (
@@ -234,6 +236,8 @@ class OpenAIServing:
         self.max_bytes = max_bytes
         self._token_strings: dict[int, str] = {}
         self._byte_decoder = _byte_level_decoder(self.tokenizer)
+        # gpt-oss: replies in channels, read out of text decoded with its markers kept.
+        self.harmony = speaks_harmony(self.tokenizer)
 
     # ---------------------------------------------------------- checking
 
@@ -285,6 +289,8 @@ class OpenAIServing:
         self._check_model(body.model)
         self._check_num_seqs(body, 1)
         params = body.to_sampling_params()
+        if self.harmony:
+            params.skip_special_tokens = False
         messages = body.template_messages()
         tools = body.template_tools()
 
@@ -562,12 +568,19 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs:
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [])
-            content, calls = _tool_calls(body, c)
+            reasoning = None
+            if self.harmony:
+                reasoning, content, calls = _harmony_parts(body, c)
+            else:
+                content, calls = _tool_calls(body, c)
             tool_calls = [_api_call(call) for call in calls] or None
+            message = api.AssistantMessage(
+                content=content, tool_calls=tool_calls, reasoning_content=reasoning
+            )
             choices.append(
                 api.ChatChoice(
                     index=c.index,
-                    message=api.AssistantMessage(content=content, tool_calls=tool_calls),
+                    message=message,
                     logprobs=logprobs,
                     finish_reason="tool_calls" if calls else c.finish_reason,
                 )
@@ -590,10 +603,14 @@ class OpenAIServing:
         progress: _Progress,
     ) -> AsyncIterator[str]:
         streaming: set[int] = set()  # choices sending content although tools were offered
+        channels: dict[int, HarmonyStream] = {}  # harmony: what each choice has sent
 
         def choice(
             index: int, c: CompletionOutput, text: str, token_ids: list[int], logprobs, offset: int
         ) -> api.ChatChunkChoice | None:
+            if self.harmony:
+                stream = channels.setdefault(c.index, HarmonyStream())
+                return _harmony_chunk(body, c, stream.delta(c.text))
             if body.tool_mode != "none" and c.index not in streaming:
                 # Held back while it may be a tool call, which is sent whole at the end.
                 if c.finish_reason is None:
@@ -798,6 +815,37 @@ def _tool_calls(body: api.ChatCompletionRequest, c: CompletionOutput) -> tuple[s
     elif mode == "auto":
         return parse_hermes(c.text, {tool.function.name for tool in body.tools})
     return (None, calls) if calls else (c.text, [])
+
+
+def _harmony_parts(body: api.ChatCompletionRequest, c: CompletionOutput):
+    """(reasoning, content, tool calls) of a finished harmony reply. Under a required or
+    named tool_choice the output was constrained to the calls' JSON, with no channels."""
+    if body.tool_mode in ("required", "named"):
+        content, calls = _tool_calls(body, c)
+        return None, content, calls
+    reply = parse_harmony(c.text)
+    tools = {tool.function.name for tool in body.tools or ()}
+    calls = [call for call in reply.calls if call.name in tools]
+    content = reply.content or (None if calls else "")
+    return reply.reasoning or None, content, calls
+
+
+def _harmony_chunk(body, c: CompletionOutput, delta: tuple[str, str]):
+    """A streamed harmony choice's step: its new reasoning and content; its tool calls
+    whole at the end."""
+    reasoning, content = delta
+    calls = []
+    if c.finish_reason is not None:
+        calls = _harmony_parts(body, c)[2]
+    if not reasoning and not content and c.finish_reason is None:
+        return None
+    message = api.DeltaMessage(
+        content=content or None,
+        reasoning_content=reasoning or None,
+        tool_calls=[_api_call(call, i) for i, call in enumerate(calls)] or None,
+    )
+    reason = "tool_calls" if calls else c.finish_reason
+    return api.ChatChunkChoice(index=c.index, delta=message, finish_reason=reason)
 
 
 def _api_call(call: Call, index: int | None = None) -> api.ToolCall:

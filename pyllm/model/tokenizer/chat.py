@@ -38,6 +38,10 @@ GEMMA_CHAT_TEMPLATE = (
 BUILTIN_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 # Token texts that end a turn, used as stop tokens when a GGUF file names no EOT id.
 END_OF_TURN_TOKENS = ("<end_of_turn>",)
+# gpt-oss's harmony format: a reply ends with its answer (<|return|>) or a tool call
+# (<|call|>); <|end|> ends one of its messages (the reasoning, say) and must not stop it.
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_END = "<|end|>"
 
 
 def validate_messages(messages: Sequence[dict[str, Any]]) -> None:

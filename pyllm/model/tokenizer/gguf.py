@@ -23,7 +23,12 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from pyllm.model.gguf_file import open_gguf
 from pyllm.model.tokenizer.backends import SPM_SPACE, FastBackend, TokenizerParts
-from pyllm.model.tokenizer.chat import BUILTIN_CHAT_TEMPLATES, END_OF_TURN_TOKENS
+from pyllm.model.tokenizer.chat import (
+    BUILTIN_CHAT_TEMPLATES,
+    END_OF_TURN_TOKENS,
+    HARMONY_END_TOKENS,
+    HARMONY_MESSAGE_END,
+)
 from pyllm.model.tokenizer.sentencepiece_proto import CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
 # Pre-tokenizer regexes, keyed by tokenizer.ggml.pre. GPT-2's own split is built into
@@ -74,6 +79,12 @@ def load_gguf(path: str | os.PathLike) -> TokenizerParts:
 
     if ids["eot"] is None:
         ids["eot"] = next((tokens.index(t) for t in END_OF_TURN_TOKENS if t in tokens), None)
+    extra_eos = [ids["eot"], ids["eom"]]
+    if all(t in tokens for t in HARMONY_END_TOKENS):
+        extra_eos = [i for i in extra_eos if i is None or tokens[i] != HARMONY_MESSAGE_END]
+        extra_eos += [tokens.index(t) for t in HARMONY_END_TOKENS]
+        if ids["eos"] is not None and tokens[ids["eos"]] == HARMONY_MESSAGE_END:
+            ids["eos"] = tokens.index(HARMONY_END_TOKENS[0])
     backend = FastBackend(_build(path, meta, kind, tokens, token_types, ids["unknown"]))
     backend.force_bos_eos(ids["bos"], ids["eos"], add_bos, add_eos)
     return TokenizerParts(
@@ -82,7 +93,7 @@ def load_gguf(path: str | os.PathLike) -> TokenizerParts:
         eos_token_id=ids["eos"],
         pad_token_id=ids["padding"],
         unk_token_id=ids["unknown"],
-        extra_eos_token_ids=[i for i in (ids["eot"], ids["eom"]) if i is not None],
+        extra_eos_token_ids=[i for i in extra_eos if i is not None],
         chat_template=meta.get("tokenizer.chat_template")
         or BUILTIN_CHAT_TEMPLATES.get(meta.get("general.architecture")),
     )
