@@ -1,166 +1,40 @@
-"""The OpenAI API's request and response bodies, as pydantic models.
+"""The fields chat and text completions share, and how they become SamplingParams.
 
-Requests are parsed strictly (a string is not an integer, a float is not an integer, a
-boolean is not a number), so a wrong type is a 400 naming the field rather than a silent
-coercion; a null for a field OpenAI marks nullable means its default. Unknown fields are
-ignored, as OpenAI-compatible servers commonly do, except those that would change the
-meaning of the request and cannot be honoured (suffix): those are refused.
-
-Structured output (response_format, vLLM's structured_outputs and guided_* fields, and
-tool_choice "required" or a named function) becomes SamplingParams.structured_output.
-
-Each request model turns itself into engine `SamplingParams` with `to_sampling_params`;
-vLLM's extension fields (top_k, min_p, repetition_penalty, repeat_last_n, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) map onto the
-fields of the same name.
+Structured output (response_format, vLLM's structured_outputs and guided_* fields, and,
+on chats, tool_choice "required" or a named function) becomes
+SamplingParams.structured_output. vLLM's extension fields (top_k, min_p,
+repetition_penalty, repeat_last_n, min_tokens, ignore_eos, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output) map onto the fields of the same name.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import time
-import uuid
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import Field
 
-from pyllm.sampling.json_depth import loads_bounded
+from pyllm.entrypoints.openai_protocol.base import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    StrictRequest,
+)
+from pyllm.entrypoints.openai_protocol.errors import RequestError
 from pyllm.sampling.params import SamplingParams
 from pyllm.sampling.structured import StructuredOutput
 
-# Limits a single request may not exceed, so that no client can make the engine's
-# per-token work (stop-string scans, logit bias) arbitrarily expensive for everyone.
-MAX_N = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_SEED = 2**63 - 1
-# The default limit on a request's sequences: prompts x n (or best_of, if larger).
-MAX_SEQS_PER_REQUEST = 256
+# What a ParamError's code says about a request that does not fit the context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
-class RequestError(ValueError):
-    """A client mistake: becomes a 4xx response in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status_code: int = 400,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-        self.code = code
-        self.type = type
-
-
-def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # Clients that serialize every field send null for those they leave unset; OpenAI's
-        # spec marks them nullable, meaning the default.
-        if not isinstance(data, dict):
-            return data
-        defaulted = _nullable_with_default(cls)
-        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
-
-
-@functools.cache
-def _nullable_with_default(model: type[BaseModel]) -> frozenset[str]:
-    """The fields typed `X | None` whose default is not None: null there means the default."""
-    return frozenset(
-        name
-        for name, field in model.model_fields.items()
-        if field.default is not None and type(None) in get_args(field.annotation)
-    )
-
-
-# -------------------------------------------------------------------- requests
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class TextContentPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(_Strict):
-    name: str
-    # OpenAI's is a JSON string; an object is taken too (HF templates want one).
-    arguments: str | dict[str, Any] = "{}"
-
-
-class MessageToolCall(_Strict):
-    """A call an assistant made earlier in the conversation."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(_Strict):
-    # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's answer: to which call
-
-    def template_message(self) -> dict[str, Any]:
-        """The message as chat templates take it (HF's convention: call arguments as
-        a dict, not OpenAI's JSON string)."""
-        message: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": self.text(),
-        }
-        if self.tool_calls:
-            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-
-def _template_call(call: MessageToolCall) -> dict[str, Any]:
-    """The call as templates read it: OpenAI's nesting, and name and arguments at the
-    top too (some templates read call.name, others call.function.name)."""
-    arguments = call.function.arguments
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # not JSON (or too deep): the string itself
-            arguments = loads_bounded(arguments)
-    function = {"name": call.function.name, "arguments": arguments}
-    template_call = {"type": call.type, "function": function, **function}
-    if call.id is not None:
-        template_call["id"] = call.id
-    return template_call
-
-
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictRequest):
     name: str
     description: str | None = None
     # "schema" would shadow a BaseModel attribute.
@@ -168,12 +42,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsParams(_Strict):
+class StructuredOutputsParams(StrictRequest):
     """vLLM's `structured_outputs` field: exactly one of these."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -183,35 +57,14 @@ class StructuredOutputsParams(_Strict):
     grammar: str | None = None
 
 
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class _SamplingRequest(_Strict):
+class SamplingRequest(StrictRequest):
     """The fields chat and text completions share, and their mapping to SamplingParams."""
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    # `| None` with a default: null means the default (see _Strict).
+    # `| None` with a default: null means the default (see StrictRequest).
     n: int | None = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -241,7 +94,8 @@ class _SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def _max_tokens_field(self) -> tuple[str, int | None]:
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """(the field that bounds the output, its value)."""
         return "max_tokens", self.max_tokens
 
     def _structured_sources(self) -> dict[str, dict[str, Any]]:
@@ -289,6 +143,9 @@ class _SamplingRequest(_Strict):
     def _logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def _logprobs_field_name(self) -> str:
+        return "logprobs"
+
     def _check_limits(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
@@ -326,12 +183,9 @@ class _SamplingRequest(_Strict):
             bias[token_id] = value
         return bias
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams for this request; raises RequestError naming the field."""
-        self._check_limits()
-        max_tokens_name, max_tokens = self._max_tokens_field()
+    def _sampling_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = dict(
-            max_tokens=max_tokens,
+            max_tokens=self.max_tokens_field()[1],
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -355,406 +209,46 @@ class _SamplingRequest(_Strict):
             "repeat_last_n": self.repeat_last_n,
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
+        return fields
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams for this request; raises RequestError naming the field."""
+        self._check_limits()
+        fields = self._sampling_fields()
         try:
             return SamplingParams(**fields)
         except ValueError as error:
-            message = str(error)
-            name = getattr(error, "param", None)  # a ParamError names its field
-            param = self._param_of(name, max_tokens_name)
-            if param is not None and name != param and message.startswith(name):
-                message = param + message[len(name) :]  # say it in the request's own terms
-            raise RequestError(message, param) from None
+            raise self.request_error(error) from None
 
-    def _param_of(self, name: str | None, max_tokens_name: str) -> str | None:
-        """The request field that a SamplingParams field (a ParamError's param) comes from."""
+    def request_error(
+        self, error: ValueError, prompt_field: str | None = None, prompt_fits: bool = True
+    ) -> RequestError:
+        """What a ValueError of SamplingParams or of the engine (a ParamError naming a
+        SamplingParams field, or "prompt", and maybe a code) means for this request: the
+        request field at fault, `prompt_field` where none is named, and the message in
+        the request's own terms. A request too long for the context names the field that
+        asked for too much: the output bound if the prompt fits alone (`prompt_fits`)."""
+        message = str(error)
+        name = getattr(error, "param", None)
+        code = getattr(error, "code", None)
+        param = self._field_of(name) or prompt_field
+        if name and param and name != param and message.startswith(name):
+            message = param + message[len(name) :]  # in the request's own terms
+        if code == CONTEXT_LENGTH_EXCEEDED:
+            max_tokens_name, max_tokens = self.max_tokens_field()
+            param = max_tokens_name if prompt_fits and max_tokens is not None else prompt_field
+        return RequestError(message, param, code=code)
+
+    def _field_of(self, name: str | None) -> str | None:
+        """The request field that a SamplingParams field comes from."""
         if name == "max_tokens":
-            return max_tokens_name
+            return self.max_tokens_field()[0]
         if name == "logprobs":
             return self._logprobs_field_name()
         if name is not None and name.startswith("structured_output"):
             return self.structured_field()
         return name if name in type(self).model_fields else None
 
-    def _logprobs_field_name(self) -> str:
-        return "logprobs"
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True
-
-    def _max_tokens_field(self) -> tuple[str, int | None]:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return "max_tokens", self.max_tokens
-
-    def _logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def _logprobs_field_name(self) -> str:
-        return "top_logprobs"
-
-    def check(self) -> None:
-        if not self.messages:
-            raise RequestError("messages must hold at least one message", "messages")
-        for i, message in enumerate(self.messages):
-            if message.content is None and message.role != "assistant":
-                raise RequestError(f"messages[{i}].content is required", f"messages[{i}].content")
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise RequestError("tool_choice needs tools", "tool_choice")
-        names = [tool.function.name for tool in self.tools or []]
-        if len(set(names)) != len(names):
-            raise RequestError("tools must have distinct function names", "tools")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            if self.tool_choice.function.name not in names:
-                raise RequestError(
-                    f"tool_choice names function {self.tool_choice.function.name!r}, which is "
-                    "not in tools",
-                    "tool_choice",
-                )
-
-    @property
-    def tool_mode(self) -> str:
-        """'none' (no tools, or tool_choice none), 'auto' (the model may call one, in
-        its own format), 'required' (a list of calls) or 'named' (that function's
-        arguments)."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return "named"
-        return self.tool_choice or "auto"
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template receives them (none with tool_choice none)."""
-        if self.tool_mode == "none":
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
-
-    def _structured_sources(self) -> dict[str, dict[str, Any]]:
-        sources = super()._structured_sources()
-        mode = self.tool_mode
-        if mode == "named":
-            function = self._function(self.tool_choice.function.name)
-            sources["tool_choice"] = {"json": function.parameters or {"type": "object"}}
-        elif mode == "required":
-            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": tool.function.name},
-                        "arguments": tool.function.parameters or {"type": "object"},
-                    },
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for tool in self.tools
-            ]}}  # fmt: skip
-            if self.parallel_tool_calls is False:
-                calls["maxItems"] = 1
-            sources["tool_choice"] = {"json": calls}
-        return sources
-
-    def _function(self, name: str) -> FunctionDefinition:
-        return next(t.function for t in self.tools if t.function.name == name)
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
-
-
-class CompletionRequest(_SamplingRequest):
-    # A string, a list of strings, one prompt's token ids, or a list of those.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
-    # vLLM's extension: the top k logprobs of every prompt token, in choices[].prompt_logprobs.
-    prompt_logprobs: int | None = None
-
-    def _logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def echo_logprobs(self) -> bool:
-        """echo with logprobs: the prompt tokens' logprobs come first in choices[].logprobs."""
-        return self.echo and self.logprobs is not None
-
-    def to_sampling_params(self) -> SamplingParams:
-        params = super().to_sampling_params()
-        if self.best_of is not None:
-            try:
-                params = dataclasses.replace(params, best_of=self.best_of)
-            except ValueError as error:
-                raise RequestError(str(error), "best_of") from None
-        # The engine computes the prompt's logprobs once, for the larger of the two asks.
-        asked = [k for k in (self.prompt_logprobs, self.echo_logprobs and self.logprobs) if k]
-        if self.prompt_logprobs is None and not self.echo_logprobs:
-            return params
-        try:
-            return dataclasses.replace(params, prompt_logprobs=max(asked, default=0))
-        except ValueError as error:
-            raise RequestError(str(error), "prompt_logprobs") from None
-
-    def check(self) -> None:
-        if self.suffix:
-            raise RequestError("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and not 1 <= self.best_of <= MAX_N:
-            raise RequestError(f"best_of must be in [1, {MAX_N}], got {self.best_of}", "best_of")
-        if self.stream and self.best_of is not None and self.best_of > self.n:
-            # As OpenAI: the best samples are known only when all have finished.
-            raise RequestError("best_of larger than n cannot be streamed", "best_of")
-        if self.stream and (self.echo_logprobs or self.prompt_logprobs is not None):
-            raise RequestError(
-                "prompt logprobs (echo with logprobs, or prompt_logprobs) need stream: false",
-                "prompt_logprobs" if self.prompt_logprobs is not None else "echo",
-            )
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise RequestError("prompt must not be an empty list", "prompt")
-
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt of the batch: text, or token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
-
-
-# ------------------------------------------------------------------- responses
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None
-    refusal: None = None
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    # None for the first prompt token under echo (nothing precedes it).
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(_Response):
-    """vLLM's Logprob: rank is 1 for the most likely token; None for a prompt token
-    outside the top k (its rank is not computed)."""
-
-    logprob: float
-    rank: int | None
-    decoded_token: str
-
-
-class FunctionCall(_Response):
-    name: str
-    arguments: str  # a JSON object
-
-
-class ToolCall(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaToolCall(ToolCall):
-    """A whole call in one stream chunk (OpenAI may split arguments over several)."""
-
-    index: int
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: None = None
-    tool_calls: list[ToolCall] | None = None
-    # A reasoning model's thinking apart from its answer (vLLM's field; gpt-oss's analysis).
-    reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_no_calls(self, handler):
-        body = handler(self)
-        for key in ("tool_calls", "reasoning_content"):
-            if body.get(key) is None:
-                body.pop(key, None)
-        return body
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: str
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-    reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler):
-        # OpenAI sends only what a delta carries: {"role": ...} first, then {"content": ...}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-    # vLLM's extension, when asked: per prompt token, {token id: logprob} of the prompt
-    # token and the top k; None for the first.
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pyllm"
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Response):
-    """The body of every 4xx and 5xx, as error_body builds it."""
-
-    error: ErrorInfo
-
-
-class HealthStatus(_Response):
-    status: str
-
-
-# ---------------------------------------------- vLLM's /tokenize, /detokenize, /version
-
-
-class TokenizeRequest(_Strict):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool | None = True  # messages only
-    # Default: BOS and the like for a prompt; none for messages (the template writes them).
-    add_special_tokens: bool | None = None
-    return_token_strs: bool | None = False
-
-    def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("give exactly one of prompt and messages", "prompt")
-        if self.messages is not None:
-            chat = ChatCompletionRequest(messages=self.messages)
-            chat.check()
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return ChatCompletionRequest(messages=self.messages).template_messages()
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-class VersionResponse(_Response):
-    version: str
