@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -21,11 +20,6 @@ class LLM:
     continuous batching; outputs come back in input order."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options):
-        logging.getLogger("pyllm").setLevel(logging.INFO)
-        if not logging.getLogger().handlers and not logging.getLogger("pyllm").handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-            logging.getLogger("pyllm").addHandler(handler)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
