@@ -97,6 +97,11 @@ class GracefulServer(uvicorn.Server):
         finally:
             watcher.cancel()
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets is not None:  # uvicorn says where it listens only on sockets it bound
+            self._log_started_message(sockets)
+
     async def _watch_engine(self) -> None:
         """An engine that failed for good ends the server (requests meanwhile get 503)."""
         while not self.engine.fatal_error:
