@@ -61,82 +61,80 @@ _MASKS = [
 ]
 
 
-def _requests() -> list[tuple[str, str, str, dict | None]]:
-    """(name, method, path, JSON body) of the requests that succeed."""
-    chat, text = "/v1/chat/completions", "/v1/completions"
-    c = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
-    t = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
-    weather = [{"role": "user", "content": "Weather in Paris?"}]
-    tools = {**c, "tools": [WEATHER], "messages": weather}
-    return [
-        ("health", "GET", "/health", None),
-        ("version", "GET", "/version", None),
-        ("models", "GET", "/v1/models", None),
-        ("model", "GET", "/v1/models/{model}", None),
-        ("openapi", "GET", "/openapi.json", None),
-        ("completion", "POST", text, t),
-        ("completion token ids", "POST", text, {**t, "prompt": [504, 3575, 282, 4649, 314]}),
-        ("completion batch", "POST", text, {**t, "prompt": ["One, two,", "Hello"]}),
-        ("completion logprobs", "POST", text, {**t, "logprobs": 3}),
-        ("completion echo logprobs", "POST", text, {**t, "echo": True, "logprobs": 2}),
-        ("completion prompt_logprobs", "POST", text, {**t, "prompt_logprobs": 2}),
-        ("completion stop", "POST", text, {**t, "stop": [" Paris"], "max_tokens": 32}),
-        ("completion seeded n", "POST", text, {**t, "temperature": 0.8, "seed": 3, "n": 2}),
-        ("completion best_of", "POST", text, {**t, "temperature": 0.8, "seed": 5, "best_of": 3}),
-        ("completion penalties", "POST", text,
-         {**t, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"7042": -50}}),
-        ("completion stream", "POST", text,
-         {**t, "stream": True, "stream_options": {"include_usage": True}}),
-        ("completion stream echo logprobs", "POST", text,
-         {**t, "stream": True, "echo": True, "logprobs": 1, "n": 2, "seed": 1,
-          "temperature": 0.5}),
-        ("chat", "POST", chat, c),
-        ("chat max_completion_tokens", "POST", chat,
-         {**c, "max_tokens": None, "max_completion_tokens": 8}),
-        ("chat logprobs", "POST", chat, {**c, "logprobs": True, "top_logprobs": 2}),
-        ("chat system and history", "POST", chat,
-         {**c, "messages": [{"role": "developer", "content": "Answer in one word."},
-                            *MESSAGES, {"role": "assistant", "content": "Paris."},
-                            {"role": "user", "content": [{"type": "text", "text": "Spain?"}]}]}),
-        ("chat seeded n", "POST", chat, {**c, "temperature": 1.0, "seed": 11, "n": 2}),
-        ("chat stream", "POST", chat,
-         {**c, "stream": True, "stream_options": {"include_usage": True}}),
-        ("chat stream logprobs", "POST", chat,
-         {**c, "stream": True, "logprobs": True, "top_logprobs": 1}),
-        ("chat tools auto", "POST", chat, tools),
-        ("chat tools auto stream", "POST", chat, {**tools, "stream": True}),
-        ("chat tools required", "POST", chat, {**tools, "tool_choice": "required"}),
-        ("chat tools required stream", "POST", chat,
-         {**tools, "tool_choice": "required", "stream": True}),
-        ("chat tools named", "POST", chat,
-         {**tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-        ("chat tools none", "POST", chat, {**tools, "tool_choice": "none"}),
-        ("chat earlier tool call", "POST", chat,
-         {**c, "tools": [WEATHER], "messages": [
-             {"role": "user", "content": "Weather in Paris?"},
-             {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-             {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]}),
-        ("chat json_schema", "POST", chat,
-         {**c, "max_tokens": 40, "response_format": {
-             "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}),
-        ("chat json_object", "POST", chat,
-         {**c, "max_tokens": 20, "response_format": {"type": "json_object"}}),
-        ("chat regex", "POST", chat, {**c, "structured_outputs": {"regex": "[A-Z][a-z]+"}}),
-        ("chat choice", "POST", chat, {**c, "guided_choice": ["Paris", "Lyon"]}),
-        ("chat grammar", "POST", chat,
-         {**c, "structured_outputs": {"grammar": 'start: "yes" | "no"'}}),
-        ("completion guided_json stream", "POST", text,
-         {**t, "max_tokens": 30, "guided_json": SCHEMA, "stream": True}),
-        ("chat bad grammar", "POST", chat, {**c, "structured_outputs": {"grammar": "start: ("}}),
-        ("chat bad schema", "POST", chat, {**c, "guided_json": {"type": "nonsense"}}),
-        ("tokenize", "POST", "/tokenize", {"prompt": "Hello world", "return_token_strs": True}),
-        ("tokenize messages", "POST", "/tokenize", {"messages": MESSAGES}),
-        ("detokenize", "POST", "/detokenize", {"tokens": [19556, 905]}),
-        ("detokenize bad id", "POST", "/detokenize", {"tokens": [10**9]}),
-        ("tokenize neither", "POST", "/tokenize", {}),
-        ("unknown model card", "GET", "/v1/models/nope", None),
-    ]  # fmt: skip
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+C = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+T = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+TOOLS = {**C, "tools": [WEATHER], "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+# (name, method, path, JSON body) of the requests that succeed (and a few that do not).
+REQUESTS = [
+    ("health", "GET", "/health", None),
+    ("version", "GET", "/version", None),
+    ("models", "GET", "/v1/models", None),
+    ("model", "GET", "/v1/models/{model}", None),
+    ("openapi", "GET", "/openapi.json", None),
+    ("completion", "POST", TEXT, T),
+    ("completion token ids", "POST", TEXT, {**T, "prompt": [504, 3575, 282, 4649, 314]}),
+    ("completion batch", "POST", TEXT, {**T, "prompt": ["One, two,", "Hello"]}),
+    ("completion logprobs", "POST", TEXT, {**T, "logprobs": 3}),
+    ("completion echo logprobs", "POST", TEXT, {**T, "echo": True, "logprobs": 2}),
+    ("completion prompt_logprobs", "POST", TEXT, {**T, "prompt_logprobs": 2}),
+    ("completion stop", "POST", TEXT, {**T, "stop": [" Paris"], "max_tokens": 32}),
+    ("completion seeded n", "POST", TEXT, {**T, "temperature": 0.8, "seed": 3, "n": 2}),
+    ("completion best_of", "POST", TEXT, {**T, "temperature": 0.8, "seed": 5, "best_of": 3}),
+    ("completion penalties", "POST", TEXT,
+     {**T, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"7042": -50}}),
+    ("completion stream", "POST", TEXT,
+     {**T, "stream": True, "stream_options": {"include_usage": True}}),
+    ("completion stream echo logprobs", "POST", TEXT,
+     {**T, "stream": True, "echo": True, "logprobs": 1, "n": 2, "seed": 1,
+      "temperature": 0.5}),
+    ("chat", "POST", CHAT, C),
+    ("chat max_completion_tokens", "POST", CHAT,
+     {**C, "max_tokens": None, "max_completion_tokens": 8}),
+    ("chat logprobs", "POST", CHAT, {**C, "logprobs": True, "top_logprobs": 2}),
+    ("chat system and history", "POST", CHAT,
+     {**C, "messages": [{"role": "developer", "content": "Answer in one word."},
+                        *MESSAGES, {"role": "assistant", "content": "Paris."},
+                        {"role": "user", "content": [{"type": "text", "text": "Spain?"}]}]}),
+    ("chat seeded n", "POST", CHAT, {**C, "temperature": 1.0, "seed": 11, "n": 2}),
+    ("chat stream", "POST", CHAT,
+     {**C, "stream": True, "stream_options": {"include_usage": True}}),
+    ("chat stream logprobs", "POST", CHAT,
+     {**C, "stream": True, "logprobs": True, "top_logprobs": 1}),
+    ("chat tools auto", "POST", CHAT, TOOLS),
+    ("chat tools auto stream", "POST", CHAT, {**TOOLS, "stream": True}),
+    ("chat tools required", "POST", CHAT, {**TOOLS, "tool_choice": "required"}),
+    ("chat tools required stream", "POST", CHAT,
+     {**TOOLS, "tool_choice": "required", "stream": True}),
+    ("chat tools named", "POST", CHAT,
+     {**TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ("chat tools none", "POST", CHAT, {**TOOLS, "tool_choice": "none"}),
+    ("chat earlier tool call", "POST", CHAT,
+     {**C, "tools": [WEATHER], "messages": [
+         {"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]}),
+    ("chat json_schema", "POST", CHAT,
+     {**C, "max_tokens": 40, "response_format": {
+         "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}),
+    ("chat json_object", "POST", CHAT,
+     {**C, "max_tokens": 20, "response_format": {"type": "json_object"}}),
+    ("chat regex", "POST", CHAT, {**C, "structured_outputs": {"regex": "[A-Z][a-z]+"}}),
+    ("chat choice", "POST", CHAT, {**C, "guided_choice": ["Paris", "Lyon"]}),
+    ("chat grammar", "POST", CHAT,
+     {**C, "structured_outputs": {"grammar": 'start: "yes" | "no"'}}),
+    ("completion guided_json stream", "POST", TEXT,
+     {**T, "max_tokens": 30, "guided_json": SCHEMA, "stream": True}),
+    ("chat bad grammar", "POST", CHAT, {**C, "structured_outputs": {"grammar": "start: ("}}),
+    ("chat bad schema", "POST", CHAT, {**C, "guided_json": {"type": "nonsense"}}),
+    ("tokenize", "POST", "/tokenize", {"prompt": "Hello world", "return_token_strs": True}),
+    ("tokenize messages", "POST", "/tokenize", {"messages": MESSAGES}),
+    ("detokenize", "POST", "/detokenize", {"tokens": [19556, 905]}),
+    ("detokenize bad id", "POST", "/detokenize", {"tokens": [10**9]}),
+    ("tokenize neither", "POST", "/tokenize", {}),
+    ("unknown model card", "GET", "/v1/models/nope", None),
+]  # fmt: skip
 
 
 def _refusals() -> list[tuple[str, dict, str, str, bytes]]:
@@ -197,7 +195,7 @@ def _record(tree: Path, log_path: Path) -> dict[str, bytes]:
     try:
         with httpx.Client(base_url=url, timeout=300) as http:
             model = http.get("/v1/models", headers=auth).json()["data"][0]["id"]
-            for name, method, path, body in _requests():
+            for name, method, path, body in REQUESTS:
                 if body is not None:
                     body = {"model": model, **{k: v for k, v in body.items() if v is not None}}
                 headers = {**auth, "Content-Type": "application/json"}
