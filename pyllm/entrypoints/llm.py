@@ -19,7 +19,8 @@ class LLM:
     """An engine for offline batches: all prompts are submitted at once and run with
     continuous batching; outputs come back in input order."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options):
+    def __init__(self, model: str | None = None, dtype: str = EngineConfig.dtype, **engine_options):
+        """`model`, `dtype` and the other `engine_options`: EngineConfig's fields."""
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
