@@ -15,11 +15,10 @@ import sys
 
 from pyllm import __version__
 from pyllm.engine.config import EngineConfig
-from pyllm.entrypoints.arg_utils import add_config_arguments, config_from_args
+from pyllm.entrypoints.arg_utils import add_config_arguments, config_from_args, option_help
 from pyllm.entrypoints.server_config import ServerConfig
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
-DEFAULT_MODEL_HELP = "HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)"
 COMPLETION_MAX_TOKENS = 64  # generate's default for a completion; a chat runs to its end
 
 
@@ -221,7 +220,7 @@ def _add_export_tokenizer(commands) -> None:
         description="Write the model's tokenizer as HF tokenizer.json + tokenizer_config.json.",
     )
     export.add_argument("output_dir", help="the directory to write (made if missing)")
-    export.add_argument("--model", default=None, help=DEFAULT_MODEL_HELP)
+    export.add_argument("--model", default=None, help=option_help(EngineConfig, "model"))
     export.set_defaults(handler=_export_tokenizer, parser=export)
 
 

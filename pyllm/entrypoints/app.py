@@ -37,11 +37,11 @@ def create_app(
     config = config or ServerConfig()
     app = FastAPI(title="pyllm", lifespan=engine_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
-    limits = (engine, served_model_name, metrics, config.max_request_bytes)
+    shared = (engine, served_model_name, metrics, config.max_request_bytes)
     servings = Servings(
-        chat=ChatServing(*limits, config.max_seqs_per_request),
-        completion=CompletionServing(*limits, config.max_seqs_per_request),
-        tokens=TokenizeServing(*limits, config.max_seqs_per_request),
+        chat=ChatServing(*shared, config.max_seqs_per_request),
+        completion=CompletionServing(*shared, config.max_seqs_per_request),
+        tokens=TokenizeServing(*shared, config.max_seqs_per_request),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)

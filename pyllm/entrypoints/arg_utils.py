@@ -33,10 +33,9 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
 
-def flag_of_option(config_class: type, name: str) -> str:
-    """The flag of config_class's field `name` ('--max-num-seqs')."""
-    fields = {field.name: field for field in dataclasses.fields(config_class)}
-    return flag_of(fields[name])
+def option_help(config_class: type, name: str) -> str:
+    """The help text of config_class's option `name`, for a command that takes it alone."""
+    return config_class.__dataclass_fields__[name].metadata["help"]
 
 
 def _argparse_options(field: dataclasses.Field, hints: dict[str, Any]) -> dict[str, Any]:
