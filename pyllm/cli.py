@@ -1,124 +1,117 @@
 """The `pyllm` command: `pyllm generate PROMPT...`, `pyllm serve`, `pyllm bench`,
-`pyllm export-tokenizer DIR`."""
+`pyllm export-tokenizer DIR`, `pyllm --version`.
+
+The engine's flags are made from EngineConfig's fields and serve's own from
+ServerConfig's (pyllm.entrypoints.arg_utils). Every value is checked before a model
+loads: a bad one, or a port already taken, is reported at once, naming its flag."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import sys
 
+from pyllm import __version__
+from pyllm.engine.config import EngineConfig
+from pyllm.entrypoints.arg_utils import add_config_arguments, config_from_args, option_help
+from pyllm.entrypoints.server_config import ServerConfig
 
-def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)",
-    )
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument(
-        "--quantization",
-        default="auto",
-        help="auto (a GGUF file's quantized weights stay quantized), none (widen every "
-        "weight to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
-    )
-    group.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+COMPLETION_MAX_TOKENS = 64  # generate's default for a completion; a chat runs to its end
+
+
+def _positive_ints(value: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]."""
+    try:
+        numbers = [int(item) for item in value.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or any(n < 1 for n in numbers):
+        raise argparse.ArgumentTypeError(f"must be positive integers, comma-separated: {value!r}")
+    return numbers
+
+
+def _positive_int(value: str) -> int:
+    (number,) = _positive_ints(value)
+    return number
+
+
+def _engine_arguments(parser: argparse.ArgumentParser, bench: bool = False) -> None:
+    # bench: a list of sizes, each measured in turn
+    tp_list = dict(
+        type=_positive_ints,
         default="1",
-        help="processes to split the model over (bench: a comma-separated list, e.g. 1,2); "
-        "under torchrun, the number of processes it starts",
+        help="comma-separated processes to split the model over, each run in turn, e.g. 1,2 "
+        "(default: %(default)s)",
     )
-    group.add_argument(
-        "--expert-parallel",
-        action="store_true",
-        help="mixture-of-experts models over several processes: each holds whole experts "
-        "instead of a share of every expert",
+    overrides = {"tensor_parallel_size": tp_list} if bench else None
+    add_config_arguments(parser.add_argument_group("engine"), EngineConfig, overrides)
+
+
+def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The engine's options from the flags, checked: a bad value fails before a model
+    loads."""
+    return config_from_args(EngineConfig, args, **overrides)
+
+
+# ------------------------------------------------------------------ generate
+
+
+def _add_generate(commands) -> None:
+    generate = commands.add_parser(
+        "generate", help="complete one or more prompts", description="Complete prompts."
     )
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--max-num-batched-tokens", type=int, default=512)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument(
-        "--long-prefill-token-threshold",
+    generate.add_argument("prompts", nargs="+", help="the prompts, each completed in turn")
+    generate.add_argument(
+        "--max-tokens",
         type=int,
         default=None,
-        help="most tokens of one prompt per step while other prompts wait "
-        "(default: a quarter of --max-num-batched-tokens)",
+        help=f"most tokens to generate (default: {COMPLETION_MAX_TOKENS}; with --chat, until "
+        "the reply ends, bounded by the context)",
     )
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
-    group.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="(prefix caching is on by default with --kv-cache paged, off with contiguous)",
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
     )
-    group.add_argument(
-        "--distributed-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a tensor-parallel rank may take to answer before the engine fails",
+    generate.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)"
     )
-    group.add_argument(
-        "--kv-cache",
-        choices=("paged", "contiguous"),
-        default="paged",
-        help="paged: KV blocks + block tables; contiguous: one virtual range per sequence "
-        "slot, memory mapped as it grows",
+    generate.add_argument(
+        "--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    generate.add_argument(
+        "--seed", type=int, default=None, help="seed of the draws (default: none, each run differs)"
     )
-
-
-def _tensor_parallel_sizes(args: argparse.Namespace) -> None:
-    """Reads --tensor-parallel-size: a list for bench, one number otherwise."""
-    try:
-        sizes = [int(s) for s in str(args.tensor_parallel_size).split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes) or (len(sizes) > 1 and args.command != "bench"):
-        raise ValueError(
-            f"--tensor-parallel-size must be a positive integer (bench: a list of them), "
-            f"got {args.tensor_parallel_size!r}"
-        )
-    args.tensor_parallel_sizes = sizes
-    args.tensor_parallel_size = sizes[0]
-
-
-def _engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-        kv_cache=args.kv_cache,
-        quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel,
-        distributed_timeout=args.distributed_timeout,
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the chat template (default: off)"
     )
+    _engine_arguments(generate)
+    generate.set_defaults(handler=_generate, parser=generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pyllm.entrypoints.llm import LLM
     from pyllm.sampling.params import SamplingParams
 
-    llm = LLM(**_engine_options(args))
+    max_tokens = args.max_tokens
+    if max_tokens is None and not args.chat:
+        max_tokens = COMPLETION_MAX_TOKENS
     params = SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+    config = _engine_config(args)
+    _configure_logging("info")
+    from pyllm.entrypoints.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(config))
     if args.chat:
-        outputs = llm.chat(
-            [[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False
-        )
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs, strict=True):
@@ -129,41 +122,106 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _origins(value: str) -> list[str]:
-    """A comma-separated list (of origins or host names)."""
-    return [origin.strip() for origin in value.split(",") if origin.strip()]
+# --------------------------------------------------------------------- serve
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve an OpenAI-compatible HTTP API and a chat page.",
+    )
+    add_config_arguments(serve.add_argument_group("server"), ServerConfig)
+    _engine_arguments(serve)
+    serve.set_defaults(handler=_serve, parser=serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pyllm.entrypoints.server import run_server
+    config = config_from_args(ServerConfig, args)
+    engine_config = _engine_config(args)
+    _configure_logging(config.log_level, everything=True)
+    from pyllm.entrypoints import server
 
-    if args.port is not None and not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if not args.read_timeout > 0:
-        raise ValueError(f"--read-timeout must be positive, got {args.read_timeout}")
-    if args.limit_concurrency < 1:
-        raise ValueError(f"--limit-concurrency must be positive, got {args.limit_concurrency}")
-    if args.max_seqs_per_request < 1:
-        raise ValueError(
-            f"--max-seqs-per-request must be positive, got {args.max_seqs_per_request}"
-        )
-    return run_server(
-        _engine_options(args),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        allowed_origins=args.allowed_origins,
-        allowed_hosts=args.allowed_hosts,
-        max_seqs_per_request=args.max_seqs_per_request,
-        shutdown_timeout=args.shutdown_timeout,
-        read_timeout=args.read_timeout,
-        limit_concurrency=args.limit_concurrency,
-        ui=not args.no_ui,
+    return server.run_server(engine_config, config)
+
+
+# --------------------------------------------------------------------- bench
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="prompt-processing and generation speed",
+        description="Prompt-processing (pp) and generation (tg) speed, per concurrency.",
     )
+    skip = "; 0: skip (default: %(default)s)"
+    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens" + skip)
+    bench.add_argument("-g", "--n-gen", type=int, default=128, help="generated tokens" + skip)
+    bench.add_argument(
+        "-r", "--repetitions", type=_positive_int, default=3,
+        help="runs of each test, averaged (default: %(default)s)",
+    )  # fmt: skip
+    bench.add_argument(
+        "-c", "--concurrency", type=_positive_ints, default="1",
+        help="sequences at once, comma-separated, e.g. 1,8,32 (default: %(default)s)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--json", default=None, help="also write the rows to this file (default: none)"
+    )
+    _engine_arguments(bench, bench=True)
+    bench.set_defaults(handler=_bench, parser=bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from pyllm.benchmark import format_table, rows_to_json, run_bench
+    from pyllm.engine.llm_engine import LLMEngine
+
+    most = max(args.concurrency)
+    configs = [
+        _engine_config(
+            args,
+            tensor_parallel_size=size,
+            enable_prefix_caching=False,  # every prompt is fresh: measure compute
+            max_num_seqs=max(args.max_num_seqs, most),
+        )
+        for size in args.tensor_parallel_size
+    ]
+    print(f"$ pyllm bench {' '.join(sys.argv[2:])}")
+    rows = []
+    for config in configs:
+        engine = LLMEngine(config)
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cpus, tp "
+            f"{config.tensor_parallel_size}, torch threads per rank {torch.get_num_threads()}",
+            flush=True,
+        )
+        try:
+            rows += run_bench(engine, args.n_prompt, args.n_gen, args.repetitions, args.concurrency)
+        finally:
+            engine.close()
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rows_to_json(rows))
+    return 0
+
+
+# ---------------------------------------------------------- export-tokenizer
+
+
+def _add_export_tokenizer(commands) -> None:
+    export = commands.add_parser(
+        "export-tokenizer",
+        help="write the model's tokenizer as HF tokenizer.json + tokenizer_config.json",
+        description="Write the model's tokenizer as HF tokenizer.json + tokenizer_config.json.",
+    )
+    export.add_argument("output_dir", help="the directory to write (made if missing)")
+    export.add_argument("--model", default=None, help=option_help(EngineConfig, "model"))
+    export.set_defaults(handler=_export_tokenizer, parser=export)
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:
@@ -177,142 +235,47 @@ def _export_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    import platform
+# ---------------------------------------------------------------------- main
 
-    import torch
 
-    from pyllm.benchmark import format_table, rows_to_json, run_bench
-    from pyllm.engine.config import EngineConfig
-    from pyllm.engine.llm_engine import LLMEngine
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyllm", description="A fast, small LLM inference engine."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"pyllm {__version__}", help="print the version"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_serve(commands)
+    _add_bench(commands)
+    _add_export_tokenizer(commands)
+    return parser
 
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    if any(c < 1 for c in concurrencies) or args.repetitions < 1:
-        raise ValueError("concurrency and repetitions must be positive")
-    options = _engine_options(args)
-    options["enable_prefix_caching"] = False  # every prompt is fresh; measure compute
-    options["max_num_seqs"] = max(options["max_num_seqs"], max(concurrencies))
-    print(f"$ pyllm bench {' '.join(sys.argv[2:])}")
-    rows = []
-    for size in args.tensor_parallel_sizes:
-        engine = LLMEngine(EngineConfig(**dict(options, tensor_parallel_size=size)))
-        print(
-            f"machine: {platform.machine()}, {os.cpu_count()} cpus, tp {size}, torch threads "
-            f"per rank {torch.get_num_threads()}",
-            flush=True,
-        )
-        try:
-            rows += run_bench(engine, args.n_prompt, args.n_gen, args.repetitions, concurrencies)
-        finally:
-            engine.close()
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(rows_to_json(rows))
-    return 0
+
+def _configure_logging(level: str, everything: bool = False) -> None:
+    """pyllm's messages (`everything`: every library's) at `level` and above, on stderr."""
+    if everything:
+        logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    else:
+        logging.basicConfig(format=LOG_FORMAT)
+        logging.getLogger("pyllm").setLevel(level.upper())
+
+
+def _flag_error(args: argparse.Namespace, error: Exception) -> str:
+    """The error, naming the flag of the option (a ConfigError's) or sampling parameter
+    (a ParamError's) it is about, if it names one."""
+    name = getattr(error, "option", None) or getattr(error, "param", None)
+    flags = {a.dest: a.option_strings for a in args.parser._actions if a.option_strings}
+    if name in flags:
+        return f"argument {'/'.join(flags[name])}: {error}"
+    return str(error)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pyllm", description="A fast, small LLM inference engine")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    generate = commands.add_parser("generate", help="complete one or more prompts")
-    generate.add_argument("prompts", nargs="+")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=-1)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the chat template"
-    )
-    _engine_arguments(generate)
-    generate.set_defaults(handler=_generate)
-
-    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("PYLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PYLLM_API_KEY)",
-    )
-    serve.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: file name)"
-    )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument(
-        "--allowed-origins",
-        type=_origins,
-        default=None,
-        help="browser origins allowed to call the API besides the server's own, "
-        "comma-separated, or '*' for any (default: none; other origins get 403)",
-    )
-    serve.add_argument(
-        "--allowed-hosts",
-        type=_origins,
-        default=None,
-        help="Host header names answered besides localhost, 127.0.0.1 and [::1], "
-        "comma-separated, or '*' for any (checked only when --host is a loopback "
-        "address; others get 421)",
-    )
-    serve.add_argument(
-        "--max-seqs-per-request",
-        type=int,
-        default=256,
-        help="the most sequences one request may ask for: prompts x n (or best_of)",
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
-        "ended (new ones get 503 meanwhile)",
-    )
-    serve.add_argument(
-        "--read-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a client has to send a request's headers, and then its body; a "
-        "connection that takes longer is closed with 408",
-    )
-    serve.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=512,
-        help="open connections (or requests) served at once; past it, 503",
-    )
-    serve.add_argument(
-        "--no-ui", action="store_true", help="do not serve the chat page at / (then 404)"
-    )
-    _engine_arguments(serve)
-    serve.set_defaults(handler=_serve)
-
-    export = commands.add_parser(
-        "export-tokenizer",
-        help="write the model's tokenizer as HF tokenizer.json + tokenizer_config.json",
-    )
-    export.add_argument("output_dir", help="the directory to write (made if missing)")
-    export.add_argument(
-        "--model",
-        default=None,
-        help="HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)",
-    )
-    export.set_defaults(handler=_export_tokenizer)
-
-    bench = commands.add_parser("bench", help="prompt-processing and generation speed")
-    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")
-    bench.add_argument("-g", "--n-gen", type=int, default=128, help="generated tokens (0: skip)")
-    bench.add_argument("-r", "--repetitions", type=int, default=3)
-    bench.add_argument("-c", "--concurrency", default="1", help="comma-separated, e.g. 1,8,32")
-    bench.add_argument("--json", default=None, help="also write the rows to this file")
-    _engine_arguments(bench)
-    bench.set_defaults(handler=_bench)
-
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command in ("generate", "serve", "bench"):
-            _tensor_parallel_sizes(args)
             from pyllm.distributed.launch import torchrun_rank
 
             if torchrun_rank():  # torchrun started this process as a rank other than 0
@@ -321,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 return run_worker(args.device, args.distributed_timeout)
         return args.handler(args)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as error:
-        print(f"pyllm: error: {error}", file=sys.stderr)
+        print(f"pyllm: error: {_flag_error(args, error)}", file=sys.stderr)
         return 2
 
 

@@ -28,6 +28,7 @@ from pyllm.distributed.protocol import (
     Header,
     decode_step,
 )
+from pyllm.engine.config import EngineConfig
 
 
 class Worker:
@@ -91,10 +92,12 @@ def _die_with_parent() -> None:
         os._exit(1)  # rank 0 ended before the line above
 
 
-def run_worker(device: str = "auto", distributed_timeout: float = 60.0) -> int:
+def run_worker(
+    device: str = EngineConfig.device, distributed_timeout: float = EngineConfig.distributed_timeout
+) -> int:
     """Joins the group of the environment (torchrun's variables), receives the engine
     options from rank 0, loads this rank's shard and serves rank 0's calls."""
-    from pyllm.engine.config import EngineConfig, _resolve_device
+    from pyllm.engine.config import _resolve_device
     from pyllm.model.loader import load_model
 
     _die_with_parent()
@@ -121,8 +124,10 @@ def run_worker(device: str = "auto", distributed_timeout: float = 60.0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pyllm.distributed.worker")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--distributed-timeout", type=float, default=60.0)
+    parser.add_argument("--device", default=EngineConfig.device)
+    parser.add_argument(
+        "--distributed-timeout", type=float, default=EngineConfig.distributed_timeout
+    )
     args = parser.parse_args(argv)
     return run_worker(args.device, args.distributed_timeout)
 

@@ -1,10 +1,16 @@
-"""EngineConfig: every engine option in one place, validated once."""
+"""EngineConfig: every engine option in one place, validated once.
+
+Each field is an `option`: its default, and the help text (and, where the command line
+takes it otherwise than `--field-name VALUE`, how) from which `pyllm`'s flags are built
+(pyllm.entrypoints.arg_utils). The engine's parts read their settings from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 KV_CACHE_MODES = ("paged", "contiguous")
@@ -13,94 +19,163 @@ KV_CACHE_MODES = ("paged", "contiguous")
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k")
 
 
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A config field: its default, its help text, and for the command line any of
+    `flag` (instead of --field-name), `short`, `choices`, `type` (the parser of its
+    value), `const` (a flag that stores this), `env` (where an unset value is read)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+class ConfigError(ValueError):
+    """A bad option value; `option` names the field, so the CLI can name its flag."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option = option
+
+
+def check_number(
+    config: Any, name: str, low: float, *, above=False, integer=False, optional=False
+) -> None:
+    """Raises ConfigError unless config.<name> is a number >= low (> low if `above`),
+    an integer if `integer`; or None if `optional` (an option left unset)."""
+    value = getattr(config, name)
+    if value is None and optional:
+        return
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not _at_least(value, low, above):
+        raise ConfigError(name, f"must be {_bound(low, above, integer)}, got {value!r}")
+
+
+def _at_least(value: float, low: float, above: bool) -> bool:
+    return value > low if above else value >= low  # False for nan
+
+
+def _bound(low: float, above: bool, integer: bool) -> str:
+    if integer and low == 1 and not above:
+        return "a positive integer"
+    if not integer and low == 0 and above:
+        return "a positive number"
+    return f"{'an integer' if integer else 'a number'} {'>' if above else '>='} {low:g}"
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory or GGUF file; None: the bundled SmolLM2
-    dtype: str = "auto"
-    device: str = "auto"  # "auto": cuda when available (and built), else cpu
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    # A prompt's share of a step while other prompts compete (None: a quarter of
-    # max_num_batched_tokens); see pyllm.engine.scheduler.
-    long_prefill_token_threshold: int | None = None
-    max_model_len: int | None = None
-    kv_cache_memory: float | None = None  # GiB; default 2 on CPU
-    gpu_memory_utilization: float = 0.9  # share of free GPU memory for the KV cache
-    # None: on with the paged cache, off with the contiguous one (which cannot share).
-    enable_prefix_caching: bool | None = None
-    # "paged": blocks + block tables (vLLM's PagedAttention); "contiguous": each sequence
-    # slot contiguous in a virtual KV arena, memory mapped as it grows (dAttention).
-    kv_cache: str = "paged"
-    quantization: str | None = "auto"  # see QUANTIZATION_MODES; None is "none"
-    # Ranks the model is split over (pyllm.distributed); kv_cache_memory is their total.
-    tensor_parallel_size: int = 1
-    # Mixture-of-experts models over several ranks: each rank holds whole experts
-    # instead of every expert's share (pyllm.distributed.parallel).
-    expert_parallel: bool = False
-    # Seconds a rank may take to answer the others before the engine fails.
-    distributed_timeout: float = 60.0
+    model: str | None = option(
+        None, "HF directory or GGUF file (default: bundled SmolLM2-135M-Instruct)"
+    )
+    dtype: str = option(
+        "auto",
+        "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with native "
+        "bf16, else float32)",
+    )
+    device: str = option("auto", "auto, cpu or cuda (auto: cuda when available and built)")
+    block_size: int = option(16, "tokens per KV cache block")
+    max_num_batched_tokens: int = option(
+        512, "most tokens one engine step runs: decodes and prompt chunks together"
+    )
+    max_num_seqs: int = option(256, "most sequences running at once")
+    long_prefill_token_threshold: int | None = option(
+        None,
+        "most tokens of one prompt per step while other prompts wait "
+        "(default: a quarter of --max-num-batched-tokens)",
+    )
+    max_model_len: int | None = option(None, "context length in tokens (default: the model's own)")
+    kv_cache_memory: float | None = option(
+        None,
+        f"GiB for the KV cache, all ranks together (default: on CPU at most "
+        f"{DEFAULT_CPU_KV_CACHE_GIB:g}, less when memory is short; on a GPU "
+        "--gpu-memory-utilization of its free memory)",
+    )
+    gpu_memory_utilization: float = option(0.9, "share of free GPU memory for the KV cache")
+    enable_prefix_caching: bool | None = option(
+        None,
+        "turn prefix caching off (default: on with --kv-cache paged, off with contiguous)",
+        flag="--no-prefix-caching",
+        const=False,
+    )
+    kv_cache: str = option(
+        "paged",
+        "paged: KV blocks + block tables (vLLM's PagedAttention); contiguous: one virtual "
+        "range per sequence slot, memory mapped as it grows (dAttention)",
+        choices=KV_CACHE_MODES,
+    )
+    quantization: str | None = option(
+        "auto",
+        "auto (a GGUF file's quantized weights stay quantized), none (widen every weight "
+        "to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "processes to split the model over (pyllm.distributed); under torchrun, the "
+        "number of processes it starts",
+        short="-tp",
+    )
+    expert_parallel: bool = option(
+        False,
+        "mixture-of-experts models over several processes: each holds whole experts "
+        "instead of a share of every expert (default: off)",
+    )
+    distributed_timeout: float = option(
+        60.0, "seconds a tensor-parallel rank may take to answer before the engine fails"
+    )
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
         from pyllm.model.dtype import resolve_dtype
-        from pyllm.ops import SUPPORTED_BLOCK_SIZES
 
+        self._check_sizes()  # first: no import needed
         if self.model is None:
             self.model = default_model_path()
         self.model_path = str(self.model)
         self.torch_device = _resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        self._check_modes()
+
+    def _check_modes(self) -> None:
+        """quantization, kv_cache and prefix caching, block_size, expert_parallel."""
+        from pyllm.ops import SUPPORTED_BLOCK_SIZES
+
         if self.quantization is None:
             self.quantization = "none"
         if not isinstance(self.quantization, str) or self.quantization.lower() not in (
             QUANTIZATION_MODES
         ):
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATION_MODES} or None, "
-                f"got {self.quantization!r}"
+            raise ConfigError(
+                "quantization",
+                f"must be one of {QUANTIZATION_MODES} or None, got {self.quantization!r}",
             )
         self.quantization = self.quantization.lower()
         if self.kv_cache not in KV_CACHE_MODES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+            raise ConfigError("kv_cache", f"must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = self.kv_cache == "paged"
         elif self.enable_prefix_caching and self.kv_cache == "contiguous":
-            raise ValueError(
-                "enable_prefix_caching needs kv_cache='paged': a contiguous slot belongs to one "
-                "sequence, so cached prefixes cannot be shared without copying them"
+            raise ConfigError(
+                "enable_prefix_caching",
+                "needs kv_cache='paged': a contiguous slot belongs to one sequence, so cached "
+                "prefixes cannot be shared without copying them",
             )
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(
-                f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
+            raise ConfigError(
+                "block_size", f"must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
             )
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        size = self.tensor_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if not isinstance(self.expert_parallel, bool):
-            raise ValueError(f"expert_parallel must be True or False, got {self.expert_parallel!r}")
-        if not (
-            isinstance(self.distributed_timeout, (int, float)) and self.distributed_timeout > 0
-        ):
-            raise ValueError(
-                f"distributed_timeout must be positive seconds, got {self.distributed_timeout!r}"
+            raise ConfigError(
+                "expert_parallel", f"must be True or False, got {self.expert_parallel!r}"
             )
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
-            raise ValueError(
-                f"long_prefill_token_threshold must be a positive integer, got {threshold!r}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive GiB, got {self.kv_cache_memory}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+
+    def _check_sizes(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+            check_number(self, name, 1, integer=True)
+        for name in ("long_prefill_token_threshold", "max_model_len"):
+            check_number(self, name, 1, integer=True, optional=True)
+        check_number(self, "distributed_timeout", 0, above=True)
+        check_number(self, "kv_cache_memory", 0, above=True, optional=True)
+        check_number(self, "gpu_memory_utilization", 0, above=True)
+        if self.gpu_memory_utilization > 1:
+            raise ConfigError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
     def kv_cache_budget_bytes(
@@ -112,6 +187,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory * 2**30)
         if device.type == "cuda":
+            import torch
+
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * self.gpu_memory_utilization)
         from pyllm.model.memory import default_kv_cache_bytes
@@ -120,6 +197,8 @@ class EngineConfig:
 
 
 def _resolve_device(device: str) -> torch.device:
+    import torch
+
     from pyllm import ops
 
     if device == "auto":

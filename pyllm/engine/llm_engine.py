@@ -167,25 +167,7 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
             )
-        seqs = []
-        for i in range(params.num_samples):
-            seq_params = params
-            if params.seed is not None and i > 0:  # distinct samples, still reproducible
-                seq_params = dataclasses.replace(params, seed=params.seed + i)
-            seqs.append(
-                Sequence(
-                    f"{request_id}-{i}",
-                    prompt_token_ids,
-                    seq_params,
-                    priority,
-                    group or request_id,
-                )  # fmt: skip
-            )
-        if params.structured_output is not None:  # compiled by validate(): cached
-            for seq in seqs:
-                seq.matcher = self.grammars.matcher(params.structured_output)
-        if params.prompt_logprobs is not None:  # the first sequence computes the prompt
-            seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
+        seqs = self._sequences(request_id, prompt_token_ids, params, priority, group)
         request = _Request(
             request_id,
             prompt,
@@ -205,6 +187,29 @@ class LLMEngine:
             self._request_of[id(seq)] = request
         self.scheduler.add(seqs[0])
 
+    def _sequences(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        group: str | None,
+    ) -> list[Sequence]:
+        """The request's samples (best_of, else n), each its own Sequence."""
+        seqs = []
+        for i in range(params.num_samples):
+            seq_params = params
+            if params.seed is not None and i > 0:  # distinct samples, still reproducible
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            name = f"{request_id}-{i}"
+            seqs.append(Sequence(name, prompt_token_ids, seq_params, priority, group or request_id))
+        if params.structured_output is not None:  # compiled by validate(): cached
+            for seq in seqs:
+                seq.matcher = self.grammars.matcher(params.structured_output)
+        if params.prompt_logprobs is not None:  # the first sequence computes the prompt
+            seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
+        return seqs
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -220,6 +225,7 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens",
                 "prompt",
+                code="context_length_exceeded",
             )
         self.kv_manager.check_fits(budget)
         if params.structured_output is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyllm.engine.config import EngineConfig
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
 from pyllm.model.layers import AttentionMetadata
@@ -94,7 +95,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         contiguous: bool = False,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
     ):
         self.model = model
         self.kv_caches = kv_caches

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from pyllm.engine.config import EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager
 from pyllm.engine.sequence import Sequence, SequenceStatus
 
@@ -97,20 +98,13 @@ class Scheduler:
     def __init__(
         self,
         kv_manager: KVCacheManager,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 256,
-        long_prefill_token_threshold: int | None = None,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        long_prefill_token_threshold: int | None = EngineConfig.long_prefill_token_threshold,
     ):
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        """The limits as EngineConfig holds them (and checks them)."""
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // 4)
-        if long_prefill_token_threshold < 1:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}"
-            )
         self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs

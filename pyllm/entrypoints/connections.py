@@ -23,11 +23,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.security import send_json
+from pyllm.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger("pyllm")
 
-READ_TIMEOUT_S = 30.0
-LIMIT_CONCURRENCY = 512
+READ_TIMEOUT_S = ServerConfig.read_timeout
 _CLOSE = (b"connection", b"close")
 
 
@@ -41,59 +41,65 @@ def _timeout_response(read_timeout: float) -> bytes:
     )
 
 
+class GuardedH11Protocol(H11Protocol):
+    """H11Protocol with the header deadline and a JSON 503; guarded_protocol sets its
+    read_timeout."""
+
+    read_timeout: float = READ_TIMEOUT_S
+    timeout_response: bytes = _timeout_response(READ_TIMEOUT_S)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        # uvicorn's own check answers in plain text; the app wrapper does it in JSON.
+        self.limit, self.limit_concurrency = self.limit_concurrency, None
+        if self.limit is not None:
+            self.app = _limited(self.app, self)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._follow()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _follow(self) -> None:
+        """The deadline runs while the connection waits for a request's headers."""
+        if self.transport.is_closing() or not self._waiting_for_headers():
+            self._stop_timer()
+        elif self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.read_timeout, self._expire)
+
+    def _stop_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expire(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            logger.debug("closing %s: no request within %g s", self.client, self.read_timeout)
+            self.transport.write(self.timeout_response)
+            self.transport.close()
+
+
 def guarded_protocol(read_timeout: float = READ_TIMEOUT_S) -> type[H11Protocol]:
     """uvicorn's H11Protocol with the header deadline and a JSON 503 (module docstring):
     pass it as uvicorn.Config(http=...)."""
-    timeout_response = _timeout_response(read_timeout)
-
-    class GuardedH11Protocol(H11Protocol):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self._header_timer: asyncio.TimerHandle | None = None
-            # uvicorn's own check answers in plain text; the app wrapper does it in JSON.
-            self.limit, self.limit_concurrency = self.limit_concurrency, None
-            if self.limit is not None:
-                self.app = _limited(self.app, self)
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._follow()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._follow()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._follow()
-
-        def connection_lost(self, exc) -> None:
-            self._stop_timer()
-            super().connection_lost(exc)
-
-        def _waiting_for_headers(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _follow(self) -> None:
-            """The deadline runs while the connection waits for a request's headers."""
-            if self.transport.is_closing() or not self._waiting_for_headers():
-                self._stop_timer()
-            elif self._header_timer is None:
-                self._header_timer = self.loop.call_later(read_timeout, self._expire)
-
-        def _stop_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expire(self) -> None:
-            self._header_timer = None
-            if self._waiting_for_headers() and not self.transport.is_closing():
-                logger.debug("closing %s: no request within %g s", self.client, read_timeout)
-                self.transport.write(timeout_response)
-                self.transport.close()
-
-    return GuardedH11Protocol
+    timeouts = {"read_timeout": read_timeout, "timeout_response": _timeout_response(read_timeout)}
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), timeouts)
 
 
 def _limited(app, protocol: H11Protocol):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -20,12 +19,8 @@ class LLM:
     """An engine for offline batches: all prompts are submitted at once and run with
     continuous batching; outputs come back in input order."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options):
-        logging.getLogger("pyllm").setLevel(logging.INFO)
-        if not logging.getLogger().handlers and not logging.getLogger("pyllm").handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-            logging.getLogger("pyllm").addHandler(handler)
+    def __init__(self, model: str | None = None, dtype: str = EngineConfig.dtype, **engine_options):
+        """`model`, `dtype` and the other `engine_options`: EngineConfig's fields."""
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

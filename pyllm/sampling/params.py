@@ -28,7 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
 
-    # The distribution: temperature 0 means greedy.
+    # The distribution: temperature 0 (below sampling.batch.GREEDY_TEMPERATURE) is greedy.
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
@@ -64,10 +64,6 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.validate()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     @property
     def num_samples(self) -> int:

@@ -14,7 +14,8 @@ from starlette.testclient import TestClient
 from pyllm import cli
 from pyllm.engine.async_engine import AsyncEngine
 from pyllm.entrypoints import server as server_module
-from pyllm.entrypoints.server import create_app
+from pyllm.entrypoints.app import create_app
+from pyllm.entrypoints.server_config import ServerConfig
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 PROMPT = "The sky is"
@@ -199,7 +200,7 @@ class _StandInEngine:
 
 
 def _app_client(**options) -> TestClient:
-    app = create_app(AsyncEngine(_StandInEngine()), "stand-in", **options)
+    app = create_app(AsyncEngine(_StandInEngine()), "stand-in", ServerConfig(**options))
     return TestClient(app, base_url="http://localhost")  # a loopback Host
 
 
@@ -273,7 +274,12 @@ def test_sequences_per_request_limit(path, body, param):
 
 def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
-    monkeypatch.setattr(server_module, "run_server", lambda *a, **kw: seen.update(kw) or 0)
+
+    def run_server(engine_config, config):
+        seen.update(vars(config))
+        return 0
+
+    monkeypatch.setattr(server_module, "run_server", run_server)
     origins = f"{ORIGIN}, https://b.example"
     argv = ["serve", "--allowed-origins", origins, "--max-seqs-per-request", "8"]
     assert cli.main([*argv, "--allowed-hosts", "a.lan, b.lan:8000"]) == 0

@@ -1,0 +1,81 @@
+"""The OpenAPI document (/openapi.json): each route's request body, its 200 body (and
+stream chunks) and its errors, in OpenAI's shape. The handlers read their bodies
+themselves (bounded in size, errors in OpenAI's shape), so the document is told of them
+here rather than by FastAPI's parameters."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from pyllm.entrypoints import openai_protocol as api
+
+# What each error status means.
+ERRORS = {
+    400: "An invalid request; error.param names the field at fault",
+    401: "A missing or wrong API key (when the server has one)",
+    403: "An Origin that is not the server's own nor allowed (code origin_not_allowed)",
+    404: "An unknown model (code model_not_found)",
+    408: "A request body not received within the read timeout (code request_timeout)",
+    413: "A request body over the size limit",
+    415: "A request body that is not application/json (code unsupported_media_type)",
+    421: "A Host that is not a loopback name nor allowed (code host_not_allowed)",
+    503: "The server is busy, shutting down, or its engine has stopped",
+}
+ANY = (403, 421, 503)  # what any route may answer (security.py, the drain)
+WITH_BODY = (400, 401, 404, 408, 413, 415, *ANY)  # what a POST route may answer
+_STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
+
+
+def responses(ok: type[BaseModel], *errors: int, chunk: type[BaseModel] | None = None) -> dict:
+    """The `responses` of a route: `ok` as the 200 body (and server-sent `chunk`s, if it
+    streams), and the errors, each in OpenAI's shape."""
+    documented: dict = {
+        status: {"model": api.ErrorResponse, "description": ERRORS[status]} for status in errors
+    }
+    documented[200] = {"model": ok, "description": "Successful Response"}
+    if chunk is not None:
+        schema = {"type": "string", "description": _STREAM_DOC.format(chunk.__name__)}
+        documented[200]["content"] = {"text/event-stream": {"schema": schema}}
+    return documented
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` declaring a JSON request body that the handler reads itself."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def add_openapi_schemas(app: FastAPI) -> None:
+    """Adds the request bodies (and stream chunks), which no route declares as a
+    parameter, to the document's components."""
+    generate = app.openapi
+    models = [
+        (api.ChatCompletionRequest, "validation"),
+        (api.CompletionRequest, "validation"),
+        (api.ChatCompletionChunk, "serialization"),
+        (api.TokenizeRequest, "validation"),
+        (api.DetokenizeRequest, "validation"),
+    ]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()
+            _, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schemas["$defs"])
+            _drop_422(document)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _drop_422(document: dict) -> None:
+    """FastAPI documents a 422 for every route with a parameter; the only one here is a
+    path string, which nothing refuses, and the server's own errors are never 422."""
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        document["components"]["schemas"].pop(name, None)

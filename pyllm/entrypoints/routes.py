@@ -1,0 +1,108 @@
+"""The routes: /health and /metrics, the /v1/ API, vLLM's /tokenize, /detokenize and
+/version, each documented for /openapi.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pyllm import __version__
+from pyllm.engine.async_engine import AsyncEngine
+from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints.metrics import ServerMetrics
+from pyllm.entrypoints.openapi import ANY, ERRORS, WITH_BODY, json_body, responses
+from pyllm.entrypoints.serving_chat import ChatServing
+from pyllm.entrypoints.serving_completion import CompletionServing
+from pyllm.entrypoints.serving_tokens import TokenizeServing
+
+
+@dataclass
+class Servings:
+    """What answers each family of routes."""
+
+    chat: ChatServing
+    completion: CompletionServing
+    tokens: TokenizeServing
+
+
+def add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    health_503 = {"model": api.HealthStatus, "description": ERRORS[503]}
+
+    @app.get("/health", responses={200: {"model": api.HealthStatus}, 503: health_503})
+    async def health():
+        if not engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics():
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+
+def add_api_routes(app: FastAPI, servings: Servings) -> None:
+    """The /v1/ routes and vLLM's."""
+    _add_model_routes(app, servings.chat)
+    _add_token_routes(app, servings.tokens)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(api.ChatCompletionRequest),
+        responses=responses(api.ChatCompletionResponse, *WITH_BODY, chunk=api.ChatCompletionChunk),
+    )
+    async def chat_completions(request: Request):
+        return await servings.chat.chat(request)
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=json_body(api.CompletionRequest),
+        responses=responses(api.CompletionResponse, *WITH_BODY, chunk=api.CompletionResponse),
+    )
+    async def completions(request: Request):
+        return await servings.completion.completions(request)
+
+
+def _add_model_routes(app: FastAPI, serving: ChatServing) -> None:
+    created = api.now()
+
+    def model_card() -> api.ModelCard:
+        return api.ModelCard(
+            id=serving.model_name, created=created, max_model_len=serving.engine.max_model_len
+        )
+
+    @app.get("/v1/models", responses=responses(api.ModelList, 401, *ANY))
+    async def list_models():
+        return _json(api.ModelList(data=[model_card()]))
+
+    @app.get("/v1/models/{model_id:path}", responses=responses(api.ModelCard, 401, 404, *ANY))
+    async def get_model(model_id: str):
+        serving.check_model(model_id)
+        return _json(model_card())
+
+
+def _add_token_routes(app: FastAPI, serving: TokenizeServing) -> None:
+    @app.post(
+        "/tokenize",
+        openapi_extra=json_body(api.TokenizeRequest),
+        responses=responses(api.TokenizeResponse, *WITH_BODY),
+    )
+    async def tokenize(request: Request):
+        return _json(await serving.tokenize(request))
+
+    @app.post(
+        "/detokenize",
+        openapi_extra=json_body(api.DetokenizeRequest),
+        responses=responses(api.DetokenizeResponse, *WITH_BODY),
+    )
+    async def detokenize(request: Request):
+        return _json(await serving.detokenize(request))
+
+    @app.get("/version", responses=responses(api.VersionResponse, *ANY))
+    async def version():
+        return api.VersionResponse(version=__version__)
+
+
+def _json(body: api.ModelList | api.ModelCard | api.TokenizeResponse | api.DetokenizeResponse):
+    return Response(body.model_dump_json(), media_type="application/json")
