@@ -1,4 +1,4 @@
-"""The contiguous KV layout: the virtual KV arena and its ops (issue 8).
+"""The contiguous KV layout: the virtual KV arena and its ops.
 
 Every op is compared with a plain-PyTorch reference (float64 attention over the dense
 per-sequence keys/values; indexing for the writes) and with the paged kernels on the
