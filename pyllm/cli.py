@@ -21,7 +21,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         help="auto (a GGUF file's quantized weights stay quantized), none (widen every "
-        "weight to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
+        "weight to --dtype), or q8_0, q4_0, q4_k, mxfp4 (quantize an HF folder's weights "
+        "at load)",
     )
     group.add_argument(
         "--tensor-parallel-size",

@@ -10,7 +10,7 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 KV_CACHE_MODES = ("paged", "contiguous")
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
-QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k")
+QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k", "mxfp4")
 
 
 @dataclass
