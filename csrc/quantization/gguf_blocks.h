@@ -59,7 +59,8 @@ inline float e8m0_half(uint8_t e) {
 
 // MXFP4's 4-bit codes (sign, 2-bit exponent, 1-bit mantissa) as twice their E2M1
 // value: the integers the kernels multiply.
-inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2,  3,  4,  6,  8,  12,
+                                             0, -1, -2, -3, -4, -6, -8, -12};
 
 // Q4_K / Q5_K: 8 scales and 8 mins of 6 bits packed in 12 bytes.
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
