@@ -22,7 +22,9 @@ The data is generated chunk by chunk from a fixed seed and streamed to disk, so 
 stays small whatever the file size, and the same arguments always give the same bytes.
 
 Types (--type): Q8_0, Q4_0, Q4_K_M and F16, each the mix llama.cpp's quantizer makes
-for that file type (see tensor_type); --pure gives every 2-D weight the one type.
+for that file type (see tensor_type), and MXFP4 (every projection MXFP4, the head
+Q8_0: gpt-oss's format on a dense model's projections); --pure gives every 2-D weight
+the one type.
 Files go to --out (default ~/.cache/pyllm-bench) as <shape>.<type>.gguf; an existing
 file of the right size is kept unless --force.
 """
@@ -104,6 +106,7 @@ FILE_TYPES = {
     "Q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
     "Q4_K_M": (Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
     "F16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "MXFP4": (Q.MXFP4, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 
@@ -146,10 +149,10 @@ def tensor_type(
 ) -> Q:
     """The type of one 2-D weight, following the mixes of llama.cpp's quantizer:
     - the output head (token_embd when the embeddings are tied) is Q6_K in every
-      quantized mix except Q8_0, which keeps Q8_0;
+      quantized mix except Q8_0, which keeps Q8_0, and MXFP4, whose head is Q8_0;
     - in Q4_K_M, attn_v and ffn_down are Q6_K in the layers _more_bits picks, and every
       other weight (token_embd of an untied model included) is Q4_K;
-    - in Q8_0 and Q4_0 every other weight has the file's type; F16 is all F16;
+    - in Q8_0, Q4_0 and MXFP4 every other weight has the file's type; F16 is all F16;
     - a row that the chosen type's blocks cannot tile gets _fallback's type (SmolLM2's
       576-wide rows make its Q4_K weights Q5_0 and its Q6_K ones Q8_0).
     pure gives every weight the file's base type, still with the fallback."""
@@ -160,7 +163,9 @@ def tensor_type(
     is_head = name == "output.weight" or (shape.tied and name == "token_embd.weight")
     more_bits_names = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
     if is_head:
-        if base != Q.Q8_0:
+        if base == Q.MXFP4:
+            qtype = Q.Q8_0
+        elif base != Q.Q8_0:
             qtype = Q.Q6_K
     elif file_type == "Q4_K_M" and layer is not None:
         if name.endswith(more_bits_names) and _more_bits(layer, shape.layers):
@@ -292,6 +297,16 @@ def _headers(qtype: Q, seed: int) -> _Headers:
         d = u * WEIGHT_STD / (_q_rms(64, 32) * np.sqrt(np.mean(eff**2)))
         table = np.concatenate([sc.astype(np.int8).view(np.uint8), _fp16_bytes(d)], axis=1)
         return _Headers(192, table)
+    if qtype == Q.MXFP4:
+        # w = value * 2^(e - 128), values uniform over the 16 codes (mean 0). The block
+        # scale is a power of two: each block's target s takes the power just below or
+        # above it, the one above with the probability that keeps E[scale^2] = s^2.
+        values = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float64)
+        s = u * WEIGHT_STD / (np.sqrt(np.mean(values**2)) * np.sqrt(np.mean(u**2)))
+        low = np.floor(np.log2(s))
+        up = rng.random(TABLE_SIZE) < (4.0 ** (np.log2(s) - low) - 1) / 3
+        e = (low + up + 128).astype(np.uint8)
+        return _Headers(0, e.reshape(-1, 1))
     raise ValueError(f"no random block generator for type {qtype.name}")
 
 

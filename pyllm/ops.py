@@ -456,6 +456,7 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "MXFP4": (39, 32, 17),
 }
 _QUANT_BY_ID = {
     type_id: (name, block, nbytes) for name, (type_id, block, nbytes) in QUANT_TYPES.items()

@@ -4,11 +4,12 @@
 // exactly as the GGUF file stores them (no repacking at load). Every format is read
 // the same way, in groups of 32 consecutive weights of one row:
 //   w[k] = a[k / 16] * u[k] + b[k / 16],   k in [0, 32)
-// with u[k] small unsigned integers (< 64; Q8_0's are signed int8 instead, and its
-// b is 0), and a, b the scale and offset of each half of the group. A block holds
-// kGroups groups; scales() decodes all its (a, b) pairs once, quants() one group's
-// integers. So a kernel's inner loop is one shape for all eight formats: an integer
-// dot product of u with int8 activations, scaled per half-group.
+// with u[k] small unsigned integers (< 64; Q8_0's and MXFP4's are signed int8
+// instead, and their b is 0), and a, b the scale and offset of each half of the
+// group. A block holds kGroups groups; scales() decodes all its (a, b) pairs once,
+// group_quants() one group's integers. So a kernel's inner loop is one shape for all
+// nine formats: an integer dot product of u with int8 activations, scaled per
+// half-group.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,7 @@ enum Type : int64_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  kMXFP4 = 39,
 };
 
 inline float half_at(const uint8_t* p) {
@@ -45,6 +47,21 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+// MXFP4's E8M0 scale byte e as 2^(e - 127) / 2 (its codes are doubled E2M1 values),
+// built from bits: the float's exponent field is e - 1, and e = 0, 1 give the
+// subnormals 2^-128, 2^-127 (ggml's GGML_E8M0_TO_FP32_HALF; e = 255 is 2^127, not NaN).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// MXFP4's 4-bit codes (sign, 2-bit exponent, 1-bit mantissa) as twice their E2M1
+// value: the integers the kernels multiply.
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2,  3,  4,  6,  8,  12,
+                                             0, -1, -2, -3, -4, -6, -8, -12};
+
 // Q4_K / Q5_K: 8 scales and 8 mins of 6 bits packed in 12 bytes.
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {
@@ -56,7 +73,7 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// One format's layout. kSigned: u are int8 (Q8_0), else unsigned.
+// One format's layout. kSigned: u are int8 (Q8_0, MXFP4), else unsigned.
 template <int64_t T>
 struct Format;
 
@@ -127,6 +144,20 @@ struct Format<kQ8_0> {
   static const int8_t* values(const uint8_t* blk, int) {
     return reinterpret_cast<const int8_t*>(blk + 2);
   }
+};
+
+// MXFP4: an E8M0 exponent byte e, then 16 bytes of 4-bit codes (weight l in the low
+// nibble of byte l, weight l + 16 in its high nibble): w = kMxfp4Values[code] *
+// e8m0_half(e). Signed, as Q8_0: u = the int8 values, a = e8m0_half(e), b = 0.
+template <>
+struct Format<kMXFP4> {
+  static constexpr int kBlock = 32, kBytes = 17, kGroups = 1;
+  static constexpr bool kSigned = true;
+  static void scales(const uint8_t* blk, float* a, float* b) {
+    a[0] = a[1] = e8m0_half(blk[0]);
+    b[0] = b[1] = 0.0f;
+  }
+  static const uint8_t* nibbles(const uint8_t* blk, int) { return blk + 1; }
 };
 
 // Q4_K: fp16 d, fp16 dmin, 12 scale bytes, 128 bytes of nibbles. Group g takes
@@ -201,6 +232,12 @@ inline void group_quants(const uint8_t* blk, int g, uint8_t* u) {
     }
   } else if constexpr (T == kQ8_0) {
     std::memcpy(u, F::values(blk, g), 32);
+  } else if constexpr (T == kMXFP4) {
+    const uint8_t* q = F::nibbles(blk, g);
+    for (int l = 0; l < 16; ++l) {
+      u[l] = static_cast<uint8_t>(kMxfp4Values[q[l] & 0xF]);
+      u[l + 16] = static_cast<uint8_t>(kMxfp4Values[q[l] >> 4]);
+    }
   } else if constexpr (T == kQ4_K) {
     const uint8_t* q = F::nibble_bytes(blk, g);
     for (int l = 0; l < 32; ++l) u[l] = g % 2 ? q[l] >> 4 : q[l] & 0xF;
@@ -234,6 +271,7 @@ bool dispatch_type(int64_t type, F&& f) {
     case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); return true;
     case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); return true;
     case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); return true;
+    case kMXFP4: f(std::integral_constant<int64_t, kMXFP4>{}); return true;
     default: return false;
   }
 }

@@ -24,6 +24,7 @@ struct QuantType {
 inline constexpr QuantType kQuantTypes[] = {
     {2, "Q4_0", 32, 18},  {3, "Q4_1", 32, 20},    {6, "Q5_0", 32, 22},    {7, "Q5_1", 32, 24},
     {8, "Q8_0", 32, 34},  {12, "Q4_K", 256, 144}, {13, "Q5_K", 256, 176}, {14, "Q6_K", 256, 210},
+    {39, "MXFP4", 32, 17},
 };
 
 inline const QuantType& check_qtype(int64_t qtype) {
@@ -32,7 +33,7 @@ inline const QuantType& check_qtype(int64_t qtype) {
   }
   TORCH_CHECK_VALUE(false,
                     "qtype must be a supported GGML type id (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, "
-                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ",
+                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, MXFP4=39), got ",
                     qtype);
 }
 

@@ -4,13 +4,14 @@
 // as the GGUF file stores them. Every format is decoded here in units of 32
 // consecutive weights of one row (a whole block for the 32-weight formats, one of
 // the 8 sub-blocks of a 256-weight K-format block), so every kernel has one loop
-// shape for all eight formats.
+// shape for all nine formats.
 //
-// Blocks are 18 to 210 bytes long, so most fields are only 2-byte aligned (some not
+// Blocks are 17 to 210 bytes long, so most fields are only 2-byte aligned (some not
 // even that in a view of a weight): the decoders read bytes and assemble the fp16 and
 // uint32 fields from them instead of relying on any alignment.
 #include <algorithm>
 #include <climits>
+#include <cstring>
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -127,6 +128,45 @@ struct Q8_0 {
     PYLLM_UNROLL
     for (int j = 0; j < 32; ++j) {
       w[j] = d * static_cast<float>(static_cast<int8_t>(byte_at(b + 2 + j)));
+    }
+  }
+};
+
+// 2^(e - 128) for 2 <= e <= 255, from bits: exponent field e - 1.
+PYLLM_HD float pow2_minus_128(uint32_t e) {
+  const uint32_t bits = (e - 1) << 23;
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// A 4-bit MXFP4 code (sign, 2-bit exponent, 1-bit mantissa) as twice its E2M1 value:
+// the magnitudes 0, 1, 2, 3, 4, 6, 8, 12 are the nibbles of one word, so no table.
+PYLLM_HD float mxfp4_value(uint32_t code) {
+  const int magnitude = static_cast<int>((0xC8643210u >> (4 * (code & 7))) & 0xF);
+  return static_cast<float>(code & 8 ? -magnitude : magnitude);
+}
+
+// e (E8M0), qs[16]: weight j is the low nibble of qs[j], weight j + 16 its high
+// nibble; w = mxfp4_value(code) * 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF(e)).
+// For e < 2 that scale is subnormal, which this build's --use_fast_math flushes to
+// zero as an operand: the values are quartered and scaled by 2^(e - 126) instead, so
+// every weight >= 2^-126 is exact (smaller ones are subnormal and flush to zero).
+struct MXFP4 {
+  static constexpr int kBlockSize = 32, kTypeSize = 17;
+  PYLLM_HD static void decode(const uint8_t* b, int, float (&w)[kUnit]) {
+    const uint32_t e = byte_at(b);
+    const float d = pow2_minus_128(e < 2 ? e + 2 : e);
+    const float quarter = e < 2 ? 0.25f : 1.0f;
+    PYLLM_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t q = byte_at(b + 1 + j);
+      w[j] = d * (quarter * mxfp4_value(q & 0xF));
+      w[j + 16] = d * (quarter * mxfp4_value(q >> 4));
     }
   }
 };
@@ -369,10 +409,12 @@ FormatInfo format_info(int64_t qtype) {
       return {Q5_K::kBlockSize, Q5_K::kTypeSize};
     case 14:
       return {Q6_K::kBlockSize, Q6_K::kTypeSize};
+    case 39:
+      return {MXFP4::kBlockSize, MXFP4::kTypeSize};
     default:
       TORCH_CHECK(false, "qtype ", qtype,
                   " is not a supported GGML type (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, "
-                  "Q4_K=12, Q5_K=13, Q6_K=14)");
+                  "Q4_K=12, Q5_K=13, Q6_K=14, MXFP4=39)");
   }
 }
 
@@ -396,6 +438,8 @@ void dispatch_format(int64_t qtype, F&& f) {
       return f(Q5_K{});
     case 14:
       return f(Q6_K{});
+    case 39:
+      return f(MXFP4{});
     default:
       format_info(qtype);  // raises
   }

@@ -100,9 +100,9 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
   }
 }
 
-// The formats of one group per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), eight blocks
-// at a time with AVX-512 VNNI: one gather reads the eight blocks' fp16 scales (and
-// mins), two blocks share each 64-byte dot product, and the per-block scales reach
+// The formats of one group per block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4), eight
+// blocks at a time with AVX-512 VNNI: one gather reads the eight blocks' fp16 (or
+// E8M0) scales (and mins), two blocks share each 64-byte dot product, and the per-block scales reach
 // its lanes by one permute per pair. The one-block-at-a-time form (quant_dot_avx2.h) spent most
 // of its instructions on per-block scalars: batch-1 decode of SmolLM2 Q4_1 was
 // compute-bound (one thread 6.8 GB/s, two 10.3).
@@ -112,6 +112,17 @@ inline void scales8(const uint8_t* blk, __m256& a, __m256& b) {
   const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                         _mm256_set1_epi32(F::kBytes));
   const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), at, 1);
+  if constexpr (T == kMXFP4) {
+    // The E8M0 bytes as floats 2^(e - 128) (e8m0_half): exponent field e - 1, or the
+    // subnormal 0x00200000 << e for e < 2.
+    const __m256i e = _mm256_and_si256(words, _mm256_set1_epi32(0xFF));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    a = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+    b = _mm256_setzero_ps();
+    return;
+  }
   a = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
   if constexpr (T == kQ4_1 || T == kQ5_1) {
     b = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)));
@@ -122,7 +133,8 @@ inline void scales8(const uint8_t* blk, __m256& a, __m256& b) {
   }
 }
 
-// Lane i: sum of the products of bytes [4i, 4i + 4) (Q8_0's w signed, as dot_s8_s8).
+// Lane i: sum of the products of bytes [4i, 4i + 4) (Q8_0's and MXFP4's w signed,
+// as dot_s8_s8).
 template <int64_t T>
 inline __m512i dot64(__m512i u, __m512i x) {
   if constexpr (Format<T>::kSigned) {

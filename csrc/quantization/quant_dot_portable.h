@@ -33,7 +33,9 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
           }
           const float dx = x.dx(m0 + r, group);
           const float* s = x.s_row(m0 + r) + 2 * group;
-          acc[r] += dx * (a[2 * g] * float(dot[0]) + a[2 * g + 1] * float(dot[1])) +
+          // dx * a first, as the vector paths: MXFP4's a reaches 2^127, and a times
+          // the integer sum alone may overflow where the product with dx does not.
+          acc[r] += dx * a[2 * g] * float(dot[0]) + dx * a[2 * g + 1] * float(dot[1]) +
                     off[2 * g] * s[0] + off[2 * g + 1] * s[1];
         }
       }

@@ -31,6 +31,14 @@ inline __m256i bits_to_fifth_bit(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+// MXFP4 codes (one per byte) -> their int8 values (kMxfp4Values): a byte shuffle
+// looks each up in the 16-entry table, held once in each 128-bit lane.
+inline __m256i mxfp4_values(__m256i codes) {
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  return _mm256_shuffle_epi8(table, codes);
+}
+
 template <int64_t T>
 inline __m256i group_vector(const uint8_t* blk, int g) {
   using F = Format<T>;
@@ -41,6 +49,8 @@ inline __m256i group_vector(const uint8_t* blk, int g) {
                            bits_to_fifth_bit(F::high_bits(blk)));
   } else if constexpr (T == kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::values(blk, g)));
+  } else if constexpr (T == kMXFP4) {
+    return mxfp4_values(split_nibbles(F::nibbles(blk, g)));
   } else if constexpr (T == kQ4_K) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(F::nibble_bytes(blk, g)));
     return g % 2 ? high_nibbles(v) : low_nibbles(v);
@@ -75,7 +85,7 @@ inline __m256i dot_u8_s8(__m256i u, __m256i x) {
 #endif
 }
 
-// The same for signed w (Q8_0): |w| times x with w's sign (x is never -128).
+// The same for signed w (Q8_0, MXFP4): |w| times x with w's sign (x is never -128).
 inline __m256i dot_s8_s8(__m256i w, __m256i x) {
   return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }

@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 KV_CACHE_MODES = ("paged", "contiguous")
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
-QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k")
+QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k", "mxfp4")
 
 
 def option(default: Any, help: str, **cli: Any) -> Any:
@@ -103,7 +103,7 @@ class EngineConfig:
     quantization: str | None = option(
         "auto",
         "auto (a GGUF file's quantized weights stay quantized), none (widen every weight "
-        "to --dtype), or q8_0, q4_0, q4_k (quantize an HF folder's weights at load)",
+        "to --dtype), or q8_0, q4_0, q4_k, mxfp4 (quantize an HF folder's weights at load)",
     )
     tensor_parallel_size: int = option(
         1,

@@ -67,7 +67,7 @@ def load_model(
 
 def quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
     """Quantizes every projection's float weight to GGML type qtype ("q8_0", "q4_0",
-    "q4_k"), one layer at a time (experts one expert at a time), so that the model
+    "q4_k", "mxfp4"), one layer at a time (experts one expert at a time), so that the model
     multiplies the blocks through ops.quant_linear / ops.fused_moe as it would a GGUF
     file's. A layer whose in_features is not a multiple of the type's block keeps its
     float weight (logged); so does a router, whose choices rounding could flip."""

@@ -36,6 +36,7 @@ from pyllm.model.weights import WeightFiller, per_expert_name, shard_rows
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "MXFP4",
 )  # fmt: skip
 
 # Tensors that are not weights of ours: rope factors go into the config.

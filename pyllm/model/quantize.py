@@ -5,9 +5,11 @@
 K / block_size blocks, one after another, in GGML's block layout, so that
 `gguf.quants.dequantize` (and the quantized kernels) read it back.
 
-Q8_0 and Q4_0 are byte-identical to `gguf.quants.quantize` (GGML's reference
-rounding, including Q8_0's round-half-away-from-zero and Q4_0's signed maximum
-mapping to -8). Q4_K and Q6_K have no reference quantizer there: each sub-block's
+Q8_0, Q4_0 and MXFP4 are byte-identical to `gguf.quants.quantize` (GGML's reference
+rounding, including Q8_0's round-half-away-from-zero, Q4_0's signed maximum mapping to
+-8 and MXFP4's nearest code, the first on ties; MXFP4 blocks whose largest magnitude
+is below 2^-125 take exponent 0, where gguf's exponent falls below the range of its
+uint8 cast). Q4_K and Q6_K have no reference quantizer there: each sub-block's
 scale (and Q4_K's min) is a least-squares fit over a small grid of candidate scales,
 then the sub-block scales are quantized to 6 bits (Q4_K) or int8 (Q6_K) against a
 per-super-block fp16 scale and the values requantized with those.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 # Names to GGML type ids (gguf.GGMLQuantizationType).
-QUANT_TYPES_BY_NAME: dict[str, int] = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+QUANT_TYPES_BY_NAME: dict[str, int] = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14, "mxfp4": 39}
 
 # (weights per block, bytes per block)
 _BLOCK_SIZES: dict[str, tuple[int, int]] = {
@@ -29,11 +31,19 @@ _BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "q8_0": (32, 34),
     "q4_k": (256, 144),
     "q6_k": (256, 210),
+    "mxfp4": (32, 17),
 }
 
 # Float32 elements quantized per chunk; the K-types' candidate grids multiply their
-# temporaries by 7, so they take smaller chunks (peak about 100 MB either way).
-_CHUNK_ELEMENTS = {"q4_0": 1 << 20, "q8_0": 1 << 20, "q4_k": 1 << 19, "q6_k": 1 << 19}
+# temporaries by 7, and MXFP4's distances to its 16 values by 16, so they take smaller
+# chunks (peak about 100 MB either way).
+_CHUNK_ELEMENTS = {
+    "q4_0": 1 << 20,
+    "q8_0": 1 << 20,
+    "q4_k": 1 << 19,
+    "q6_k": 1 << 19,
+    "mxfp4": 1 << 19,
+}
 
 # Candidate scale offsets tried per sub-block (in units of one quantization level).
 _Q4K_STEPS = torch.linspace(-1.0, 1.0, 7)
@@ -68,7 +78,8 @@ def quantized_shape(shape: tuple[int, ...] | torch.Size, qtype: str) -> tuple[in
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     """[N, K] float32/bfloat16/float16 -> uint8 [N, K / block_size * type_size], GGML
-    blocks of `qtype` ("q8_0", "q4_0", "q4_k", "q6_k"), on the weight's device."""
+    blocks of `qtype` ("q8_0", "q4_0", "q4_k", "q6_k", "mxfp4"), on the weight's
+    device."""
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     name = _check_qtype(qtype)
@@ -122,6 +133,34 @@ def _quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     q = torch.trunc(blocks * _reciprocal_or_zero(d) + 8.5).clamp_(0, 15).to(torch.uint8)
     packed = q[:, :16] | (q[:, 16:] << 4)
     return torch.cat([_fp16_bytes(d), packed], dim=1)
+
+
+# MXFP4's 4-bit codes as twice their E2M1 values (gguf.quants.MXFP4.kvalues).
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (int32) -> 2^(e - 128) in float32, from bits as ggml builds them:
+    exponent field e - 1, or the subnormal 0x00200000 << e for e < 2."""
+    subnormal = torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e.clamp(max=1))
+    return torch.where(e < 2, subnormal, (e - 1) << 23).view(torch.float32)
+
+
+def _quantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    amax = blocks.abs().amax(dim=1)
+    # gguf's exponent: floor(log2(amax)) - 2, biased by 127, so that amax lands in the
+    # values 8..12 (or is clipped to 12). log2 is taken in float64 and rounded to
+    # float32, as numpy's float32 log2 rounds (a max just below a power of two may
+    # round up to it, which decides the floor).
+    log2 = torch.log2(amax.double()).float().floor()
+    e = torch.where(amax > 0, log2 + 125, 0).clamp_(min=0).to(torch.int32)
+    d = _e8m0_half(e)
+    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    # The nearest value per weight (the first on ties), by float32 distances as gguf.
+    distance = (d[:, None, None] * values - blocks[:, :, None]).abs_()
+    q = distance.argmin(dim=2).to(torch.uint8)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([e.to(torch.uint8)[:, None], packed], dim=1)
 
 
 def _least_squares(q: torch.Tensor, x: torch.Tensor):
@@ -294,4 +333,5 @@ _QUANTIZERS = {
     "q8_0": _quantize_q8_0,
     "q4_k": _quantize_q4_k,
     "q6_k": _quantize_q6_k,
+    "mxfp4": _quantize_mxfp4,
 }

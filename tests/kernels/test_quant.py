@@ -16,8 +16,9 @@ from .utils import ALL_DEVICES, DTYPES, POISON, TOLERANCES, kernel_threads, seed
 gguf = pytest.importorskip("gguf")
 GGMLType = gguf.GGMLQuantizationType
 
-# Byte offsets of each block's fp16 scale fields: random bytes elsewhere are valid
-# quants, but a random fp16 may be inf or NaN.
+# Byte offsets of each block's fp16 scale fields, and of MXFP4's E8M0 exponent byte:
+# random bytes elsewhere are valid quants, but a random fp16 may be inf or NaN, and a
+# random exponent scales by up to 2^127.
 HALF_FIELDS = {
     "Q4_0": (0,),
     "Q4_1": (0, 2),
@@ -27,8 +28,11 @@ HALF_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "MXFP4": (),
 }
+EXPONENT_FIELDS = {"MXFP4": (0,)}
 TYPES = list(ops.QUANT_TYPES)
+MXFP4 = ops.QUANT_TYPES["MXFP4"][0]
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +53,11 @@ def random_weight(type_name: str, rows: int, in_features: int) -> tuple[torch.Te
         raw[:, :, offset : offset + 2] = (
             scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
         )
+    for offset in EXPONENT_FIELDS.get(type_name, ()):
+        # MXFP4's scale is 2^(e - 128) (its codes are doubled E2M1 values): the power of
+        # two nearest the same target.
+        scale = rng.uniform(0.5, 1.5, size=raw.shape[:2]) / (levels * in_features**0.5)
+        raw[:, :, offset] = np.round(np.log2(scale)) + 128
     raw = raw.reshape(rows, -1)
     dense = gguf.quants.dequantize(raw, GGMLType(type_id)).reshape(rows, in_features)
     return torch.from_numpy(raw), dense.astype(np.float64)
@@ -64,12 +73,19 @@ def activation_error_bound(x: torch.Tensor, dense: np.ndarray, span: int) -> np.
 
 
 def check_quant_linear(type_name, in_features, out_features, rows, bias, dtype, device):
-    type_id = ops.QUANT_TYPES[type_name][0]
     qweight, dense = random_weight(type_name, out_features, in_features)
-    qweight = qweight.to(device)
     # A row view of a wider tensor, as the model's inputs may be.
     x = torch.randn(rows, in_features + 16).to(dtype).to(device)[:, 8 : 8 + in_features]
     b = torch.randn(out_features).to(dtype).to(device) if bias else None
+    expect_quant_linear(type_name, qweight.to(device), dense, x, b)
+
+
+def expect_quant_linear(type_name, qweight, dense, x, b):
+    """quant_linear(x, qweight) (+ b) against x @ dense.T in float64, within the
+    activation error bound."""
+    type_id = ops.QUANT_TYPES[type_name][0]
+    dtype, device = x.dtype, x.device
+    rows, out_features = x.shape[0], qweight.shape[0]
     out = torch.full((rows, out_features), POISON, dtype=dtype, device=device)
     with kernel_threads():
         ops.quant_linear(out, x, qweight, type_id, b)
@@ -148,9 +164,76 @@ def test_dequantize_rows(type_name, dtype, device):
     assert torch.equal(whole.cpu().double(), torch.from_numpy(dense))
 
 
+def flushed_on(device, values):
+    """values as the kernels on `device` produce them: the CUDA build's --use_fast_math
+    flushes subnormal floats (below 2^-126) to zero; the CPU kernels keep them."""
+    if str(device).startswith("cuda"):
+        return values * (abs(values) >= 2.0**-126)
+    return values
+
+
+def mxfp4_blocks(exponents: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [..., 17] from exponent bytes [...] and codes [..., 32]: code l in
+    the low nibble of byte l, code l + 16 in its high nibble."""
+    codes = codes.astype(np.uint8)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([exponents[..., None].astype(np.uint8), packed], axis=-1)
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mxfp4_every_exponent_and_code(dtype, device):
+    """Every E8M0 byte (e < 2 gives subnormal scales, e = 255 is 2^127, not NaN) with
+    every code, against gguf's dequantizer: exactly, inf where 12 * 2^(e - 128)
+    overflows float32 as there (on CUDA with subnormal weights flushed to zero)."""
+    exponents = np.arange(256)
+    every_code = np.concatenate([np.arange(16), np.arange(16)[::-1]])
+    rng = np.random.default_rng(39)
+    codes = np.stack([np.broadcast_to(every_code, (256, 32)), rng.integers(0, 16, (256, 32))], 1)
+    raw = mxfp4_blocks(np.stack([exponents, exponents[::-1]], 1), codes).reshape(256, 34)
+    with np.errstate(over="ignore"):
+        expected = gguf.quants.dequantize(raw, GGMLType.MXFP4).reshape(256, 64)
+    expected = torch.from_numpy(expected)
+    # Row r: block 0 scaled by exponent r, block 1 by 255 - r.
+    assert expected[:2, :32].ne(0).any() and (expected[:2, :32].abs() < 2**-123).all()
+    assert expected.isinf().any()
+    out = torch.full((256, 64), POISON, dtype=dtype, device=device)
+    ops.dequantize_rows(out, torch.from_numpy(raw).to(device), MXFP4)
+    assert torch.equal(out.cpu(), flushed_on(device, expected).to(dtype))
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("tiny", [True, False])
+def test_mxfp4_extreme_exponents_in_quant_linear(tiny, rows, device):
+    """Scales at both ends of E8M0's range (subnormal 2^-128, 2^-127; 2^124-2^126)
+    against inputs scaled the other way, so that the products are ordinary floats:
+    every path of quant_linear decodes the scales, not only dequantize_rows. Codes of
+    the large scales stay within |value| <= 3, so that every weight is a finite float.
+    (float32: a bf16 weight panel would flush the subnormal weights to zero.)"""
+    in_features, out_features = 576, 40  # 16 blocks at a time and a tail of 2
+    rng = np.random.default_rng(rows + 2 * tiny)
+    shape = (out_features, in_features // 32)
+    if tiny:
+        exponents = rng.integers(0, 4, shape)
+        codes = rng.integers(0, 16, (*shape, 32))
+        x_scale = 2.0**120
+    else:
+        exponents = rng.integers(252, 255, shape)
+        codes = rng.choice([0, 1, 2, 3, 8, 9, 10, 11], (*shape, 32))
+        x_scale = 2.0**-100
+    raw = mxfp4_blocks(exponents, codes).reshape(out_features, -1)
+    dense = gguf.quants.dequantize(raw, GGMLType.MXFP4).reshape(out_features, in_features)
+    assert np.isfinite(dense).all() and (np.abs(dense) > 0).any()
+    x = (torch.randn(rows, in_features, dtype=torch.float64) * x_scale).float().to(device)
+    dense = flushed_on(device, dense.astype(np.float64))
+    expect_quant_linear("MXFP4", torch.from_numpy(raw).to(device), dense, x, None)
+
+
 def test_quant_row_bytes():
     assert ops.quant_row_bytes(ops.QUANT_TYPES["Q4_K"][0], 4096) == 16 * 144
     assert ops.quant_row_bytes(ops.QUANT_TYPES["Q8_0"][0], 64) == 2 * 34
+    assert ops.quant_row_bytes(MXFP4, 2880) == 90 * 17
     with pytest.raises(ValueError, match="multiple of Q4_K's block of 256"):
         ops.quant_row_bytes(ops.QUANT_TYPES["Q4_K"][0], 96)
 
@@ -166,6 +249,7 @@ def bad_quant_linear_cases():
         ("qweight must be uint8", dict(qweight=qweight.view(torch.int8))),
         ("qweight must be \\[out_features, 68\\]", dict(qweight=qweight[:, :34].contiguous())),
         ("in_features \\(64\\) must be a multiple of Q4_K", dict(qtype=12)),
+        ("qweight must be \\[out_features, 34\\] \\(MXFP4", dict(qtype=MXFP4)),
         ("out must have shape \\(2, 8\\)", dict(out=torch.empty(2, 9))),
         ("out has dtype torch.float64 but must match", dict(out=out.double())),
         ("input has dtype torch.int32", dict(input=x.to(torch.int32))),

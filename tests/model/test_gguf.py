@@ -16,6 +16,7 @@ import transformers
 from pyllm.model import default_model as default_model_module
 from pyllm.model.config import ModelConfig
 from pyllm.model.default_model import default_model_path
+from pyllm.model.layers import Linear
 from pyllm.model.loader import load_config, load_model
 from pyllm.model.loader_gguf import SUPPORTED_TYPES, dequantize
 from tests.model.conftest import hf_logits, make_hf_model, run_sequences
@@ -80,6 +81,9 @@ ROUND_TRIP = {  # type: (bound kind, levels) -- None: compare with a relative to
     "Q4_1": ("range", 15),
     "Q5_0": ("absmax", 16),
     "Q5_1": ("range", 31),
+    # Values 0, 1, 2, 3, 4, 6, 8, 12 times 2^floor(log2 max) / 8: a max up to twice the
+    # power is clipped to 12, so the error stays below half the max.
+    "MXFP4": ("absmax", 2),
 }
 
 
@@ -378,29 +382,41 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
         assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma3", "phi3", "qwen3moe", "mixtral", "gpt-oss"])
-def test_tiny_model_with_q8_0_projections(tmp_path, variant):
-    """The families' quantized path: Q8_0 projections stay in their blocks and follow the
-    same file widened to float32 (logits correlate >= 0.999 at every position); experts
-    stay one uint8 tensor of blocks [E, N, row bytes] per projection."""
+@pytest.mark.parametrize(
+    "variant, qtype",
+    [
+        ("qwen3", Q.Q8_0),
+        ("gemma3", Q.Q8_0),
+        ("phi3", Q.Q8_0),
+        ("qwen3moe", Q.Q8_0),
+        ("mixtral", Q.Q8_0),
+        ("gpt-oss", Q.Q8_0),
+        ("llama", Q.MXFP4),
+        ("phi3", Q.MXFP4),
+        ("gpt-oss", Q.MXFP4),
+    ],
+)
+def test_tiny_model_with_quantized_projections(tmp_path, variant, qtype):
+    """The families' quantized path: Q8_0 (or MXFP4) projections stay in their blocks and
+    follow the same file widened to float32 (logits correlate >= 0.999 at every
+    position); experts stay one uint8 tensor of blocks [E, N, row bytes] per projection."""
     kind, overrides = GGUF_VARIANTS[variant]
     arch = GGUF_ARCH.get(kind, kind)
     hf = make_hf_model(kind, tmp_path / "hf", **overrides)
-    write_hf_as_gguf(hf, tmp_path / "q8.gguf", arch, qtype=Q.Q8_0)
-    quantized, config = load_model(tmp_path / "q8.gguf", dtype="float32")
-    widened, _ = load_model(tmp_path / "q8.gguf", dtype="float32", quantization="none")
-    layer = quantized.model.layers[0]
-    assert layer.self_attn.qkv_proj.qparts
+    write_hf_as_gguf(hf, tmp_path / "q.gguf", arch, qtype=qtype)
+    quantized, config = load_model(tmp_path / "q.gguf", dtype="float32")
+    widened, _ = load_model(tmp_path / "q.gguf", dtype="float32", quantization="none")
+    linears = [m for m in quantized.model.layers.modules() if isinstance(m, Linear)]
+    assert linears and all(m.qparts and {p.qtype for p in m.qparts} == {qtype} for m in linears)
     if config.num_experts:
+        layer = quantized.model.layers[0]
         for proj in layer.mlp.projections():
-            assert proj.weight is None and proj.qtype == Q.Q8_0
+            assert proj.weight is None and proj.qtype == qtype
             assert proj.qweight.dtype == torch.uint8 and proj.qweight.shape[:2] == (
                 8, proj.out_features,
             )  # fmt: skip
         assert layer.mlp.gate.weight.dtype == torch.float32  # the router: F32 in the file
         assert widened.model.layers[0].mlp.experts.gate_proj.weight.shape == (8, 128, 256)
-    else:
-        assert layer.mlp.gate_up_proj.qparts
     tokens = [list(range(5, 30)), list(range(200, 209))]
     q = run_sequences(quantized, tokens, [8, 4], chunk_size=8).logits
     w = run_sequences(widened, tokens, [8, 4], chunk_size=8).logits

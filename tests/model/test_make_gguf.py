@@ -43,8 +43,11 @@ SMOL_LAYER_NAMES = [
 def smol_expected(file_type: str) -> dict[str, tuple[Q, tuple[int, ...]]]:
     """name -> (type, numpy shape) of a 2-layer smollm2-135m file. Its rows of 576 are
     not whole 256-weight blocks: Q4_K falls back to Q5_0 and Q6_K to Q8_0 there."""
-    weight = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K_M": Q.Q5_0, "F16": Q.F16}[file_type]
-    # The tied head (token_embd) takes Q6_K (-> Q8_0) in the quantized mixes but Q8_0.
+    weight = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K_M": Q.Q5_0, "F16": Q.F16, "MXFP4": Q.MXFP4}[
+        file_type
+    ]
+    # The tied head (token_embd) takes Q6_K (-> Q8_0) in the quantized mixes but Q8_0 and
+    # MXFP4, Q8_0 itself.
     head = Q.F16 if file_type == "F16" else Q.Q8_0
     out = {"token_embd.weight": (head, (49152, 576)), "output_norm.weight": (Q.F32, (576,))}
     shapes = {
@@ -91,7 +94,7 @@ def field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
 
 
-@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M", "F16"])
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M", "F16", "MXFP4"])
 def test_smollm2_shape_file(tmp_path, file_type):
     result = mg.write_gguf("smollm2-135m", file_type, tmp_path, layers=2, tokenizer=[])
     assert result.written

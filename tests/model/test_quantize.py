@@ -1,5 +1,5 @@
 """quantize_weight: GGML blocks that gguf's reference dequantizer reads back, byte for
-byte equal to gguf's own quantizers where it has them (Q8_0, Q4_0)."""
+byte equal to gguf's own quantizers where it has them (Q8_0, Q4_0, MXFP4)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from pyllm.model.quantize import QUANT_TYPES_BY_NAME, quantize_weight, quantized
 
 # Relative RMS round-trip error bounds for Gaussian weights; measured over seeds:
 # q8_0 0.53-0.54%, q4_0 8.56-8.68%, q4_k 7.08-7.13% (a single min/max grid with its
-# least-squares fit gives 7.4%, the plain min/max fit 7.85%), q6_k 1.74-1.77%.
-ERROR_BOUNDS = {"q8_0": 0.006, "q4_0": 0.090, "q4_k": 0.073, "q6_k": 0.019}
-REFERENCE_TYPES = ("q8_0", "q4_0")  # gguf.quants can quantize these
+# least-squares fit gives 7.4%, the plain min/max fit 7.85%), q6_k 1.74-1.77%, mxfp4
+# 11.39-11.46% (power-of-two scales, eight magnitudes, the block's max often clipped).
+ERROR_BOUNDS = {"q8_0": 0.006, "q4_0": 0.090, "q4_k": 0.073, "q6_k": 0.019, "mxfp4": 0.118}
+REFERENCE_TYPES = ("q8_0", "q4_0", "mxfp4")  # gguf.quants can quantize these
 
 
 def ggml_type(name: str) -> GGMLQuantizationType:
@@ -112,6 +113,18 @@ def special_blocks() -> torch.Tensor:
     blocks.append(torch.full((32,), 1e-7))  # scale below fp16's normal range
     blocks.append(torch.full((32,), -3.0e4))
     blocks.append(torch.randn(32, generator=torch.Generator().manual_seed(5)) * 1e-3)
+    # MXFP4 (scale 1 for a max in [8, 16)): midpoints between its values (0, 1, 2, 3,
+    # 4, 6, 8, 12), the first code wins a tie; and a max clipped to 12.
+    mids = torch.tensor([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0, 8.0])
+    blocks.append(torch.cat([mids, -mids, mids * 1.0001, -mids * 0.9999]))
+    blocks.append(torch.linspace(-15.9, 15.9, 32))
+    # Maxima one and two float32 steps below a power of two, where float32 log2 rounds
+    # up to the power (MXFP4's exponent takes its floor), and a little further below.
+    below = torch.full((32,), 2.0**-7).nextafter(torch.tensor(0.0))
+    blocks.append(below * torch.linspace(-1, 1, 32))
+    blocks.append(below.nextafter(torch.tensor(0.0)) * torch.linspace(1, -1, 32))
+    blocks.append(torch.full((32,), 2.0**10 * (1 - 2.0**-22)))
+    blocks.append(torch.full((32,), -(2.0**-120) * (1 - 2.0**-12)))
     return torch.cat(blocks).reshape(2, -1)
 
 
@@ -148,6 +161,21 @@ def test_parameter_input_keeps_no_graph():
     assert relative_rms(round_trip(weight.detach(), "q4_k"), weight.detach()) < 0.08
 
 
+def test_mxfp4_blocks_below_its_exponent_range():
+    """A block whose max is below 2^-125 has no exponent of gguf's rule (its uint8 cast
+    would wrap): it takes exponent 0, scale 2^-128, the nearest values of that."""
+    weight = torch.zeros(2, 64)
+    weight[0, :32] = torch.linspace(-(2.0**-126), 2.0**-126, 32)
+    weight[0, 32:] = 2.0**-140
+    weight[1] = torch.linspace(-1.5 * 2.0**-125, 1.5 * 2.0**-125, 64)
+    packed = quantize_weight(weight, "mxfp4").view(2, 2, 17)
+    assert packed[:, :, 0].tolist() == [[0, 0], [0, 0]]
+    back = quants.dequantize(packed.reshape(2, 34).numpy(), GGMLQuantizationType.MXFP4)
+    # Steps of 2^-128 up to 4 of them, 2^-127 up to 8, 2^-126 up to 12: half a step off
+    # at most.
+    assert (np.abs(back - weight.numpy()) <= 2.0**-127).all()
+
+
 def test_upper_case_name_and_non_contiguous_weight():
     weight = gaussian(256, 64, seed=7).t()  # [64, 256], column-major
     expected = quants.quantize(weight.contiguous().numpy(), GGMLQuantizationType.Q8_0)
@@ -156,7 +184,13 @@ def test_upper_case_name_and_non_contiguous_weight():
 
 @pytest.mark.parametrize(
     ("shape", "name", "block"),
-    [((4, 48), "q8_0", 32), ((4, 100), "q4_0", 32), ((4, 288), "q4_k", 256), ((4, 0), "q6_k", 256)],
+    [
+        ((4, 48), "q8_0", 32),
+        ((4, 100), "q4_0", 32),
+        ((4, 288), "q4_k", 256),
+        ((4, 0), "q6_k", 256),
+        ((4, 2890), "mxfp4", 32),
+    ],
 )
 def test_row_length_not_a_multiple_of_the_block_raises(shape, name, block):
     with pytest.raises(ValueError, match=rf"{re.escape(str(shape))}.*{name}.*block size {block}"):
