@@ -1,12 +1,15 @@
 """Writes GGUF files of real model shapes with random weights, so that large models can
 be measured without downloading them: Llama-architecture dense shapes, and the
-mixture-of-experts shape qwen3-30b-a3b (GGUF arch qwen3moe: per layer a router and 3-D
-ffn_{gate,up,down}_exps tensors holding every expert).
+mixture-of-experts shapes qwen3-30b-a3b (GGUF arch qwen3moe: per layer a router and 3-D
+ffn_{gate,up,down}_exps tensors holding every expert) and gpt-oss-20b (arch gpt-oss,
+with its biases, sinks, windows and YaRN; --type MXFP4 gives its releases' mix: MXFP4
+experts, Q8_0 elsewhere).
 
     python benchmarks/make_gguf.py --shape llama-2-7b --type Q4_K_M
     python benchmarks/make_gguf.py --shape tinyllama-1.1b --type Q8_0 --out /some/dir
     python benchmarks/make_gguf.py --shape smollm2-135m --type Q4_0 --layers 2 --force
     python benchmarks/make_gguf.py --shape qwen3-30b-a3b --type Q4_K_M --layers 8
+    python benchmarks/make_gguf.py --shape gpt-oss-20b --type MXFP4
 
 Every file has the real layer shapes of its model (hidden size, FFN size, layer count,
 heads, KV heads, RoPE theta, norm epsilon, context length; mistral-7b keeps its real
@@ -73,8 +76,13 @@ class Shape:
     experts_used: int = 0
     expert_ff: int = 0
     qk_norm: bool = False  # per-head q/k RMSNorm weights (Qwen3)
+    # gpt-oss: q/k/v/o, router and expert biases, a sink per head, windowed layers in turn
+    # (sliding_window) and YaRN over original_context.
+    sliding_window: int = 0
+    original_context: int = 0
 
 
+# fmt: off
 SHAPES = {
     "smollm2-135m": Shape(576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192, tied=True),
     "tinyllama-1.1b": Shape(2048, 5632, 22, 32, 4, 64, 10000.0, 1e-5, 2048, tied=False),
@@ -82,23 +90,17 @@ SHAPES = {
     "mistral-7b": Shape(4096, 14336, 32, 32, 8, 128, 1000000.0, 1e-5, 32768, tied=False),
     # Qwen3-30B-A3B: 128 experts of 768 rows, 8 per token (about 3.3B weights active).
     "qwen3-30b-a3b": Shape(
-        2048,
-        6144,
-        48,
-        32,
-        4,
-        128,
-        1000000.0,
-        1e-6,
-        40960,
-        tied=False,
-        arch="qwen3moe",
-        experts=128,
-        experts_used=8,
-        expert_ff=768,
-        qk_norm=True,
-    ),  # fmt: skip
+        2048, 6144, 48, 32, 4, 128, 1000000.0, 1e-6, 40960, tied=False,
+        arch="qwen3moe", experts=128, experts_used=8, expert_ff=768, qk_norm=True,
+    ),
+    # gpt-oss-20b: 32 experts of 2880 rows, 4 per token (about 3.6B weights active).
+    "gpt-oss-20b": Shape(
+        2880, 2880, 24, 64, 8, 64, 150000.0, 1e-5, 131072, tied=False, arch="gpt-oss",
+        experts=32, experts_used=4, expert_ff=2880, sliding_window=128,
+        original_context=4096,
+    ),
 }
+# fmt: on
 
 # --type -> (the type of most 2-D weights, general.file_type)
 FILE_TYPES = {
@@ -152,13 +154,17 @@ def tensor_type(
       quantized mix except Q8_0, which keeps Q8_0, and MXFP4, whose head is Q8_0;
     - in Q4_K_M, attn_v and ffn_down are Q6_K in the layers _more_bits picks, and every
       other weight (token_embd of an untied model included) is Q4_K;
-    - in Q8_0, Q4_0 and MXFP4 every other weight has the file's type; F16 is all F16;
+    - in Q8_0, Q4_0 and MXFP4 every other weight has the file's type (but a gpt-oss
+      MXFP4 file's weights other than the experts' are Q8_0, as its releases are);
+      F16 is all F16;
     - a row that the chosen type's blocks cannot tile gets _fallback's type (SmolLM2's
       576-wide rows make its Q4_K weights Q5_0 and its Q6_K ones Q8_0).
     pure gives every weight the file's base type, still with the fallback."""
     base = FILE_TYPES[file_type][0]
     if base == Q.F16 or pure:
         return _fallback(base, cols)
+    if base == Q.MXFP4 and shape.arch == "gpt-oss" and "_exps." not in name:
+        return Q.Q8_0  # gpt-oss's own files: MXFP4 experts, Q8_0 for the rest
     qtype = base
     is_head = name == "output.weight" or (shape.tied and name == "token_embd.weight")
     more_bits_names = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
@@ -187,6 +193,11 @@ def plan_tensors(shape: Shape, file_type: str, pure: bool = False) -> list[Tenso
     def norm(name: str, size: int = shape.hidden) -> None:
         plans.append(TensorPlan(name, (size,), Q.F32))
 
+    def small(name: str, *size: int) -> None:  # biases and sinks: F32 near zero
+        plans.append(TensorPlan(name, size, Q.F32))
+
+    oss = shape.arch == "gpt-oss"
+
     weight("token_embd.weight", VOCAB_SIZE, shape.hidden)
     for i in range(shape.layers):
         p = f"blk.{i}."
@@ -195,10 +206,15 @@ def plan_tensors(shape: Shape, file_type: str, pure: bool = False) -> list[Tenso
         weight(p + "attn_k.weight", kv_rows, shape.hidden, i)
         weight(p + "attn_v.weight", kv_rows, shape.hidden, i)
         weight(p + "attn_output.weight", shape.hidden, q_rows, i)
+        if oss:
+            for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows),
+                               ("attn_output", shape.hidden)):  # fmt: skip
+                small(p + part + ".bias", rows)
+            small(p + "attn_sinks.weight", shape.heads)
         if shape.qk_norm:
             norm(p + "attn_q_norm.weight", shape.head_dim)
             norm(p + "attn_k_norm.weight", shape.head_dim)
-        norm(p + "ffn_norm.weight")
+        norm(p + ("post_attention_norm.weight" if oss else "ffn_norm.weight"))
         if shape.experts:
             # llama.cpp keeps the router in F32 whatever the file type.
             plans.append(
@@ -208,6 +224,10 @@ def plan_tensors(shape: Shape, file_type: str, pure: bool = False) -> list[Tenso
             weight(p + "ffn_gate_exps.weight", ff, shape.hidden, i, e)
             weight(p + "ffn_up_exps.weight", ff, shape.hidden, i, e)
             weight(p + "ffn_down_exps.weight", shape.hidden, ff, i, e)
+            if oss:
+                small(p + "ffn_gate_inp.bias", e)
+                for part, rows in (("gate", ff), ("up", ff), ("down", shape.hidden)):
+                    small(p + f"ffn_{part}_exps.bias", e, rows)
             continue
         weight(p + "ffn_gate.weight", shape.intermediate, shape.hidden, i)
         weight(p + "ffn_up.weight", shape.intermediate, shape.hidden, i)
@@ -348,6 +368,10 @@ def tensor_chunks(plan: TensorPlan, index: int, seed: int, generators: dict, chu
     if gen is None:
         gen = generators[plan.qtype] = RandomBlocks(plan.qtype, seed)
     rng = np.random.default_rng([seed, index, 0])
+    if plan.name.endswith((".bias", "attn_sinks.weight")):  # small F32 values, in one go
+        values = WEIGHT_STD * rng.standard_normal(math.prod(plan.shape), dtype=np.float32)
+        yield values.view(np.uint8)
+        return
     rows = math.prod(plan.shape[:-1]) if len(plan.shape) >= 2 else 1
     row_bytes = plan.nbytes // rows
     blocks_per_row = row_bytes // gen.type_size
@@ -449,6 +473,12 @@ def _add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, file_type: s
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_ff)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.original_context:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.context / shape.original_context)
+        writer.add_rope_scaling_orig_ctx_len(shape.original_context)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
 
@@ -612,6 +642,8 @@ def verify_file(path: str | os.PathLike, plans: list[TensorPlan]) -> None:
                 f"{path}: {p.name} is {t.tensor_type.name} {list(t.shape)}, expected "
                 f"{p.qtype.name} {list(reversed(p.shape))}"
             )
+        if p.name.endswith((".bias", "attn_sinks.weight")):
+            continue  # small values, written in one piece: nothing to check per block
         is_norm = len(p.shape) == 1 or p.name.endswith("ffn_gate_inp.weight")
         # An expert's rows are short (768 weights: 3 K-quant blocks): sample more of them.
         check_stats(p.name, sample_rows(t, 16 if len(p.shape) == 3 else 4), is_norm=is_norm)

@@ -281,3 +281,31 @@ def test_moe_shape_file(tmp_path, monkeypatch):
     assert tuple(int(d) for d in reversed(gate.shape)) == (4, 256, 256)
     values = gguf.quants.dequantize(np.asarray(gate.data).reshape(-1, 272), Q.Q8_0)
     assert_weight_stats(gate.name, values, is_norm=False)
+
+
+def test_gpt_oss_plan_and_file(tmp_path, monkeypatch):
+    """gpt-oss-20b: MXFP4 experts and Q8_0 elsewhere (its releases' mix), biases and
+    sinks in F32, post_attention_norm, the window and YaRN in the metadata."""
+    plans = {p.name: p for p in mg.plan_tensors(mg.SHAPES["gpt-oss-20b"], "MXFP4")}
+    assert plans["blk.0.ffn_gate_exps.weight"].shape == (32, 2880, 2880)
+    assert plans["blk.0.ffn_gate_exps.weight"].qtype == Q.MXFP4
+    assert plans["blk.0.attn_q.weight"].qtype == plans["output.weight"].qtype == Q.Q8_0
+    assert plans["blk.0.ffn_down_exps.bias"].shape == (32, 2880)
+    assert plans["blk.0.attn_sinks.weight"].shape == (64,)
+    assert "blk.0.post_attention_norm.weight" in plans and "blk.0.ffn_norm.weight" not in plans
+    assert 10.0 < sum(p.nbytes for p in plans.values()) / 2**30 < 11.0
+    small = mg.Shape(256, 256, 2, 4, 2, 64, 150000.0, 1e-5, 4096, tied=False, arch="gpt-oss",
+                     experts=4, experts_used=2, expert_ff=256, sliding_window=128,
+                     original_context=512)  # fmt: skip
+    monkeypatch.setitem(mg.SHAPES, "tiny-oss", small)
+    reader = gguf.GGUFReader(str(mg.write_gguf("tiny-oss", "MXFP4", tmp_path, tokenizer=[]).path))
+    assert field(reader, "general.architecture") == "gpt-oss"
+    assert field(reader, "gpt-oss.attention.sliding_window") == 128
+    assert field(reader, "gpt-oss.rope.scaling.type") == "yarn"
+    assert field(reader, "gpt-oss.rope.scaling.original_context_length") == 512
+    tensors = {t.name: t for t in reader.tensors}
+    bias = np.asarray(tensors["blk.1.ffn_up_exps.bias"].data)
+    assert bias.shape == (4, 256) and abs(bias.std() / mg.WEIGHT_STD - 1) < 0.1
+    gate = tensors["blk.0.ffn_gate_exps.weight"]
+    values = gguf.quants.dequantize(np.asarray(gate.data).reshape(-1, 17 * 8), Q.MXFP4)
+    assert_weight_stats(gate.name, values, is_norm=False)
