@@ -8,7 +8,6 @@ import weakref
 import torch
 
 from pyllm.distributed.launch import Ranks, start_ranks
-from pyllm.distributed.parallel import check_tensor_parallel
 from pyllm.distributed.protocol import (
     ALLOC_ARENA,
     ALLOC_CACHE,
@@ -18,6 +17,7 @@ from pyllm.distributed.protocol import (
     Header,
     encode_step,
 )
+from pyllm.model.shard import check_tensor_parallel
 
 
 def load_tensor_parallel(config):

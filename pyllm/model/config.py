@@ -86,7 +86,7 @@ class ModelConfig:
     moe_activation: str = "silu"  # SUPPORTED_MOE_ACTIVATIONS; alpha and limit: swigluoai's
     moe_alpha: float = 1.702
     moe_limit: float = 7.0
-    # Under expert parallelism (pyllm.distributed.parallel.shard_config) the experts
+    # Under expert parallelism (pyllm.model.shard.shard_config) the experts
     # [start, stop) of num_experts that this rank holds; None: all of them.
     local_experts: tuple[int, int] | None = None
 

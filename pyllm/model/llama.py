@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
-from pyllm.distributed.parallel import Shard, shard_config
 from pyllm.kv_cache import KVArena, allocate_kv_cache
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
 from pyllm.model.layers import (
@@ -37,6 +36,7 @@ from pyllm.model.layers import (
     v2_workspace,
 )
 from pyllm.model.moe import SparseMoeBlock
+from pyllm.model.shard import Shard, set_reductions, shard_config
 
 _C = torch.ops.pyllm
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -105,8 +105,9 @@ class LlamaForCausalLM(nn.Module):
         tp=None,
     ) -> None:
         """max_model_len bounds the positions (and the rotary table); it defaults to
-        and may not exceed config.max_position_embeddings. tp: a
-        pyllm.distributed.parallel.TensorParallelGroup, to build this rank's shard."""
+        and may not exceed config.max_position_embeddings. tp: the rank's group (a
+        TensorParallelGroup: its shard, all_reduce and gather_columns), to build this
+        rank's shard."""
         super().__init__()
         if dtype not in ops.SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is not supported; supported: {ops.SUPPORTED_DTYPES}")
@@ -130,12 +131,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
         if tp is not None:
-            for name, module in self.named_modules():
-                row_parallel = isinstance(module, Linear) and name.endswith(
-                    (".o_proj", ".down_proj")
-                )
-                if row_parallel or isinstance(module, SparseMoeBlock):
-                    module.reduce = tp.all_reduce
+            set_reductions(self, tp.all_reduce)
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
         # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in
         # the layout of the projections (layers.Linear.pack).

@@ -153,7 +153,7 @@ def load_gguf(
     types ops.QUANT_TYPES lists stay in their blocks (read from the file straight into
     their one copy, never widened); other types, and everything with keep_quantized
     False, are dequantized to the model's dtype as before. tp: load this rank's shard
-    (pyllm.distributed.parallel)."""
+    (pyllm.model.shard says which part)."""
     gguf_file = _open(path)
     config = _config(gguf_file, path)
     model_cls = model_class(config.architecture)

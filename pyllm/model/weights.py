@@ -1,6 +1,6 @@
 """Where each named checkpoint tensor goes in the model, shared by the safetensors and
 GGUF loaders. A tensor-parallel rank takes its range of each split tensor
-(pyllm.distributed.parallel says which).
+(pyllm.model.shard says which).
 
 Experts (pyllm.model.moe): each 3-D parameter ``mlp.experts.gate_proj.weight [E, I, H]``
 has a slot per expert, ``mlp.experts.{j}.gate_proj.weight [I, H]`` (the form HF's
