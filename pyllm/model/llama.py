@@ -19,21 +19,20 @@ from pyllm.model.layers import (
     MLP,
     Attention,
     AttentionMetadata,
+    RMSNorm,
+    rotary_cos_sin_cache,
+    v2_workspace,
+)
+from pyllm.model.linear import (
     Linear,
     QuantPart,
-    RMSNorm,
-    _param,
     can_pack_linear_weights,
     can_pack_weight_words,
     dequantize_parts,
+    empty_param,
+    linear_forward,
     pack_linear_weight,
-    packed_linear,
     plain_copy_fits,
-    quant_linear,
-    rotary_cos_sin_cache,
-    small_batch_linear,
-    takes_small_batch_path,
-    v2_workspace,
 )
 from pyllm.model.moe import SparseMoeBlock
 from pyllm.model.shard import Shard, set_reductions, shard_config
@@ -82,7 +81,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(
+        self.embed_tokens.weight = empty_param(
             vocab_rows, config.hidden_size, dtype=dtype, device=device
         )
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
@@ -134,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             set_reductions(self, tp.all_reduce)
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
         # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in
-        # the layout of the projections (layers.Linear.pack).
+        # the layout of the projections (linear.Linear.pack).
         self.tied_lm_head_words: torch.Tensor | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None
         self.register_buffer(
@@ -164,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_quantized_embedding(self, part: QuantPart) -> None:
         """Keeps the token table quantized (the float table goes); a tied LM head reads
-        the same blocks through quant_linear."""
+        the same blocks through linear_quantized."""
         self.model.embed_tokens.qpart = part
         self.model.embed_tokens.weight = None
 
@@ -198,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
         """Lays every projection's weight out for the CPU's faster kernel: word-packed
         for pyllm's packed_linear, or oneDNN's packed layout (CPU only; see
-        layers.Linear). Call after loading; returns whether it packed. keep_plain keeps
+        linear.Linear). Call after loading; returns whether it packed. keep_plain keeps
         the plain weights too; by default it does only beside oneDNN's copy (for the
         small-batch path) and when that second copy fits (layers.plain_copy_fits)."""
         linears = [
@@ -277,18 +276,10 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits of this rank's vocabulary rows."""
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
-        part = self.model.embed_tokens.qpart
-        if part is not None:
-            return quant_linear(hidden, [part], None, part.stop - part.start).float()
-        if self.tied_lm_head_words is not None:
-            return packed_linear(hidden, self.tied_lm_head_words).float()
-        if takes_small_batch_path(hidden):
-            return small_batch_linear(hidden, self.model.embed_tokens.weight).float()
-        if self.tied_lm_head_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                hidden, self.tied_lm_head_packed, None, "none", [], ""
-            ).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        embed = self.model.embed_tokens
+        qparts = None if embed.qpart is None else [embed.qpart]
+        words, onednn = self.tied_lm_head_words, self.tied_lm_head_packed
+        return linear_forward(hidden, embed.weight, None, qparts, words, onednn).float()
 
     def validate_step(
         self,

@@ -2,7 +2,7 @@
 
 The file is parsed and memory-mapped once (pyllm.model.gguf_file). Projection weights
 and the token table of a type pyllm.ops.quant_linear reads stay in their blocks: each is
-read from the file straight into its one uint8 tensor (layers.QuantPart). Every other
+read from the file straight into its one uint8 tensor (linear.QuantPart). Every other
 tensor (and all of them with keep_quantized=False) is dequantized (by `gguf.quants`) to
 float32 on its own, renamed from llama.cpp's names (``blk.3.attn_k.weight``) to HF's
 (``model.layers.3.self_attn.k_proj.weight``), and copied into its slot. llama.cpp's
@@ -351,7 +351,7 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
     """QuantParts for consecutive tensors (their rows one after another in the output),
     each run of one type read from the file into one uint8 tensor. in_features: the
     layer's (a row-parallel rank's share of the tensor's columns)."""
-    from pyllm.model.layers import QuantPart
+    from pyllm.model.linear import QuantPart
 
     config, shard = model.config, model.shard
     parts, start, i = [], 0, 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pyllm.model.layers import Linear
+from pyllm.model.linear import Linear
 from pyllm.model.moe import SparseMoeBlock
 
 # The projections whose ranks hold a range of input features: their outputs are summed.
