@@ -1,5 +1,5 @@
 """The package's import graph: data flows one way (entry points -> engine -> scheduler
--> runner -> model -> ops), so no module imports itself back, and
+-> runner -> model -> attention backends -> ops), so no module imports itself back, and
 no layer imports one above it (the sampler knows nothing of the engine, the model
 nothing of tensor parallelism or the engine, the engine nothing of the entry points).
 Every import counts: top level, TYPE_CHECKING and in functions."""
@@ -111,6 +111,8 @@ def test_imports_between_finds_one():
         ("pyllm.model", "pyllm.distributed"),  # tensor parallelism drives the model
         ("pyllm.model", "pyllm.engine"),
         ("pyllm.engine", "pyllm.entrypoints"),  # entry points drive the engine
+        ("pyllm.attention", "pyllm.model"),  # backends sit under the model
+        ("pyllm.attention", "pyllm.engine"),
     ],
 )
 def test_layers_import_downwards(importer, imported):

@@ -17,6 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from pyllm.attention.backend import KVCache
+from pyllm.attention.registry import get_backend
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager
@@ -26,7 +28,6 @@ from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.slot_manager import SlotManager
 from pyllm.engine.stop_checker import check_stop, streamable_text
-from pyllm.model.llama import kv_cache_bytes_per_block
 from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
@@ -71,7 +72,7 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device
         self.max_model_len = self.model.max_model_len
-        self.kv_caches, self.kv_manager = self._allocate_kv_cache()
+        self.kv_cache, self.kv_manager = self._allocate_kv_cache()
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
@@ -80,10 +81,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model,
-            self.kv_caches,
+            self.kv_cache,
             config.block_size,
             self.device,
-            contiguous=config.kv_cache == "contiguous",
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -108,29 +108,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _allocate_kv_cache(self) -> tuple[list, KVCacheManager]:
-        """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
+    def _allocate_kv_cache(self) -> tuple[KVCache, KVCacheManager]:
+        """The KV cache in the configured layout (its attention backend's), and the
+        manager that hands out its memory: blocks, or one slot per sequence."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         budget //= cfg.tensor_parallel_size  # each rank's share
-        if cfg.kv_cache == "contiguous":
-            # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
-            # of it are ever committed at once (SlotManager keeps to that).
-            arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
-            return arena.kv_caches, SlotManager(arena, budget)
-        per_block = kv_cache_bytes_per_block(
-            self.model.local_config, cfg.block_size, cfg.torch_dtype
-        )
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
-            )
-        kv_caches = self.model.allocate_kv_caches(num_blocks, cfg.block_size)
+        backend = get_backend(cfg.kv_cache)
+        count = backend.cache_size(self.model.cache_spec, budget, cfg.block_size, cfg.max_num_seqs)
+        cache = self.model.allocate_kv_cache(backend, count, cfg.block_size)
+        if backend.addressing == "slots":
+            # Virtual room for count sequences; only `budget` bytes of it are ever
+            # committed at once (SlotManager keeps to that).
+            return cache, SlotManager(cache.memory, budget)
+        block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
         manager = BlockManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching, block_bytes=per_block
+            count, cfg.block_size, cfg.enable_prefix_caching, block_bytes=block_bytes
         )
-        return kv_caches, manager
+        return cache, manager
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (also done at exit)."""
