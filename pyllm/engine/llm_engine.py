@@ -27,6 +27,7 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.slot_manager import SlotManager
+from pyllm.engine.stats import EngineStats, StepCounters
 from pyllm.engine.stop_checker import check_stop, streamable_text
 from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
@@ -56,14 +57,6 @@ class _Request:
         return not self.waiting_siblings and all(s.is_finished for s in self.seqs)
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens_computed: int = 0
-    generation_tokens: int = 0
-    # Preemptions are counted once, by the scheduler (Scheduler.num_preemptions).
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -91,7 +84,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
-        self.stats = EngineStats()
+        self.counters = StepCounters()
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
             "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
@@ -254,11 +247,11 @@ class LLMEngine:
             return []
         logits, sampled, prompt_logits = self.runner.run(batch)
         _fill_prompt_logprobs(prompt_logits)
-        self.stats.steps += 1
+        self.counters.steps += 1
         for seq, n in batch.all():
             seq.num_computed_tokens += n
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += n
+                self.counters.prompt_tokens_computed += n
         touched: dict[str, _Request] = {}
         if sampled:
             result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
@@ -277,7 +270,7 @@ class LLMEngine:
         seq.append_token(token)
         if seq.matcher is not None:
             seq.matcher.consume_token(token)  # allowed by its mask, so it is accepted
-        self.stats.generation_tokens += 1
+        self.counters.generation_tokens += 1
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]
             if seq.sampling_params.logprobs is not None:
@@ -343,6 +336,31 @@ class LLMEngine:
         """Physical KV memory held now: the whole cache when paged (committed at start),
         what the arena has mapped when contiguous."""
         return self.kv_manager.committed_bytes()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's settings, state and totals (see EngineStats)."""
+        cfg, scheduler, kv, counters = self.config, self.scheduler, self.kv_manager, self.counters
+        blocks = kv.block_counts()
+        return EngineStats(
+            model_path=cfg.model_path,
+            torch_dtype=cfg.torch_dtype,
+            torch_device=cfg.torch_device,
+            quantization=cfg.quantization,
+            kv_cache=cfg.kv_cache,
+            max_model_len=self.max_model_len,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=self.kv_cache_usage(),
+            kv_cache_committed_bytes=self.kv_cache_committed_bytes(),
+            num_kv_blocks=None if blocks is None else blocks[1],
+            num_free_kv_blocks=None if blocks is None else blocks[0],
+            steps=counters.steps,
+            prompt_tokens_computed=counters.prompt_tokens_computed,
+            generation_tokens=counters.generation_tokens,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
 
 
 def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:
