@@ -161,19 +161,8 @@ def load_gguf(
     filler = WeightFiller(model, path)
     names = hf_names(config, filler.slots, gguf_file.tensors)
     quantized = _load_quantized(model, gguf_file, filler, names) if keep_quantized else set()
-    widened = sorted(
-        {
-            t.type_name
-            for t in gguf_file.tensors.values()
-            if t.name not in quantized and t.type_name not in ("F32", "F16", "BF16")
-        }
-    )
-    if keep_quantized and widened:
-        logger.info(
-            "pyllm: %s: tensors of type %s are widened to %s at load (quant_linear reads "
-            "%s only, and only weights whose in_features is a whole number of blocks)",
-            path, ", ".join(widened), model.dtype, ", ".join(ops.QUANT_TYPES),
-        )  # fmt: skip
+    if keep_quantized:
+        _log_widened(path, gguf_file, quantized, model.dtype)
     for tensor in gguf_file.tensors.values():
         if tensor.name in _NOT_WEIGHTS or tensor.name in quantized:
             continue
@@ -197,6 +186,23 @@ def load_gguf(
         del values
     filler.finish()
     return model
+
+
+def _log_widened(path: str, gguf_file, quantized: set[str], dtype: torch.dtype) -> None:
+    """Says which quantized types of the file were widened despite keep_quantized."""
+    widened = sorted(
+        {
+            t.type_name
+            for t in gguf_file.tensors.values()
+            if t.name not in quantized and t.type_name not in ("F32", "F16", "BF16")
+        }
+    )
+    if widened:
+        logger.info(
+            "pyllm: %s: tensors of type %s are widened to %s at load (quant_linear reads "
+            "%s only, and only weights whose in_features is a whole number of blocks)",
+            path, ", ".join(widened), dtype, ", ".join(ops.QUANT_TYPES),
+        )  # fmt: skip
 
 
 def _fill_experts(filler: WeightFiller, tensor: GGUFTensor, name: str, path: str) -> None:
