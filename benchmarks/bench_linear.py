@@ -20,7 +20,7 @@ import torch
 from bench_timing import best_of
 
 import pyllm.ops as ops
-from pyllm.model.layers import can_pack_linear_weights, pack_linear_weight
+from pyllm.model.linear import can_pack_linear_weights, pack_linear_weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) features
 

@@ -69,7 +69,7 @@ def decode_step_time(args) -> tuple[float, float, str]:
         engine.step()
     samples = []
     for i in range(steps):
-        before = engine.stats.generation_tokens
+        before = engine.stats().generation_tokens
         sync(args.device)
         start = time.perf_counter()
         engine.step()
@@ -77,7 +77,7 @@ def decode_step_time(args) -> tuple[float, float, str]:
         if i >= args.step_warmup:
             samples.append(time.perf_counter() - start)
         # Every timed step decodes every sequence, one token each.
-        made = engine.stats.generation_tokens - before
+        made = engine.stats().generation_tokens - before
         if made != args.num_seqs:
             raise RuntimeError(f"a decode step made {made} tokens, not {args.num_seqs}")
     model = (

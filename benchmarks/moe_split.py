@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from pyllm.distributed.parallel import Shard, shard_config
 from pyllm.model.config import ModelConfig
 from pyllm.model.moe import SparseMoeBlock
 from pyllm.model.quantize import QUANT_TYPES_BY_NAME, quantize_weight
+from pyllm.model.shard import Shard, shard_config
 
 
 def make_config(args) -> ModelConfig:

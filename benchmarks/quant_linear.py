@@ -39,7 +39,7 @@ from bench_timing import best_of, sync  # noqa: E402
 import pyllm.ops as ops  # noqa: E402
 from pyllm.model.default_model import default_model_path  # noqa: E402
 from pyllm.model.gguf_file import open_gguf  # noqa: E402
-from pyllm.model.layers import Linear, can_pack_weight_words  # noqa: E402
+from pyllm.model.linear import Linear, can_pack_weight_words  # noqa: E402
 
 PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

@@ -1,11 +1,15 @@
 """The package's import graph: data flows one way (entry points -> engine -> scheduler
--> runner -> model -> ops), so no module imports itself back, and the sampler knows
-nothing of the engine. Every import counts: top level, TYPE_CHECKING and in functions."""
+-> runner -> model -> attention backends -> ops), so no module imports itself back, and
+no layer imports one above it (the sampler knows nothing of the engine, the model
+nothing of tensor parallelism or the engine, the engine nothing of the entry points).
+Every import counts: top level, TYPE_CHECKING and in functions."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+
+import pytest
 
 import pyllm
 
@@ -84,12 +88,32 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_sampling_does_not_import_the_engine():
-    graph = import_graph()
-    wrong = [
+def imports_between(graph: dict[str, set[str]], importer: str, imported: str) -> list:
+    """(module, target) pairs where a module of package `importer` imports one of
+    package `imported`."""
+    return sorted(
         (m, t)
         for m, targets in graph.items()
         for t in targets
-        if m.startswith("pyllm.sampling") and t.startswith("pyllm.engine")
-    ]
-    assert wrong == []
+        if m.startswith(importer + ".") and t.startswith(imported + ".")
+    )
+
+
+def test_imports_between_finds_one():
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": set(), "p.ab.z": {"p.b.y"}}
+    assert imports_between(graph, "p.a", "p.b") == [("p.a.x", "p.b.y")]
+
+
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("pyllm.sampling", "pyllm.engine"),  # the sampler knows nothing of the engine
+        ("pyllm.model", "pyllm.distributed"),  # tensor parallelism drives the model
+        ("pyllm.model", "pyllm.engine"),
+        ("pyllm.engine", "pyllm.entrypoints"),  # entry points drive the engine
+        ("pyllm.attention", "pyllm.model"),  # backends sit under the model
+        ("pyllm.attention", "pyllm.engine"),
+    ],
+)
+def test_layers_import_downwards(importer, imported):
+    assert imports_between(import_graph(), importer, imported) == []

@@ -7,17 +7,11 @@ import weakref
 
 import torch
 
+from pyllm.attention.backend import MAIN_CACHE, AttentionBackend, KVCache
+from pyllm.attention.registry import backend_number
 from pyllm.distributed.launch import Ranks, start_ranks
-from pyllm.distributed.parallel import check_tensor_parallel
-from pyllm.distributed.protocol import (
-    ALLOC_ARENA,
-    ALLOC_CACHE,
-    LOGITS,
-    MAIN_CACHE,
-    SCRATCH_CACHE,
-    Header,
-    encode_step,
-)
+from pyllm.distributed.protocol import ALLOC_CACHE, LOGITS, Header, encode_step
+from pyllm.model.shard import check_tensor_parallel
 
 
 def load_tensor_parallel(config):
@@ -42,29 +36,22 @@ def load_tensor_parallel(config):
 class TensorParallelModel:
     def __init__(self, model, ranks: Ranks) -> None:
         self.model, self.ranks = model, ranks
-        self._main_cache: int | None = None  # data_ptr of the engine's first key cache
-        self._arena = None
         weakref.finalize(self, ranks.close)
 
     def __getattr__(self, name: str):
-        return getattr(self.model, name)  # config, max_model_len, local_config, ...
+        return getattr(self.model, name)  # config, max_model_len, cache_spec, ...
 
     def close(self) -> None:
         self.ranks.close()
 
-    def __call__(self, input_ids, positions, attn_metadata, kv_caches, validate=True):
+    def __call__(self, input_ids, positions, attn_metadata, kv_cache: KVCache, validate=True):
+        """A step over kv_cache; the other ranks run it over their cache of the same id."""
         if validate:
-            self.model.validate_step(input_ids, positions, attn_metadata, kv_caches)
-        main = kv_caches[0][0].data_ptr() == self._main_cache
-        committed = None
-        if attn_metadata.contiguous:
-            committed = self._arena.committed_tokens_per_slot
-        header, payload = encode_step(
-            input_ids, positions, attn_metadata, MAIN_CACHE if main else SCRATCH_CACHE, committed
-        )
+            self.model.validate_step(input_ids, positions, attn_metadata, kv_cache)
+        header, payload = encode_step(input_ids, positions, attn_metadata, kv_cache)
         with self.ranks.calls():
             self.ranks.send(header, payload)
-            return self.model(input_ids, positions, attn_metadata, kv_caches, validate=False)
+            return self.model(input_ids, positions, attn_metadata, kv_cache, validate=False)
 
     def compute_logits(self, hidden, logits_indices=None) -> torch.Tensor:
         rows = -1 if logits_indices is None else logits_indices.shape[0]
@@ -72,20 +59,13 @@ class TensorParallelModel:
             self.ranks.send(Header(LOGITS, a=rows, payload=max(rows, 0)), logits_indices)
             return self.model.compute_logits(hidden, logits_indices)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int):
-        """The engine's cache first; later calls (prompt logprobs' scratch cache)
-        replace the ranks' previous scratch."""
-        cache = MAIN_CACHE if self._main_cache is None else SCRATCH_CACHE
+    def allocate_kv_cache(
+        self, backend: AttentionBackend, count: int, block_size: int = 16,
+        cache_id: int = MAIN_CACHE,
+    ) -> KVCache:  # fmt: skip
+        """Every rank allocates its cache of this id; one allocated before under the same
+        id (the prompt-logprobs scratch) is replaced."""
+        number = backend_number(backend)
         with self.ranks.calls():
-            self.ranks.send(Header(ALLOC_CACHE, cache, a=num_blocks, b=block_size))
-            caches = self.model.allocate_kv_caches(num_blocks, block_size)
-        if cache == MAIN_CACHE:
-            self._main_cache = caches[0][0].data_ptr()
-        return caches
-
-    def allocate_kv_arena(self, max_num_seqs: int):
-        with self.ranks.calls():
-            self.ranks.send(Header(ALLOC_ARENA, a=max_num_seqs))
-            self._arena = self.model.allocate_kv_arena(max_num_seqs)
-        self._main_cache = self._arena.key_cache(0).data_ptr()
-        return self._arena
+            self.ranks.send(Header(ALLOC_CACHE, cache_id, backend=number, a=count, b=block_size))
+            return self.model.allocate_kv_cache(backend, count, block_size, cache_id)

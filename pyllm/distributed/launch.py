@@ -24,8 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pyllm.distributed.parallel import Shard, TensorParallelGroup, WorkerLostError
+from pyllm.distributed.parallel import TensorParallelGroup, WorkerLostError
 from pyllm.distributed.protocol import STOP, Header
+from pyllm.model.shard import Shard
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _REAP_WAIT_S = 0.5  # how long a failure waits to see which rank exited

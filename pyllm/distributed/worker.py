@@ -15,15 +15,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from pyllm.attention.backend import MAIN_CACHE, SCRATCH_CACHE, KVCache
+from pyllm.attention.registry import backend_of_number
 from pyllm.distributed.launch import init_group, threads_per_rank
 from pyllm.distributed.protocol import (
-    ALLOC_ARENA,
     ALLOC_CACHE,
     FORWARD,
     HEADER_SIZE,
     LOGITS,
-    MAIN_CACHE,
-    SCRATCH_CACHE,
     STOP,
     Header,
     decode_step,
@@ -34,8 +33,7 @@ from pyllm.engine.config import EngineConfig
 class Worker:
     def __init__(self, model, tp) -> None:
         self.model, self.tp = model, tp
-        self.caches: dict[int, list] = {}
-        self.arena = None
+        self.caches: dict[int, KVCache] = {}  # by cache id, as rank 0 names them
         self.hidden: torch.Tensor | None = None
 
     def run(self) -> None:
@@ -54,31 +52,16 @@ class Worker:
     @torch.inference_mode()
     def handle(self, h: Header, payload: torch.Tensor | None) -> None:
         if h.command == FORWARD:
-            if h.cache == MAIN_CACHE:
+            if h.cache == MAIN_CACHE:  # the engine's own steps: a scratch cache is done
                 self.caches.pop(SCRATCH_CACHE, None)
-            input_ids, positions, meta, committed = decode_step(h, payload)
-            if committed is not None:
-                sync_arena(self.arena, committed)
-            self.hidden = self.model(input_ids, positions, meta, self.caches[h.cache], False)
+            cache = self.caches[h.cache]
+            input_ids, positions, meta = decode_step(h, payload, cache)
+            self.hidden = self.model(input_ids, positions, meta, cache, False)
         elif h.command == LOGITS:
             self.model.compute_logits(self.hidden, payload if h.a >= 0 else None)
         elif h.command == ALLOC_CACHE:
-            self.caches[h.cache] = self.model.allocate_kv_caches(h.a, h.b)
-        elif h.command == ALLOC_ARENA:
-            self.arena = self.model.allocate_kv_arena(h.a)
-            self.caches[MAIN_CACHE] = self.arena.kv_caches
-
-
-def sync_arena(arena, committed: torch.Tensor) -> None:
-    """Maps and unmaps this rank's arena slots as rank 0's are (same geometry, so the
-    same committed token counts)."""
-    own = arena.committed_tokens_per_slot
-    for slot in (committed != own).nonzero().flatten().tolist():
-        tokens = int(committed[slot])
-        if tokens > own[slot]:
-            arena.commit(slot, tokens)
-        else:
-            arena.release(slot, tokens)
+            backend = backend_of_number(h.backend)
+            self.caches[h.cache] = self.model.allocate_kv_cache(backend, h.a, h.b, h.cache)
 
 
 def _die_with_parent() -> None:

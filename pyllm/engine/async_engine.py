@@ -126,6 +126,11 @@ class AsyncEngine:
         if close is not None:
             close()
 
+    def stats(self):
+        """The engine's snapshot (LLMEngine.stats: an EngineStats); requests submitted
+        but not taken yet are num_pending, apart."""
+        return self.engine.stats()
+
     @property
     def num_pending(self) -> int:
         """Requests submitted that the engine thread has not taken yet."""

@@ -81,6 +81,9 @@ class BlockManager:
         """The whole cache: it is allocated at start."""
         return self.num_blocks * self.block_bytes
 
+    def block_counts(self) -> tuple[int, int]:
+        return self.num_free_blocks, self.num_blocks
+
     def check_fits(self, num_tokens: int) -> None:
         """Raises ValueError if one sequence of num_tokens could never be held."""
         blocks = -(-num_tokens // self.block_size)

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pyllm.attention.registry import BACKENDS
+
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
-KV_CACHE_MODES = ("paged", "contiguous")
+KV_CACHE_MODES = tuple(BACKENDS)  # the KV layouts: one attention backend each
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k", "mxfp4")

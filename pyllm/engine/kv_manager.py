@@ -31,6 +31,10 @@ class KVCacheManager(Protocol):
         """Physical KV memory held now."""
         ...
 
+    def block_counts(self) -> tuple[int, int] | None:
+        """(free, total) blocks, or None where the cache is not made of blocks."""
+        ...
+
     def check_fits(self, num_tokens: int) -> None:
         """Raises ParamError if one sequence of num_tokens could never be held."""
         ...

@@ -17,6 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from pyllm.attention.backend import KVCache
+from pyllm.attention.registry import get_backend
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager
@@ -25,8 +27,8 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.slot_manager import SlotManager
+from pyllm.engine.stats import EngineStats, StepCounters
 from pyllm.engine.stop_checker import check_stop, streamable_text
-from pyllm.model.llama import kv_cache_bytes_per_block
 from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import available_memory_bytes, check_fits
 from pyllm.model.tokenizer import Tokenizer
@@ -55,14 +57,6 @@ class _Request:
         return not self.waiting_siblings and all(s.is_finished for s in self.seqs)
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens_computed: int = 0
-    generation_tokens: int = 0
-    # Preemptions are counted once, by the scheduler (Scheduler.num_preemptions).
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -71,7 +65,7 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device
         self.max_model_len = self.model.max_model_len
-        self.kv_caches, self.kv_manager = self._allocate_kv_cache()
+        self.kv_cache, self.kv_manager = self._allocate_kv_cache()
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
@@ -80,10 +74,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model,
-            self.kv_caches,
+            self.kv_cache,
             config.block_size,
             self.device,
-            contiguous=config.kv_cache == "contiguous",
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -91,7 +84,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
-        self.stats = EngineStats()
+        self.counters = StepCounters()
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
             "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
@@ -108,29 +101,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _allocate_kv_cache(self) -> tuple[list, KVCacheManager]:
-        """(per-layer (key_cache, value_cache), the manager that hands out their memory)."""
+    def _allocate_kv_cache(self) -> tuple[KVCache, KVCacheManager]:
+        """The KV cache in the configured layout (its attention backend's), and the
+        manager that hands out its memory: blocks, or one slot per sequence."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         budget //= cfg.tensor_parallel_size  # each rank's share
-        if cfg.kv_cache == "contiguous":
-            # Virtual room for max_num_seqs x max_model_len tokens; only `budget` bytes
-            # of it are ever committed at once (SlotManager keeps to that).
-            arena = self.model.allocate_kv_arena(cfg.max_num_seqs)
-            return arena.kv_caches, SlotManager(arena, budget)
-        per_block = kv_cache_bytes_per_block(
-            self.model.local_config, cfg.block_size, cfg.torch_dtype
-        )
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes"
-            )
-        kv_caches = self.model.allocate_kv_caches(num_blocks, cfg.block_size)
+        backend = get_backend(cfg.kv_cache)
+        count = backend.cache_size(self.model.cache_spec, budget, cfg.block_size, cfg.max_num_seqs)
+        cache = self.model.allocate_kv_cache(backend, count, cfg.block_size)
+        if backend.addressing == "slots":
+            # Virtual room for count sequences; only `budget` bytes of it are ever
+            # committed at once (SlotManager keeps to that).
+            return cache, SlotManager(cache.memory, budget)
+        block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
         manager = BlockManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching, block_bytes=per_block
+            count, cfg.block_size, cfg.enable_prefix_caching, block_bytes=block_bytes
         )
-        return kv_caches, manager
+        return cache, manager
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (also done at exit)."""
@@ -259,11 +247,11 @@ class LLMEngine:
             return []
         logits, sampled, prompt_logits = self.runner.run(batch)
         _fill_prompt_logprobs(prompt_logits)
-        self.stats.steps += 1
+        self.counters.steps += 1
         for seq, n in batch.all():
             seq.num_computed_tokens += n
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += n
+                self.counters.prompt_tokens_computed += n
         touched: dict[str, _Request] = {}
         if sampled:
             result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
@@ -282,7 +270,7 @@ class LLMEngine:
         seq.append_token(token)
         if seq.matcher is not None:
             seq.matcher.consume_token(token)  # allowed by its mask, so it is accepted
-        self.stats.generation_tokens += 1
+        self.counters.generation_tokens += 1
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]
             if seq.sampling_params.logprobs is not None:
@@ -348,6 +336,31 @@ class LLMEngine:
         """Physical KV memory held now: the whole cache when paged (committed at start),
         what the arena has mapped when contiguous."""
         return self.kv_manager.committed_bytes()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's settings, state and totals (see EngineStats)."""
+        cfg, scheduler, kv, counters = self.config, self.scheduler, self.kv_manager, self.counters
+        blocks = kv.block_counts()
+        return EngineStats(
+            model_path=cfg.model_path,
+            torch_dtype=cfg.torch_dtype,
+            torch_device=cfg.torch_device,
+            quantization=cfg.quantization,
+            kv_cache=cfg.kv_cache,
+            max_model_len=self.max_model_len,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=self.kv_cache_usage(),
+            kv_cache_committed_bytes=self.kv_cache_committed_bytes(),
+            num_kv_blocks=None if blocks is None else blocks[1],
+            num_free_kv_blocks=None if blocks is None else blocks[0],
+            steps=counters.steps,
+            prompt_tokens_computed=counters.prompt_tokens_computed,
+            generation_tokens=counters.generation_tokens,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
 
 
 def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:

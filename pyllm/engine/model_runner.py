@@ -1,15 +1,15 @@
 """Turns a scheduled batch into the flat tensors the model takes, and runs it.
 
 Tokens of all sequences go into one flat batch, no padding: prompt chunks first, then
-decode tokens, one per sequence. For each token the runner computes its position and
-its KV slot (block_table[position // block_size] * block_size + position % block_size;
-with the contiguous cache, the sequence's arena slot, the position being the offset).
-Logits are computed only where a token will be sampled: the last token of each
-sequence whose pending tokens are all computed by this step; and, for a sequence that
-asks for prompt logprobs (seq.prompt_logprobs is not None), at each prompt position of
-its chunk whose next token is in the prompt (every position but the last). Positions
-served from the prefix cache were never run: the same step computes their logits apart,
-in a throwaway KV cache.
+decode tokens, one per sequence. For each token the runner computes its position; the
+cache's attention backend (pyllm.attention) builds the step's metadata: where each
+token's key and value go and where each sequence's cached tokens are. Logits are
+computed only where a token will be sampled: the last token of each sequence whose
+pending tokens are all computed by this step; and, for a sequence that asks for prompt
+logprobs (seq.prompt_logprobs is not None), at each prompt position of its chunk whose
+next token is in the prompt (every position but the last). Positions served from the
+prefix cache were never run: the same step computes their logits apart, in a
+throwaway KV cache.
 """
 
 from __future__ import annotations
@@ -18,22 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pyllm.attention.backend import SCRATCH_CACHE, KVCache
+from pyllm.attention.paged import PAGED
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
-from pyllm.model.layers import AttentionMetadata
 from pyllm.sampling.params import SamplingParams
-
-
-def _padded_block_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-    width = max((len(s.block_table) for s in seqs), default=0)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
-
-
-def _seq_slots(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-    return torch.tensor([s.kv_slot for s in seqs], dtype=torch.int32, device=device)
-
 
 # (sequence, first prompt position p0, float32 logits [positions, vocab] of positions
 # p0, p0 + 1, ...): what a sequence's prompt logprobs are computed from.
@@ -42,25 +32,20 @@ PromptLogits = tuple[Sequence, int, torch.Tensor]
 
 @dataclass
 class _FlatBatch:
-    """A step's tokens as flat lists, one entry per token (query_start_loc: per sequence,
-    where its tokens start, plus the end)."""
+    """A step's tokens as flat lists, one entry per token."""
 
     input_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
     logits_indices: list[int]
     sampled: list[Sequence]
     prompt_rows: list[tuple[Sequence, int, range]]
 
 
-def _flatten(batch: ScheduledBatch, bs: int, contiguous: bool) -> _FlatBatch:
-    """The scheduled tokens in batch.all() order, with their positions, KV slots, and
-    which of them are sampled or give prompt logits."""
+def _flatten(batch: ScheduledBatch) -> _FlatBatch:
+    """The scheduled tokens in batch.all() order, with their positions, and which of
+    them are sampled or give prompt logits."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start_loc = [0]
     logits_indices: list[int] = []
     sampled: list[Sequence] = []
     prompt_rows: list[tuple[Sequence, int, range]] = []
@@ -70,46 +55,36 @@ def _flatten(batch: ScheduledBatch, bs: int, contiguous: bool) -> _FlatBatch:
         last = min(start + n, seq.num_prompt_tokens - 1)
         if seq.prompt_logprobs is not None and start < last:
             prompt_rows.append((seq, start, range(len(input_ids), len(input_ids) + last - start)))
-        table = seq.block_table
         input_ids.extend(seq.token_ids[start : start + n])
-        span = range(start, start + n)
-        positions.extend(span)
-        if contiguous:
-            slot_mapping.extend([seq.kv_slot] * n)
-        else:
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in span)
-        query_start_loc.append(query_start_loc[-1] + n)
+        positions.extend(range(start, start + n))
         if start + n == seq.num_tokens:  # everything pending is computed: sample
             logits_indices.append(len(input_ids) - 1)
             sampled.append(seq)
-    return _FlatBatch(
-        input_ids, positions, slot_mapping, query_start_loc, logits_indices, sampled, prompt_rows
-    )
+    return _FlatBatch(input_ids, positions, logits_indices, sampled, prompt_rows)
 
 
 class ModelRunner:
     def __init__(
         self,
         model,
-        kv_caches,
+        kv_cache: KVCache,
         block_size: int,
         device: torch.device,
-        contiguous: bool = False,
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
     ):
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache  # its backend builds each step's metadata
         self.block_size = block_size
         self.device = device
-        self.contiguous = contiguous  # kv_caches are views of a KVArena (SlotManager)
         self.max_num_batched_tokens = max_num_batched_tokens  # chunk of a cached prompt pass
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
         prompt_rows): prompt_rows lists (seq, first position, flat token indices) of the
         prompt positions whose logits the sequence's prompt logprobs need."""
-        flat = _flatten(batch, self.block_size, self.contiguous)
-        metadata = self._attention_metadata(batch, flat.slot_mapping, flat.query_start_loc)
+        flat = _flatten(batch)
+        backend = self.kv_cache.backend
+        metadata = backend.build(batch.prefills, batch.decodes, self.block_size, self.device)
         device = self.device
         return (
             torch.tensor(flat.input_ids, dtype=torch.int64, device=device),
@@ -119,34 +94,6 @@ class ModelRunner:
             flat.sampled,
             flat.prompt_rows,
         )
-
-    def _attention_metadata(
-        self, batch: ScheduledBatch, slot_mapping: list[int], query_start_loc: list[int]
-    ) -> AttentionMetadata:
-        device = self.device
-        prefill_seqs = [s for s, _ in batch.prefills]
-        decode_seqs = [s for s, _ in batch.decodes]
-        num_prefills = len(prefill_seqs)
-        prefill_lens = [s.num_computed_tokens + n for s, n in batch.prefills]
-        decode_lens = [s.num_computed_tokens + 1 for s in decode_seqs]
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            num_prefill_tokens=query_start_loc[num_prefills],
-            prefill_query_start_loc=torch.tensor(
-                query_start_loc[: num_prefills + 1], dtype=torch.int32, device=device
-            ),
-            prefill_seq_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
-            prefill_block_tables=_padded_block_tables(prefill_seqs, device),
-            max_query_len=max((n for _, n in batch.prefills), default=0),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-            decode_block_tables=_padded_block_tables(decode_seqs, device),
-            max_decode_seq_len=max(decode_lens, default=0),
-        )
-        if self.contiguous:
-            metadata.contiguous = True
-            metadata.prefill_seq_slots = _seq_slots(prefill_seqs, device)
-            metadata.decode_seq_slots = _seq_slots(decode_seqs, device)
-        return metadata
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
@@ -165,7 +112,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
         input_ids, positions, metadata, logits_indices, sampled, prompt_rows = self.prepare(batch)
         # The metadata is built here from the scheduler's own state: skip re-validating it.
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches, validate=False)
+        hidden = self.model(input_ids, positions, metadata, self.kv_cache, validate=False)
         prompt_logits = [
             (seq, start, self.model.compute_logits(hidden, torch.tensor(rows, device=self.device)))
             for seq, start, rows in prompt_rows
@@ -177,14 +124,14 @@ class ModelRunner:
     def _prompt_logits_uncached(self, owner: Sequence, num_positions: int) -> list[PromptLogits]:
         """Prompt logits of owner's positions [0, num_positions), computed in a throwaway
         KV cache: its first blocks came from the prefix cache (never recomputed, and
-        shared, so they are not written again)."""
+        shared, so they are not written again). Paged whatever the engine's layout: the
+        throwaway sequence's blocks are simply the first ones."""
         bs = self.block_size
         chunk_size = self.max_num_batched_tokens
         tokens = list(owner.prompt_token_ids[: num_positions + 1])
         num_blocks = -(-len(tokens) // bs)
-        scratch = ModelRunner(
-            self.model, self.model.allocate_kv_caches(num_blocks, bs), bs, self.device
-        )
+        cache = self.model.allocate_kv_cache(PAGED, num_blocks, bs, SCRATCH_CACHE)
+        scratch = ModelRunner(self.model, cache, bs, self.device)
         seq = Sequence("prompt-logprobs", tokens, SamplingParams(max_tokens=1))
         seq.block_table = list(range(num_blocks))
         seq.prompt_logprobs = []

@@ -46,6 +46,9 @@ class SlotManager:
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
 
+    def block_counts(self) -> None:
+        return None  # slots, not blocks
+
     def usage(self) -> float:
         """Share of the memory budget committed (0 to 1)."""
         return min(1.0, self.committed_bytes() / self.budget_bytes)

@@ -1,13 +1,14 @@
 """Prometheus metrics for `GET /metrics`.
 
 Engine state (requests running and waiting, KV blocks, token and preemption counts,
-prefix-cache hits) is read when the metrics are scraped, straight from the engine's own
-counters, so it can never drift from what the engine did. Per-request latencies (time to
-first token, time per output token, end to end) are observed by the server as each
-request finishes. Each app gets its own registry, so several can live in one process.
+prefix-cache hits) is read when the metrics are scraped, from one snapshot of the
+engine's own counters (LLMEngine.stats), so it can never drift from what the engine
+did. Per-request latencies (time to first token, time per output token, end to end)
+are observed by the server as each request finishes. Each app gets its own registry,
+so several can live in one process.
 
-Reading the engine's counters from the event loop while the engine thread steps is safe:
-each read is one int or one len() of a container, atomic under the GIL.
+Taking the snapshot from the event loop while the engine thread steps is safe: each of
+its reads is one int or one len() of a container, atomic under the GIL.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pyllm.engine.async_engine import AsyncEngine
+from pyllm.engine.stats import EngineStats
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -45,50 +47,44 @@ class _EngineCollector(Collector):
         return family
 
     def collect(self):
-        yield from self._request_gauges()
-        yield from self._kv_gauges()
-        yield from self._counters()
+        stats = self.engine.stats()
+        yield from self._request_gauges(stats)
+        yield from self._kv_gauges(stats)
+        yield from self._counters(stats)
 
-    def _request_gauges(self):
-        scheduler = self.engine.engine.scheduler
+    def _request_gauges(self, stats: EngineStats):
         yield self._gauge(
-            "pyllm:num_requests_running",
-            "Sequences in the running batch",
-            len(scheduler.running),
+            "pyllm:num_requests_running", "Sequences in the running batch", stats.num_running
         )
         yield self._gauge(
             "pyllm:num_requests_waiting",
             "Sequences waiting for their first schedule (or to be recomputed), and "
             "requests not yet taken by the engine",
-            len(scheduler.waiting) + self.engine.num_pending,
+            stats.num_waiting + self.engine.num_pending,
         )
 
-    def _kv_gauges(self):
-        llm = self.engine.engine
+    def _kv_gauges(self, stats: EngineStats):
         yield self._gauge(
             "pyllm:kv_cache_usage_perc",
             "Share of the KV cache in use (0 to 1): blocks held (paged) or budget committed "
             "(contiguous)",
-            llm.kv_cache_usage(),
+            stats.kv_cache_usage,
         )
         yield self._gauge(
             "pyllm:kv_cache_committed_bytes",
             "Physical KV cache memory held: all of it when paged, what the arena has mapped "
             "when contiguous",
-            llm.kv_cache_committed_bytes(),
+            stats.kv_cache_committed_bytes,
         )
-        if llm.config.kv_cache == "paged":
-            kv = llm.kv_manager
+        if stats.num_kv_blocks is not None:  # a layout made of blocks
             yield self._gauge(
                 "pyllm:num_free_kv_blocks",
                 "KV blocks free to allocate (cached prefixes nobody holds count as free)",
-                kv.num_free_blocks,
+                stats.num_free_kv_blocks,
             )
-            yield self._gauge("pyllm:num_kv_blocks", "KV blocks in the cache", kv.num_blocks)
+            yield self._gauge("pyllm:num_kv_blocks", "KV blocks in the cache", stats.num_kv_blocks)
 
-    def _counters(self):
-        llm = self.engine.engine
-        scheduler, kv, stats = llm.scheduler, llm.kv_manager, llm.stats
+    def _counters(self, stats: EngineStats):
         yield self._counter("pyllm:generation_tokens", "Tokens generated", stats.generation_tokens)
         yield self._counter(
             "pyllm:prompt_tokens_computed",
@@ -96,18 +92,16 @@ class _EngineCollector(Collector):
             "recomputation after preemption included)",
             stats.prompt_tokens_computed,
         )
-        yield self._counter(
-            "pyllm:num_preemptions", "Sequences preempted", scheduler.num_preemptions
-        )
+        yield self._counter("pyllm:num_preemptions", "Sequences preempted", stats.num_preemptions)
         yield self._counter(
             "pyllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            kv.prefix_cache_queries,
+            stats.prefix_cache_queries,
         )
         yield self._counter(
             "pyllm:prefix_cache_hits",
             "Prompt tokens served from the prefix cache",
-            kv.prefix_cache_hits,
+            stats.prefix_cache_hits,
         )
         yield self._counter("pyllm:engine_steps", "Engine steps run", stats.steps)
 

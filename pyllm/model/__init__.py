@@ -13,10 +13,7 @@ _EXPORTS = {
     "auto_dtype": "pyllm.model.dtype",
     "resolve_dtype": "pyllm.model.dtype",
     "default_model_path": "pyllm.model.default_model",
-    "AttentionMetadata": "pyllm.model.layers",
     "LlamaForCausalLM": "pyllm.model.llama",
-    "allocate_kv_caches": "pyllm.model.llama",
-    "kv_cache_bytes_per_block": "pyllm.model.llama",
     "load_config": "pyllm.model.loader",
     "load_model": "pyllm.model.loader",
 }

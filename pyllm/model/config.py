@@ -86,7 +86,7 @@ class ModelConfig:
     moe_activation: str = "silu"  # SUPPORTED_MOE_ACTIVATIONS; alpha and limit: swigluoai's
     moe_alpha: float = 1.702
     moe_limit: float = 7.0
-    # Under expert parallelism (pyllm.distributed.parallel.shard_config) the experts
+    # Under expert parallelism (pyllm.model.shard.shard_config) the experts
     # [start, stop) of num_experts that this rank holds; None: all of them.
     local_experts: tuple[int, int] | None = None
 
@@ -293,16 +293,23 @@ class ModelConfig:
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=_gguf_rope_scaling(metadata, arch, source, rope_factors),
             rope_freq_factors=rope_factors.get("rope_freqs"),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias="blk.0.attn_q.bias" in tensor_names,
-            o_bias="blk.0.attn_output.bias" in tensor_names,
-            mlp_bias="blk.0.ffn_down.bias" in tensor_names,
+            **_gguf_tensor_flags(tensor_names),
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             source=source,
             **_gguf_moe(key, metadata, tensor_names, source),
         )
         return cls(**{**base, **family.gguf_fields(key, metadata)})
+
+
+def _gguf_tensor_flags(tensor_names: set[str]) -> dict:
+    """What the file's tensor names say: a tied LM head (no output.weight), biases."""
+    return {
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
+        "o_bias": "blk.0.attn_output.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_down.bias" in tensor_names,
+    }
 
 
 def _gguf_moe(key, metadata: dict[str, Any], tensor_names: set[str], source: str) -> dict:

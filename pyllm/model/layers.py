@@ -1,410 +1,31 @@
-"""The layers of a Llama-family decoder over a flat batch of tokens and a paged KV cache.
+"""The layers of a Llama-family decoder over a flat batch of tokens: norms, rotary
+tables, attention and the dense MLP (projections: linear.py; sparse MLPs: moe.py).
 
 A step's batch has no padding: T tokens from many sequences back to back, prefill
 tokens first (every sequence that processes a prompt or a prompt chunk this step),
 then decode tokens (one per sequence). The hot path calls ``torch.ops.pyllm.*``
-directly; ``AttentionMetadata.validate`` checks the step's index tensors once instead
-of once per layer and op.
+directly; the step's attention backend (pyllm.attention) writes the KV cache and runs
+attention in the layout the step's metadata belongs to.
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pyllm.ops as ops
+from pyllm.attention.backend import KVPair
+from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, rope_inv_freq
+from pyllm.model.linear import Linear, empty_param
 
 _C = torch.ops.pyllm
-
-# Decode attention switches from paged_attention_v1 (one pass per sequence and head)
-# to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) past this context
-# length. Measured on 2 CPU cores with SmolLM2's 9/3 heads, 1-32 sequences,
-# contexts 128-16384: v1 and v2 within noise of each other (v1 already spreads
-# sequences x heads over the cores), so the CPU switches only for very long contexts.
-V2_MIN_SEQ_LEN = 8192
-# A GPU needs hundreds of (sequence, head) pairs in flight to fill its SMs; with fewer,
-# splitting each sequence into partitions is what keeps it busy.
-CUDA_V2_MAX_SEQ_HEADS = 512
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Where each token of the step lives in the paged KV cache.
-
-    slot_mapping: [T] int64, slot = block_number * block_size + offset (-1 skips).
-    Prefill part (P sequences, the first num_prefill_tokens tokens):
-      prefill_query_start_loc [P + 1] int32, prefill_seq_lens [P] int32 (tokens cached
-      after this step, earlier chunks included), prefill_block_tables [P, B] int32,
-      max_query_len.
-    Decode part (D sequences, one token each, the remaining T - num_prefill_tokens):
-      decode_seq_lens [D] int32, decode_block_tables [D, B'] int32, max_decode_seq_len.
-
-    Contiguous KV cache (contiguous=True, see pyllm.kv_cache.KVArena): a sequence is addressed
-    by its arena slot, so prefill_seq_slots [P] / decode_seq_slots [D] int32 replace the
-    block tables, and slot_mapping holds each token's sequence slot (-1 skips); the
-    token's position in the slot is its position.
-    """
-
-    slot_mapping: torch.Tensor
-    num_prefill_tokens: int
-    prefill_query_start_loc: torch.Tensor | None = None
-    prefill_seq_lens: torch.Tensor | None = None
-    prefill_block_tables: torch.Tensor | None = None
-    max_query_len: int = 0
-    decode_seq_lens: torch.Tensor | None = None
-    decode_block_tables: torch.Tensor | None = None
-    max_decode_seq_len: int = 0
-    contiguous: bool = False
-    prefill_seq_slots: torch.Tensor | None = None
-    decode_seq_slots: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
-
-    def use_v2(self, num_heads: int, device: torch.device) -> bool:
-        """Whether this step's decode attention runs paged_attention_v2 (see V2_MIN_SEQ_LEN)."""
-        if self.max_decode_seq_len <= ops.PARTITION_SIZE:
-            return False  # one partition: v2 would only add the merge
-        if self.max_decode_seq_len > V2_MIN_SEQ_LEN:
-            return True
-        few_pairs = self.num_decode_tokens * num_heads <= CUDA_V2_MAX_SEQ_HEADS
-        return device.type == "cuda" and few_pairs
-
-    def validate(self, num_blocks: int, block_size: int, device: torch.device) -> None:
-        """Checks shapes, dtypes and index ranges against a cache of num_blocks blocks
-        of block_size tokens; raises ValueError naming the field."""
-        T, P = self.num_tokens, self.num_prefill_tokens
-        _index("slot_mapping", self.slot_mapping, torch.int64, 1, device)
-        if not 0 <= P <= T:
-            raise ValueError(f"num_prefill_tokens must lie in [0, {T}], got {P}")
-        if T and (
-            int(self.slot_mapping.min()) < -1
-            or int(self.slot_mapping.max()) >= num_blocks * block_size
-        ):
-            raise ValueError(
-                f"slot_mapping values must lie in [-1, {num_blocks * block_size}), got "
-                f"{int(self.slot_mapping.min())}..{int(self.slot_mapping.max())}"
-            )
-        if P:
-            qsl = _index(
-                "prefill_query_start_loc", self.prefill_query_start_loc, torch.int32, 1, device
-            )
-            num_seqs = qsl.shape[0] - 1
-            seq_lens = self._seq_tables("prefill", num_seqs, num_blocks, block_size, device)
-            q_lens = qsl[1:] - qsl[:-1]
-            if num_seqs < 1 or int(qsl[0]) != 0 or int(qsl[-1]) != P or int(q_lens.min()) < 1:
-                raise ValueError(
-                    f"prefill_query_start_loc must rise from 0 to num_prefill_tokens ({P}), "
-                    f"got {qsl.tolist()}"
-                )
-            if int(q_lens.max()) > self.max_query_len or bool((q_lens > seq_lens).any()):
-                raise ValueError(
-                    f"each prefill query length must be <= max_query_len ({self.max_query_len}) "
-                    "and <= its prefill_seq_lens entry"
-                )
-        if T - P:
-            seq_lens = self._seq_tables("decode", T - P, num_blocks, block_size, device)
-            if int(seq_lens.min()) < 1 or int(seq_lens.max()) > self.max_decode_seq_len:
-                raise ValueError(
-                    f"decode_seq_lens must lie in [1, max_decode_seq_len="
-                    f"{self.max_decode_seq_len}], got {int(seq_lens.min())}..{int(seq_lens.max())}"
-                )
-
-    def validate_contiguous(self, num_slots: int, slot_capacity: int, device) -> None:
-        """The contiguous cache's checks: slots in [0, num_slots) (-1 skips a token),
-        sequence lengths within a slot's capacity, query lengths as in validate()."""
-        T, P = self.num_tokens, self.num_prefill_tokens
-        _index("slot_mapping", self.slot_mapping, torch.int64, 1, device)
-        if not 0 <= P <= T:
-            raise ValueError(f"num_prefill_tokens must lie in [0, {T}], got {P}")
-        if T and (int(self.slot_mapping.min()) < -1 or int(self.slot_mapping.max()) >= num_slots):
-            raise ValueError(f"slot_mapping (token slots) must lie in [-1, {num_slots})")
-        for part, count in (("prefill", P and self.prefill_query_start_loc.shape[0] - 1),
-                            ("decode", T - P)):  # fmt: skip
-            if not count:
-                continue
-            slots = _index(f"{part}_seq_slots", getattr(self, f"{part}_seq_slots"),
-                           torch.int32, 1, device)  # fmt: skip
-            lens = _index(f"{part}_seq_lens", getattr(self, f"{part}_seq_lens"),
-                          torch.int32, 1, device)  # fmt: skip
-            if slots.shape[0] != count or lens.shape[0] != count:
-                raise ValueError(f"{part}_seq_slots and {part}_seq_lens need {count} entries")
-            if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
-                raise ValueError(f"{part}_seq_slots must lie in [0, {num_slots})")
-            if int(lens.min()) < 1 or int(lens.max()) > slot_capacity:
-                raise ValueError(f"{part}_seq_lens must lie in [1, {slot_capacity}]")
-
-    def _seq_tables(
-        self, part: str, num_seqs: int, num_blocks: int, block_size: int, device: torch.device
-    ) -> torch.Tensor:
-        seq_lens = _index(
-            f"{part}_seq_lens", getattr(self, f"{part}_seq_lens"), torch.int32, 1, device
-        )
-        tables = _index(
-            f"{part}_block_tables", getattr(self, f"{part}_block_tables"), torch.int32, 2, device
-        )
-        if seq_lens.shape[0] != num_seqs or tables.shape[0] != num_seqs:
-            raise ValueError(
-                f"{part}_seq_lens {tuple(seq_lens.shape)} and {part}_block_tables "
-                f"{tuple(tables.shape)} must have {num_seqs} rows (one per {part} sequence)"
-            )
-        capacity = tables.shape[1] * block_size
-        if int(seq_lens.max()) > capacity:
-            raise ValueError(
-                f"{part}_seq_lens reach {int(seq_lens.max())} but {part}_block_tables holds "
-                f"{tables.shape[1]} blocks of {block_size} tokens"
-            )
-        # Only the table entries that cover cached tokens are read.
-        used = (
-            torch.arange(tables.shape[1], device=device)[None, :] * block_size < seq_lens[:, None]
-        )
-        entries = tables[used]
-        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
-            raise ValueError(
-                f"{part}_block_tables holds block numbers outside [0, {num_blocks}): "
-                f"{int(entries.min())}..{int(entries.max())}"
-            )
-        return seq_lens
-
-
-def _index(
-    name: str, t: torch.Tensor | None, dtype: torch.dtype, ndim: int, device: torch.device
-) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype != dtype or t.dim() != ndim or t.device != device or not t.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous {ndim}-D {dtype} tensor on {device}, got "
-            f"{t.dtype} {tuple(t.shape)} on {t.device}"
-            + ("" if t.is_contiguous() else " (not contiguous)")
-        )
-    return t
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    # Filled by the loader: allocating uninitialised keeps construction cheap.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-@dataclass(slots=True)
-class QuantPart:
-    """Output features [start, stop) of a layer whose weight stays quantized: qweight holds
-    their rows as GGUF blocks of GGML type qtype (ops.quant_linear). A fused projection
-    (q/k/v, gate/up) whose parts come in different types keeps one part per type."""
-
-    qweight: torch.Tensor
-    qtype: int
-    start: int
-    stop: int
-
-
-def quant_linear(
-    x: torch.Tensor, parts: list[QuantPart], bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """x [..., K] times the quantized weight of parts, each writing its output columns."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
-    whole = len(parts) == 1
-    for p in parts:
-        part_bias = None if bias is None else bias[p.start : p.stop]
-        target = out if whole else out[:, p.start : p.stop]
-        _C.quant_linear(target, rows, p.qweight, p.qtype, part_bias)
-    return out.view(*x.shape[:-1], out_features)
-
-
-def dequantize_parts(parts: list[QuantPart], in_features: int, dtype) -> torch.Tensor:
-    """The float weight [N, K] of quantized parts (for tests and dense_weight)."""
-    pieces = []
-    for p in parts:
-        w = torch.empty(p.stop - p.start, in_features, dtype=dtype, device=p.qweight.device)
-        _C.dequantize_rows(w, p.qweight, p.qtype, None)
-        pieces.append(w)
-    return torch.cat(pieces)
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), with W allocated once and filled by the loader.
-
-    A GGUF model's quantized weights stay quantized (set_quantized): W is then kept as
-    the file's blocks and every batch size goes through ops.quant_linear.
-
-    On the CPU pack() lays W out once for a faster kernel. Where pyllm's packed_linear
-    has a vector kernel for the dtype (AVX-512: float32, and bf16 with AVX512-BF16 but
-    no AMX, see can_pack_weight_words) W becomes
-    word-packed (ops.pack_weight_words) and every batch size goes through it: it
-    measured as fast as or faster than both oneDNN and small_batch_linear from 1 to
-    512 rows on SmolLM2's projections (benchmarks/bench_linear.py). Elsewhere up to
-    ops.SMALL_BATCH_MAX_ROWS rows (a decode step of a few sequences) go through
-    small_batch_linear, which streams W at memory bandwidth without a GEMM library's
-    per-call cost, and more rows through oneDNN with W in its blocked layout (a plain
-    F.linear lets oneDNN re-lay-out the whole weight on every call, which costs more
-    than the product itself at small batches, bf16 especially). pack(keep_plain=True)
-    keeps W beside the packed copy, at twice the weight memory.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.word_weight: torch.Tensor | None = None  # pyllm's word-packed copy
-        self.packed_weight: torch.Tensor | None = None  # oneDNN's packed copy
-        self.qparts: list[QuantPart] | None = None  # GGUF blocks, by output range
-        # Row-parallel (tensor parallelism): sums the ranks' partial outputs.
-        self.reduce = None
-
-    def set_quantized(self, parts: list[QuantPart]) -> None:
-        """Keeps W as quantized parts covering all output features (the float W goes)."""
-        covered = sorted((p.start, p.stop) for p in parts)
-        if (
-            not covered
-            or covered[0][0] != 0
-            or covered[-1][1] != self.out_features
-            or any(a[1] != b[0] for a, b in zip(covered, covered[1:], strict=False))
-        ):
-            raise ValueError(f"quantized parts {covered} do not cover [0, {self.out_features})")
-        self.qparts = sorted(parts, key=lambda p: p.start)
-        self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(x)
-        return out if self.reduce is None else self.reduce(out)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qparts is not None:
-            return quant_linear(x, self.qparts, self.bias, self.out_features)
-        if self.word_weight is not None:
-            return packed_linear(x, self.word_weight, self.bias)
-        if self.weight is not None and takes_small_batch_path(x):
-            return small_batch_linear(x, self.weight, self.bias)
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
-        return F.linear(x, self.weight, self.bias)
-
-    def pack(self, keep_plain: bool = False) -> None:
-        """Adds the packed copy of the weight: word-packed where can_pack_weight_words,
-        else oneDNN's. Without keep_plain the plain weight is dropped (one copy in
-        memory; dense_weight() still reads it back)."""
-        if can_pack_weight_words(self.weight):
-            self.word_weight = ops.pack_weight_words(self.weight)
-        else:
-            self.packed_weight = pack_linear_weight(self.weight)
-        if not keep_plain:
-            self.weight = None
-
-    def dense_weight(self) -> torch.Tensor:
-        if self.weight is not None:
-            return self.weight
-        if self.qparts is not None:
-            dtype = self.bias.dtype if self.bias is not None else torch.float32
-            return dequantize_parts(self.qparts, self.in_features, dtype)
-        if self.word_weight is not None:
-            return unpack_weight_words(self.word_weight)
-        return self.packed_weight.to_dense()
-
-
-def can_pack_weight_words(weight: torch.Tensor) -> bool:
-    """Whether packed_linear runs weight fast: a CPU weight of a dtype it has a vector
-    kernel for in this build, with [N, K] that the word layout takes. Not bf16 on CPUs
-    with AMX: oneDNN multiplies bf16 there with AMX tiles, several times vdpbf16ps's
-    rate (oneDNN took 75 ms for a 512-token bf16 prefill's projections with AMX;
-    packed_linear about 285 ms for them on a CPU without it)."""
-    if weight.device.type != "cpu" or weight.dim() != 2:
-        return False
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if weight.dtype == torch.bfloat16 and _cpu_has_amx():
-        return False
-    n, k = weight.shape
-    return ops.packed_linear_vectorized(weight.dtype) and n % 16 == 0 and k % 2 == 0
-
-
-def _cpu_has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
-def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
-    """The [N, K] weight back from ops.pack_weight_words' [N / 16, K / E, 16, E]."""
-    blocks, k_words, lanes, e = words.shape
-    return words.permute(0, 2, 1, 3).reshape(blocks * lanes, k_words * e)
-
-
-def packed_linear(
-    x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
-    _C.packed_linear(out, rows, words, bias)
-    return out.view(*x.shape[:-1], out.shape[1])
-
-
-def takes_small_batch_path(x: torch.Tensor) -> bool:
-    """Rows few enough for small_batch_linear, on the CPU (cuBLAS does these on a GPU)."""
-    return x.dim() == 2 and x.shape[0] <= ops.SMALL_BATCH_MAX_ROWS and x.device.type == "cpu"
-
-
-def small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _C.small_batch_linear(out, x, weight, bias)
-    return out
-
-
-def plain_copy_fits(nbytes: int) -> bool:
-    """Whether keeping nbytes of weights twice (plain for the small-batch path beside
-    oneDNN's packed copy) leaves the machine's memory comfortable: the second copy may
-    take up to a quarter of it. For SmolLM2-135M in float32 that is 0.5 GB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return False
-    return nbytes <= total // 4
-
-
-def can_pack_linear_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """oneDNN-packed weights: CPU tensors, in builds of torch with oneDNN, of a dtype
-    oneDNN multiplies on this CPU (its bf16 and fp16 paths need AVX-512 or AVX-NE-CONVERT;
-    on an AVX2-only CPU packing them raises, so those weights stay plain)."""
-    if not (
-        torch.device(device).type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return dtype == torch.float32
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    # The batch-size hint picks oneDNN's block layout. Measured here on SmolLM2's shapes
-    # (benchmarks of M = 1, 32, 512 rows): bfloat16 is best with 1 (hint 32 up to 30%
-    # slower at M = 1); float32 with 32 (hint 1 up to 2x slower at M = 32, and slower at
-    # M = 1 as well).
-    hint = 32 if weight.dtype == torch.float32 else 1
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype, device) -> None:
         super().__init__()
-        self.weight = _param(hidden_size, dtype=dtype, device=device)
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -463,7 +84,7 @@ class Attention(nn.Module):
         # gpt-oss: a learned logit per head that joins every softmax with no value
         # (float32, as the attention ops take it).
         self.sinks = (
-            _param(self.num_heads, dtype=torch.float32, device=device)
+            empty_param(self.num_heads, dtype=torch.float32, device=device)
             if config.attn_sinks
             else None
         )
@@ -473,10 +94,13 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         cos_sin_cache: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVPair,
         meta: AttentionMetadata,
-        v2_workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        workspace,
     ) -> torch.Tensor:
+        """Projects hidden [T, hidden_size] to q/k/v, rotates q and k, and has the step's
+        backend cache k/v and attend (workspace: its per-step scratch); returns o_proj
+        of the heads' outputs."""
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size]
@@ -485,63 +109,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
-        key_cache, value_cache = kv_cache
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         out = torch.empty(
             T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device
         )
-        if meta.contiguous:
-            self._contiguous_attention(out, q, k, v, positions, key_cache, value_cache, meta)
-            return self.o_proj(out.view(T, self.q_size))
-        _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
-        block_size = value_cache.shape[3]
-        P = meta.num_prefill_tokens
-        if P:
-            _C.paged_attention_prefill(
-                out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
-                meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                block_size, meta.max_query_len, None, self.sliding_window, self.sinks,
-            )  # fmt: skip
-        if P < T:
-            if v2_workspace is None:
-                _C.paged_attention_v1(
-                    out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
-                    meta.decode_block_tables, meta.decode_seq_lens, block_size,
-                    meta.max_decode_seq_len, None, self.sliding_window, self.sinks,
-                )  # fmt: skip
-            else:
-                exp_sums, max_logits, tmp_out = v2_workspace
-                _C.paged_attention_v2(
-                    out[P:], exp_sums, max_logits, tmp_out, q[P:], key_cache, value_cache,
-                    self.num_kv_heads, self.scale, meta.decode_block_tables,
-                    meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
-                    self.sliding_window, self.sinks,
-                )  # fmt: skip
+        meta.backend.forward(self, out, q, k, v, positions, kv_cache, meta, workspace)
         return self.o_proj(out.view(T, self.q_size))
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head of x [T, H * D] (a row view of qkv): a new [T, H * D]."""
         heads = x.reshape(-1, self.head_dim)
         return norm(heads).view(x.shape[0], -1)
-
-    def _contiguous_attention(self, out, q, k, v, positions, key_cache, value_cache, meta):
-        """The same attention over the contiguous KV arena: slots instead of block tables."""
-        _C.write_kv_contiguous(k, v, key_cache, value_cache, meta.slot_mapping, positions)
-        P, T = meta.num_prefill_tokens, meta.num_tokens
-        if P:
-            _C.contiguous_attention_prefill(
-                out[:P], q[:P], key_cache, value_cache, self.num_kv_heads, self.scale,
-                meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len, self.sliding_window, self.sinks,
-            )  # fmt: skip
-        if P < T:
-            _C.contiguous_attention_decode(
-                out[P:], q[P:], key_cache, value_cache, self.num_kv_heads, self.scale,
-                meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
-                self.sliding_window, self.sinks,
-            )  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -567,20 +147,3 @@ class MLP(nn.Module):
         act = torch.empty(x.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
         _C.silu_and_mul(act, gate_up)
         return self.down_proj(act)
-
-
-def v2_workspace(
-    meta: AttentionMetadata, num_heads: int, head_size: int, dtype: torch.dtype, device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The step's scratch for paged_attention_v2 (shared by all layers), or None for v1."""
-    if meta.contiguous or not meta.num_decode_tokens:
-        return None  # the contiguous decode op splits long contexts by itself
-    if not meta.use_v2(num_heads, torch.device(device)):
-        return None
-    partitions = -(-meta.max_decode_seq_len // ops.PARTITION_SIZE)
-    shape = (meta.num_decode_tokens, num_heads, partitions)
-    return (
-        torch.empty(shape, dtype=torch.float32, device=device),
-        torch.empty(shape, dtype=torch.float32, device=device),
-        torch.empty((*shape, head_size), dtype=dtype, device=device),
-    )

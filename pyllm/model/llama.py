@@ -1,9 +1,10 @@
 """The Llama block (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, and with sparse MLPs
 Qwen3-MoE and Mixtral) over pyllm's ops; other families subclass it (gemma3.py).
 
-``LlamaForCausalLM(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden
-[T, hidden_size]`` runs one step of a flat batch (see layers.AttentionMetadata), and
-``compute_logits(hidden, logits_indices)`` projects only the rows asked for.
+``LlamaForCausalLM(input_ids [T], positions [T], attn_metadata, kv_cache) -> hidden
+[T, hidden_size]`` runs one step of a flat batch (see pyllm.attention: the metadata's
+backend runs attention over the cache), and ``compute_logits(hidden, logits_indices)``
+projects only the rows asked for.
 """
 
 from __future__ import annotations
@@ -13,33 +14,25 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
-from pyllm.distributed.parallel import Shard, shard_config
-from pyllm.kv_cache import KVArena, allocate_kv_cache
+from pyllm.attention.backend import MAIN_CACHE, AttentionBackend, CacheSpec, KVCache
+from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
-from pyllm.model.layers import (
-    MLP,
-    Attention,
-    AttentionMetadata,
+from pyllm.model.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache
+from pyllm.model.linear import (
     Linear,
     QuantPart,
-    RMSNorm,
-    _param,
     can_pack_linear_weights,
     can_pack_weight_words,
     dequantize_parts,
+    empty_param,
+    linear_forward,
     pack_linear_weight,
-    packed_linear,
     plain_copy_fits,
-    quant_linear,
-    rotary_cos_sin_cache,
-    small_batch_linear,
-    takes_small_batch_path,
-    v2_workspace,
 )
 from pyllm.model.moe import SparseMoeBlock
+from pyllm.model.shard import Shard, set_reductions, shard_config
 
 _C = torch.ops.pyllm
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def input_norm(norm: RMSNorm, hidden, residual):
@@ -82,7 +75,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(
+        self.embed_tokens.weight = empty_param(
             vocab_rows, config.hidden_size, dtype=dtype, device=device
         )
         # A quantized token table (GGUF) replaces the weight: rows dequantized on lookup.
@@ -105,8 +98,9 @@ class LlamaForCausalLM(nn.Module):
         tp=None,
     ) -> None:
         """max_model_len bounds the positions (and the rotary table); it defaults to
-        and may not exceed config.max_position_embeddings. tp: a
-        pyllm.distributed.parallel.TensorParallelGroup, to build this rank's shard."""
+        and may not exceed config.max_position_embeddings. tp: the rank's group (a
+        TensorParallelGroup: its shard, all_reduce and gather_columns), to build this
+        rank's shard."""
         super().__init__()
         if dtype not in ops.SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is not supported; supported: {ops.SUPPORTED_DTYPES}")
@@ -130,17 +124,19 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
         if tp is not None:
-            for name, module in self.named_modules():
-                row_parallel = isinstance(module, Linear) and name.endswith(
-                    (".o_proj", ".down_proj")
-                )
-                if row_parallel or isinstance(module, SparseMoeBlock):
-                    module.reduce = tp.all_reduce
+            set_reductions(self, tp.all_reduce)
         # Tied: the embedding is read by row for lookups, so packing it for the LM head
         # takes a separate copy (vocab x hidden, e.g. 57 MB in bf16 for SmolLM2), in
-        # the layout of the projections (layers.Linear.pack).
+        # the layout of the projections (linear.Linear.pack).
         self.tied_lm_head_words: torch.Tensor | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None
+        self._register_rotary_tables(config, device)
+        self.embed_scale = None
+        if config.embed_scale is not None:
+            # Rounded to the model's dtype first, as HF does.
+            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
+
+    def _register_rotary_tables(self, config: ModelConfig, device) -> None:
         self.register_buffer(
             "cos_sin_cache",
             rotary_cos_sin_cache(config, self.max_model_len, device),
@@ -151,10 +147,6 @@ class LlamaForCausalLM(nn.Module):
         if "sliding_attention" in config.layer_types and config.rope_local_theta:
             local = rotary_cos_sin_cache(local_rope_config(config), self.max_model_len, device)
         self.register_buffer("local_cos_sin_cache", local, persistent=False)
-        self.embed_scale = None
-        if config.embed_scale is not None:
-            # Rounded to the model's dtype first, as HF does.
-            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -168,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_quantized_embedding(self, part: QuantPart) -> None:
         """Keeps the token table quantized (the float table goes); a tied LM head reads
-        the same blocks through quant_linear."""
+        the same blocks through linear_quantized."""
         self.model.embed_tokens.qpart = part
         self.model.embed_tokens.weight = None
 
@@ -202,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, keep_plain: bool | None = None) -> bool:
         """Lays every projection's weight out for the CPU's faster kernel: word-packed
         for pyllm's packed_linear, or oneDNN's packed layout (CPU only; see
-        layers.Linear). Call after loading; returns whether it packed. keep_plain keeps
+        linear.Linear). Call after loading; returns whether it packed. keep_plain keeps
         the plain weights too; by default it does only beside oneDNN's copy (for the
         small-batch path) and when that second copy fits (layers.plain_copy_fits)."""
         linears = [
@@ -235,15 +227,15 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
+        kv_cache: KVCache,
         validate: bool = True,
     ) -> torch.Tensor:
         """One step; returns the final-normed hidden states [T, hidden_size].
         validate=False skips the per-step index checks (for callers that built the
         metadata themselves and checked it)."""
         if validate:
-            self.validate_step(input_ids, positions, attn_metadata, kv_caches)
-        workspace = v2_workspace(
+            self.validate_step(input_ids, positions, attn_metadata, kv_cache)
+        workspace = attn_metadata.backend.workspace(
             attn_metadata,
             self.local_config.num_attention_heads,
             self.config.head_dim,
@@ -252,9 +244,10 @@ class LlamaForCausalLM(nn.Module):
         )
         hidden = self.embed(input_ids)
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+        layers = zip(self.model.layers, kv_cache.layers, strict=True)
+        for i, (layer, layer_cache) in enumerate(layers):
             hidden, residual = layer(
-                positions, hidden, residual, self.layer_cos_sin(i), kv_cache, attn_metadata,
+                positions, hidden, residual, self.layer_cos_sin(i), layer_cache, attn_metadata,
                 workspace,
             )  # fmt: skip
         return self.model.norm(hidden, residual)
@@ -281,53 +274,26 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits of this rank's vocabulary rows."""
         if not self.config.tie_word_embeddings:
             return self.lm_head(hidden).float()
-        part = self.model.embed_tokens.qpart
-        if part is not None:
-            return quant_linear(hidden, [part], None, part.stop - part.start).float()
-        if self.tied_lm_head_words is not None:
-            return packed_linear(hidden, self.tied_lm_head_words).float()
-        if takes_small_batch_path(hidden):
-            return small_batch_linear(hidden, self.model.embed_tokens.weight).float()
-        if self.tied_lm_head_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                hidden, self.tied_lm_head_packed, None, "none", [], ""
-            ).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        embed = self.model.embed_tokens
+        qparts = None if embed.qpart is None else [embed.qpart]
+        words, onednn = self.tied_lm_head_words, self.tied_lm_head_packed
+        return linear_forward(hidden, embed.weight, None, qparts, words, onednn).float()
 
     def validate_step(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        kv_caches: list[KVCache],
+        kv_cache: KVCache,
     ) -> None:
         """The checks pyllm.ops would make per op, made once for the whole step."""
-        config = self.local_config
-        if len(kv_caches) != config.num_hidden_layers:
+        backend, layers = kv_cache.backend, kv_cache.layers
+        if attn_metadata.backend is not backend:
             raise ValueError(
-                f"kv_caches has {len(kv_caches)} layers, the model {config.num_hidden_layers}"
+                f"attn_metadata is {attn_metadata.backend.name} metadata but kv_cache is a "
+                f"{backend.name} cache"
             )
-        key_cache, value_cache = kv_caches[0]
-        if attn_metadata.contiguous:
-            # Arena views: [slots, kv_heads, tiles, ...]; the op wrappers check the rest.
-            num_kv_heads, head_size = key_cache.shape[1], value_cache.shape[3]
-            num_blocks, block_size = key_cache.shape[0], key_cache.shape[2] * key_cache.shape[4]
-        else:
-            # The ops check the caches' layout; the shape says what the step may address.
-            if value_cache.dim() != 4:
-                raise ValueError(
-                    "value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
-                    f"got shape {tuple(value_cache.shape)}"
-                )
-            num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
-        if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
-            raise ValueError(
-                f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
-                f"{config.num_key_value_heads} of size {config.head_dim}"
-            )
-        for i, (k, v) in enumerate(kv_caches):
-            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != self.dtype:
-                raise ValueError(f"kv_caches[{i}] differs in shape or dtype from kv_caches[0]")
+        self._check_cache(backend, layers)
         T = attn_metadata.num_tokens
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if t.dtype != torch.int64 or t.shape != (T,) or t.device != self.device:
@@ -340,56 +306,45 @@ class LlamaForCausalLM(nn.Module):
                 f"positions must lie in [0, max_model_len={self.max_model_len}), got "
                 f"{int(positions.min())}..{int(positions.max())}"
             )
-        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+        vocab_size = self.local_config.vocab_size
+        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
             raise ValueError(
-                f"input_ids must lie in [0, {config.vocab_size}), got "
+                f"input_ids must lie in [0, {vocab_size}), got "
                 f"{int(input_ids.min())}..{int(input_ids.max())}"
             )
-        if attn_metadata.contiguous:
-            attn_metadata.validate_contiguous(num_blocks, block_size, self.device)
-        else:
-            attn_metadata.validate(num_blocks, block_size, self.device)
+        backend.validate(attn_metadata, layers[0], self.device)
 
-    def allocate_kv_arena(self, max_num_seqs: int) -> KVArena:
-        """A virtual KV arena (contiguous cache) with one slot of max_model_len tokens per
-        sequence; nothing is committed until a slot is."""
+    def _check_cache(self, backend: AttentionBackend, layers: list) -> None:
+        """Every layer's cache: this model's layer count, kv heads, head size and dtype."""
         config = self.local_config
-        return KVArena(
-            config.num_hidden_layers,
-            max_num_seqs,
-            self.max_model_len,
-            config.num_key_value_heads,
-            config.head_dim,
-            self.dtype,
-            self.device,
-        )
+        if len(layers) != config.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches has {len(layers)} layers, the model {config.num_hidden_layers}"
+            )
+        key_cache, value_cache = layers[0]
+        num_kv_heads, head_size = backend.cache_heads(layers[0])
+        if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
+            raise ValueError(
+                f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
+                f"{config.num_key_value_heads} of size {config.head_dim}"
+            )
+        for i, (k, v) in enumerate(layers):
+            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != self.dtype:
+                raise ValueError(f"kv_caches[{i}] differs in shape or dtype from kv_caches[0]")
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        """One (key_cache, value_cache) pair per layer, in the model's dtype and device."""
-        return allocate_kv_caches(
-            self.local_config, num_blocks, block_size, self.dtype, self.device
-        )
+    @property
+    def cache_spec(self) -> CacheSpec:
+        """This rank's KV cache geometry."""
+        config = self.local_config
+        return CacheSpec(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+            self.dtype, self.device, self.max_model_len,
+        )  # fmt: skip
 
-
-def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device
-) -> list[KVCache]:
-    return [
-        allocate_kv_cache(
-            num_blocks, config.num_key_value_heads, config.head_dim, block_size, dtype, device
-        )
-        for _ in range(config.num_hidden_layers)
-    ]
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values): for sizing the cache."""
-    element = dtype.itemsize
-    return (
-        2
-        * config.num_hidden_layers
-        * config.num_key_value_heads
-        * config.head_dim
-        * block_size
-        * element
-    )
+    def allocate_kv_cache(
+        self, backend: AttentionBackend, count: int, block_size: int = 16,
+        cache_id: int = MAIN_CACHE,
+    ) -> KVCache:  # fmt: skip
+        """A KV cache in backend's layout of count units (blocks of block_size tokens, or
+        sequence slots), in the model's dtype and device."""
+        return backend.allocate(self.cache_spec, count, block_size, cache_id)

@@ -71,7 +71,7 @@ def quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
     multiplies the blocks through ops.quant_linear / ops.fused_moe as it would a GGUF
     file's. A layer whose in_features is not a multiple of the type's block keeps its
     float weight (logged); so does a router, whose choices rounding could flip."""
-    from pyllm.model.layers import Linear, QuantPart
+    from pyllm.model.linear import Linear, QuantPart
     from pyllm.model.moe import ExpertProjection
     from pyllm.model.quantize import QUANT_TYPES_BY_NAME, quantize_weight
 

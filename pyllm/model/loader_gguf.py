@@ -2,7 +2,7 @@
 
 The file is parsed and memory-mapped once (pyllm.model.gguf_file). Projection weights
 and the token table of a type pyllm.ops.quant_linear reads stay in their blocks: each is
-read from the file straight into its one uint8 tensor (layers.QuantPart). Every other
+read from the file straight into its one uint8 tensor (linear.QuantPart). Every other
 tensor (and all of them with keep_quantized=False) is dequantized (by `gguf.quants`) to
 float32 on its own, renamed from llama.cpp's names (``blk.3.attn_k.weight``) to HF's
 (``model.layers.3.self_attn.k_proj.weight``), and copied into its slot. llama.cpp's
@@ -154,7 +154,7 @@ def load_gguf(
     types ops.QUANT_TYPES lists stay in their blocks (read from the file straight into
     their one copy, never widened); other types, and everything with keep_quantized
     False, are dequantized to the model's dtype as before. tp: load this rank's shard
-    (pyllm.distributed.parallel)."""
+    (pyllm.model.shard says which part)."""
     gguf_file = _open(path)
     config = _config(gguf_file, path)
     model_cls = model_class(config.architecture)
@@ -162,19 +162,8 @@ def load_gguf(
     filler = WeightFiller(model, path)
     names = hf_names(config, filler.slots, gguf_file.tensors)
     quantized = _load_quantized(model, gguf_file, filler, names) if keep_quantized else set()
-    widened = sorted(
-        {
-            t.type_name
-            for t in gguf_file.tensors.values()
-            if t.name not in quantized and t.type_name not in ("F32", "F16", "BF16")
-        }
-    )
-    if keep_quantized and widened:
-        logger.info(
-            "pyllm: %s: tensors of type %s are widened to %s at load (quant_linear reads "
-            "%s only, and only weights whose in_features is a whole number of blocks)",
-            path, ", ".join(widened), model.dtype, ", ".join(ops.QUANT_TYPES),
-        )  # fmt: skip
+    if keep_quantized:
+        _log_widened(path, gguf_file, quantized, model.dtype)
     for tensor in gguf_file.tensors.values():
         if tensor.name in _NOT_WEIGHTS or tensor.name in quantized:
             continue
@@ -198,6 +187,23 @@ def load_gguf(
         del values
     filler.finish()
     return model
+
+
+def _log_widened(path: str, gguf_file, quantized: set[str], dtype: torch.dtype) -> None:
+    """Says which quantized types of the file were widened despite keep_quantized."""
+    widened = sorted(
+        {
+            t.type_name
+            for t in gguf_file.tensors.values()
+            if t.name not in quantized and t.type_name not in ("F32", "F16", "BF16")
+        }
+    )
+    if widened:
+        logger.info(
+            "pyllm: %s: tensors of type %s are widened to %s at load (quant_linear reads "
+            "%s only, and only weights whose in_features is a whole number of blocks)",
+            path, ", ".join(widened), dtype, ", ".join(ops.QUANT_TYPES),
+        )  # fmt: skip
 
 
 def _fill_experts(filler: WeightFiller, tensor: GGUFTensor, name: str, path: str) -> None:
@@ -352,7 +358,7 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
     """QuantParts for consecutive tensors (their rows one after another in the output),
     each run of one type read from the file into one uint8 tensor. in_features: the
     layer's (a row-parallel rank's share of the tensor's columns)."""
-    from pyllm.model.layers import QuantPart
+    from pyllm.model.linear import QuantPart
 
     config, shard = model.config, model.shard
     parts, start, i = [], 0, 0

@@ -20,24 +20,24 @@ from torch import nn
 
 import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
-from pyllm.model.layers import _param, small_batch_linear, takes_small_batch_path
+from pyllm.model.linear import empty_param, linear_small_batch, takes_small_batch_path
 
 _C = torch.ops.pyllm
 
 
 class Router(nn.Module):
     """Logits [T, num_experts] = x W^T (+ b), in the model's dtype (as HF computes them).
-    Not a layers.Linear: it stays in floats when the projections are quantized, and its
+    Not a linear.Linear: it stays in floats when the projections are quantized, and its
     few rows would keep the model's projections from being word-packed."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool, dtype, device) -> None:
         super().__init__()
-        self.weight = _param(num_experts, hidden_size, dtype=dtype, device=device)
-        self.bias = _param(num_experts, dtype=dtype, device=device) if bias else None
+        self.weight = empty_param(num_experts, hidden_size, dtype=dtype, device=device)
+        self.bias = empty_param(num_experts, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes_small_batch_path(x):
-            return small_batch_linear(x, self.weight, self.bias)
+            return linear_small_batch(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -49,8 +49,8 @@ class ExpertProjection(nn.Module):
                  dtype, device) -> None:  # fmt: skip
         super().__init__()
         self.num_experts, self.out_features, self.in_features = experts, out_features, in_features
-        self.weight = _param(experts, out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(experts, out_features, dtype=dtype, device=device) if bias else None
+        self.weight = empty_param(experts, out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(experts, out_features, dtype=dtype, device=device) if bias else None
         self.qweight: torch.Tensor | None = None
         self.qtype = ops.FLOAT_WEIGHT_TYPES[dtype]
 

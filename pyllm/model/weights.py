@@ -1,6 +1,6 @@
 """Where each named checkpoint tensor goes in the model, shared by the safetensors and
 GGUF loaders. A tensor-parallel rank takes its range of each split tensor
-(pyllm.distributed.parallel says which).
+(pyllm.model.shard says which).
 
 Experts (pyllm.model.moe): each 3-D parameter ``mlp.experts.gate_proj.weight [E, I, H]``
 has a slot per expert, ``mlp.experts.{j}.gate_proj.weight [I, H]`` (the form HF's
@@ -112,14 +112,32 @@ def shard_rows(model: LlamaForCausalLM) -> tuple[range, range, range]:
     )
 
 
+def _fused_parts(model: LlamaForCausalLM, prefix: str, param) -> dict:
+    """A fused projection's parts: name -> (its rows of param, the checkpoint's rows,
+    the rows this rank takes)."""
+    config, local = model.config, model.local_config
+    q_rows, kv_rows, inter_rows = shard_rows(model)
+    if prefix.endswith(".qkv_proj"):
+        q, kv = local.q_size, local.kv_size
+        return {
+            "q_proj": (param[:q], config.q_size, q_rows),
+            "k_proj": (param[q : q + kv], config.kv_size, kv_rows),
+            "v_proj": (param[q + kv :], config.kv_size, kv_rows),
+        }
+    inter = local.intermediate_size
+    return {
+        "gate_proj": (param[:inter], config.intermediate_size, inter_rows),
+        "up_proj": (param[inter:], config.intermediate_size, inter_rows),
+    }
+
+
 def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, list[str]]]:
     """HF tensor name -> its Slot, and each fused parameter's name -> the names of its
     parts. The model's module names are HF's; q/k/v are row ranges of qkv_proj, gate/up
     of gate_up_proj, and a checkpoint may hold either the parts (most) or the fused
     tensor (Phi-3)."""
     config, shard = model.config, model.shard
-    local = model.local_config
-    q_rows, kv_rows, inter_rows = shard_rows(model)
+    q_rows, _, inter_rows = shard_rows(model)
     split = shard.size > 1
     slots: dict[str, Slot] = {}
     fused: dict[str, list[str]] = {}
@@ -128,19 +146,7 @@ def weight_slots(model: LlamaForCausalLM) -> tuple[dict[str, Slot], dict[str, li
         if ".mlp.experts." in name:
             _expert_slots(model, name, param, slots, fused)
         elif prefix.endswith((".qkv_proj", ".gate_up_proj")):
-            if prefix.endswith(".qkv_proj"):
-                q, kv = local.q_size, local.kv_size
-                parts = {
-                    "q_proj": (param[:q], config.q_size, q_rows),
-                    "k_proj": (param[q : q + kv], config.kv_size, kv_rows),
-                    "v_proj": (param[q + kv :], config.kv_size, kv_rows),
-                }
-            else:
-                inter = local.intermediate_size
-                parts = {
-                    "gate_proj": (param[:inter], config.intermediate_size, inter_rows),
-                    "up_proj": (param[inter:], config.intermediate_size, inter_rows),
-                }
+            parts = _fused_parts(model, prefix, param)
             base = prefix.rpartition(".")[0] + "."
             fused[name] = [f"{base}{part}.{kind}" for part in parts]
             for part, (view, rows, take) in parts.items():
@@ -191,6 +197,21 @@ def _expert_slots(model: LlamaForCausalLM, name: str, param, slots: dict, fused:
         part = per_expert_name(name, j)
         slots[part] = Slot(param[j - held.start], full[1:], one_dim, one_take, zero)
         fused[name].append(part)
+
+
+def _copy_into(slot: Slot, tensor: torch.Tensor, part: bool) -> None:
+    """The slot's range of tensor (all of it where part) into its parameter view, the
+    rest of a padded split zeroed."""
+    with torch.no_grad():
+        if slot.zero:
+            slot.view.zero_()
+        elif slot.dim is None:
+            slot.view.copy_(tensor)
+        else:
+            piece = tensor if part else tensor[slot.index()]
+            slot.view.narrow(slot.dim, 0, len(slot.take)).copy_(piece)
+            slot.view.narrow(slot.dim, len(slot.take),
+                             slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
 
 
 class WeightFiller:
@@ -274,16 +295,7 @@ class WeightFiller:
             return
         if hf and self.norm_offset and name.endswith("norm.weight"):
             tensor = tensor.float() + self.norm_offset
-        with torch.no_grad():
-            if slot.zero:
-                slot.view.zero_()
-            elif slot.dim is None:
-                slot.view.copy_(tensor)
-            else:
-                piece = tensor if part else tensor[slot.index()]
-                slot.view.narrow(slot.dim, 0, len(slot.take)).copy_(piece)
-                slot.view.narrow(slot.dim, len(slot.take),
-                                 slot.view.shape[slot.dim] - len(slot.take)).zero_()  # fmt: skip
+        _copy_into(slot, tensor, part)
         self.mark(name)
 
     def _held_elsewhere(self, name: str) -> bool:

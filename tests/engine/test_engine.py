@@ -86,12 +86,39 @@ def test_prefix_cache_serves_shared_prefix(tiny_model_dir):
 
     llm = LLM(tiny_model_dir, dtype="float32")
     _generate(llm, [first])
-    computed_before = llm.engine.stats.prompt_tokens_computed
+    computed_before = llm.engine.stats().prompt_tokens_computed
     out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 256
-    assert llm.engine.stats.prompt_tokens_computed - computed_before == 7
+    assert llm.engine.stats().prompt_tokens_computed - computed_before == 7
     assert out.outputs[0].token_ids == expected
     _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_stats_snapshot_follows_the_engine(tiny_model_dir, kv_cache):
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache=kv_cache, kv_cache_memory=0.05)
+    engine = llm.engine
+    start = engine.stats()
+    assert (start.steps, start.num_running, start.generation_tokens) == (0, 0, 0)
+    assert (start.kv_cache, start.model_path) == (kv_cache, engine.config.model_path)
+    blocks = engine.kv_manager.num_blocks if kv_cache == "paged" else None
+    assert start.num_kv_blocks == start.num_free_kv_blocks == blocks
+    prompts = _prompts(3, seed=4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
+    assert engine.stats().num_waiting == 3
+    engine.step()
+    busy = engine.stats()
+    assert busy.num_running >= 1 and busy.steps == 1 and busy.kv_cache_usage > 0
+    assert busy.kv_cache_committed_bytes == engine.kv_cache_committed_bytes() > 0
+    if blocks is not None:
+        assert busy.num_free_kv_blocks < blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine.stats()
+    assert done.generation_tokens == 3 * GREEDY.max_tokens
+    assert done.prompt_tokens_computed + done.prefix_cache_hits == sum(map(len, prompts))
+    assert done.num_running == done.num_waiting == 0
 
 
 def test_too_long_request_is_rejected_without_stalling_others(tiny_model_dir):

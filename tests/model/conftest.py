@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import transformers  # a test-only dependency: the reference implementation
 
-from pyllm.model import AttentionMetadata, LlamaForCausalLM
+from pyllm.attention.paged import PAGED, PagedMetadata
+from pyllm.model import LlamaForCausalLM
 
 # Small enough for 2 shared cores, large enough to exercise GQA and several heads;
 # head_dim must be one the attention kernels support (64).
@@ -144,19 +145,8 @@ def run_sequences(
     """
     prompt_lens = prompt_lens or [len(t) for t in tokens]
     targets = [len(t) if max_new_tokens == 0 else len(t) + max_new_tokens for t in tokens]
-    blocks_per_seq = -(-max(targets) // block_size)
-    order = torch.randperm(
-        len(tokens) * blocks_per_seq, generator=torch.Generator().manual_seed(seed)
-    )
-    seqs = [
-        _Seq(list(t), p, n, order[i * blocks_per_seq : (i + 1) * blocks_per_seq].tolist())
-        for i, (t, p, n) in enumerate(zip(tokens, prompt_lens, targets, strict=True))
-    ]
-    kv_caches = model.allocate_kv_caches(len(tokens) * blocks_per_seq, block_size)
-    for key_cache, value_cache in kv_caches:
-        key_cache.fill_(float("nan"))
-        value_cache.fill_(float("nan"))
-
+    seqs, num_blocks = _sequences(tokens, prompt_lens, targets, block_size, seed)
+    kv_caches = _nan_cache(model, num_blocks, block_size)
     steps = mixed = 0
     while True:
         prefill = [(s, _next_chunk(s, chunk_size)) for s in seqs if s.num_computed < s.prompt_len]
@@ -183,6 +173,28 @@ def run_sequences(
     )
 
 
+def _sequences(tokens, prompt_lens, targets, block_size: int, seed: int):
+    """One _Seq per prompt, each owning its blocks, all in a shuffled order; and the
+    number of blocks they own together."""
+    blocks_per_seq = -(-max(targets) // block_size)
+    num_blocks = len(tokens) * blocks_per_seq
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    seqs = [
+        _Seq(list(t), p, n, order[i * blocks_per_seq : (i + 1) * blocks_per_seq].tolist())
+        for i, (t, p, n) in enumerate(zip(tokens, prompt_lens, targets, strict=True))
+    ]
+    return seqs, num_blocks
+
+
+def _nan_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int):
+    """A paged cache of NaNs: a read of a slot nobody wrote poisons the logits."""
+    kv_cache = model.allocate_kv_cache(PAGED, num_blocks, block_size)
+    for key_cache, value_cache in kv_cache.layers:
+        key_cache.fill_(float("nan"))
+        value_cache.fill_(float("nan"))
+    return kv_cache
+
+
 def _next_chunk(s: _Seq, chunk_size: int | None) -> int:
     remaining = s.prompt_len - s.num_computed
     return remaining if chunk_size is None else min(chunk_size, remaining)
@@ -207,7 +219,7 @@ def _step(model, kv_caches, prefill, decode, block_size, device) -> torch.Tensor
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     num_prefill_tokens = sum(n for _, n in prefill)
-    meta = AttentionMetadata(
+    meta = PagedMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_prefill_tokens=num_prefill_tokens,
     )

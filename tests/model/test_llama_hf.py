@@ -9,10 +9,13 @@ order one).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-import pyllm.model.layers as layers
+import pyllm.attention.paged as paged
+from pyllm.attention.contiguous import CONTIGUOUS
 from pyllm.model.loader import load_model
 from tests.model.conftest import hf_logits, make_hf_model, run_sequences
 
@@ -155,7 +158,7 @@ def test_16_decode_steps(family):
 
 def test_decode_with_paged_attention_v2(family, monkeypatch):
     """Long contexts decode with v2; lower the switch so these short ones take it."""
-    monkeypatch.setattr(layers, "V2_MIN_SEQ_LEN", 0)
+    monkeypatch.setattr(paged, "V2_MIN_SEQ_LEN", 0)
     model, tokens, expected, _ = family
     result = run_sequences(model, tokens, [n - 5 for n in SEQ_LENS], block_size=16)
     assert_matches_hf(result, expected)
@@ -195,8 +198,8 @@ def test_compute_logits_selects_rows(family):
 
 def test_bad_step_inputs_are_named(family):
     model, tokens, _, _ = family
-    caches = model.allocate_kv_caches(4, 16)
-    meta = layers.AttentionMetadata(
+    caches = model.allocate_kv_cache(paged.PAGED, 4, 16)
+    meta = paged.PagedMetadata(
         slot_mapping=torch.tensor([0, 1, 64]),  # 64 is past 4 blocks of 16
         num_prefill_tokens=3,
         prefill_query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
@@ -209,7 +212,9 @@ def test_bad_step_inputs_are_named(family):
         model(ids, pos, meta, caches)
     meta.slot_mapping = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="kv_caches has 1 layers"):
-        model(ids, pos, meta, caches[:1])
+        model(ids, pos, meta, dataclasses.replace(caches, layers=caches.layers[:1]))
+    with pytest.raises(ValueError, match="paged metadata but kv_cache is a contiguous cache"):
+        model(ids, pos, meta, model.allocate_kv_cache(CONTIGUOUS, 2))
     with pytest.raises(ValueError, match="positions must lie"):
         model(ids, pos + model.max_model_len, meta, caches)
     meta.prefill_block_tables = torch.tensor([[7]], dtype=torch.int32)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from pyllm.model.config import ModelConfig, rope_inv_freq
 from pyllm.model.dtype import cpu_has_native_bf16, resolve_dtype
-from pyllm.model.layers import Linear, can_pack_weight_words
+from pyllm.model.linear import Linear, can_pack_weight_words
 from pyllm.model.loader import load_model
 from pyllm.model.moe import ExpertProjection
 from tests.model.conftest import TINY, make_hf_model
@@ -406,10 +406,10 @@ def test_peak_rss_while_loading(tmp_path, keep_plain):
 def test_bf16_weights_stay_with_onednn_on_amx_cpus(monkeypatch):
     """oneDNN multiplies bf16 with AMX tiles where the CPU has them, so bf16 weights are
     not word-packed there; float32 ones still are wherever packed_linear is vectorized."""
-    import pyllm.model.layers as layers
+    import pyllm.model.linear as linear
     import pyllm.ops as ops
 
-    monkeypatch.setattr(layers, "_cpu_has_amx", lambda: True)
+    monkeypatch.setattr(linear, "_cpu_has_amx", lambda: True)
     weight = torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not can_pack_weight_words(weight)
     assert can_pack_weight_words(weight.float()) == ops.packed_linear_vectorized(torch.float32)

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pyllm.distributed.parallel import Shard, check_tensor_parallel
 from pyllm.model.config import ModelConfig
 from pyllm.model.loader import load_model
 from pyllm.model.quantize import quantize_weight
+from pyllm.model.shard import Shard, check_tensor_parallel
 from tests.model.conftest import hf_logits, make_hf_model, run_sequences
 from tests.model.test_gguf import write_gguf, write_hf_as_gguf
 from tests.model.test_loader import assert_params_equal, expected_params

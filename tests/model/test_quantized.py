@@ -12,7 +12,7 @@ import torch
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.llm_engine import LLMEngine
 from pyllm.model.default_model import default_model_path
-from pyllm.model.layers import Linear
+from pyllm.model.linear import Linear
 from pyllm.model.loader import estimate_weight_bytes, load_model
 from pyllm.model.memory import InsufficientMemoryError
 from pyllm.model.tokenizer import Tokenizer

@@ -1,0 +1,197 @@
+"""AttentionBackend: everything a KV-cache layout decides, in one object per layout.
+
+A backend builds and checks a step's metadata, writes the step's keys and values and
+runs prefill and decode attention over them, allocates its cache, and packs its
+metadata for the tensor-parallel step protocol. The model, the model runner and the
+protocol call these methods and never ask which layout they hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from pyllm.attention.metadata import AttentionMetadata
+
+KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
+# Which of its caller's caches a KVCache is: tensor-parallel ranks keep theirs by it.
+MAIN_CACHE, SCRATCH_CACHE = 0, 1
+
+
+class ScheduledSequence(Protocol):
+    """What a backend reads of a scheduled sequence (pyllm.engine.sequence.Sequence)."""
+
+    num_computed_tokens: int
+    block_table: list[int]
+    kv_slot: int | None
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the attention layer it runs (pyllm.model.layers.Attention)."""
+
+    num_kv_heads: int
+    scale: float
+    sliding_window: int  # 0: none
+    sinks: torch.Tensor | None  # float32 [num_heads]: a logit per head with no value
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One rank's cache geometry, as the model needs it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+
+@dataclass
+class KVCache:
+    """One allocated cache: every layer's (key_cache, value_cache) in its backend's
+    layout, what holds their memory where the backend tracks it (the contiguous
+    layout's KVArena), and which of its caller's caches it is."""
+
+    backend: AttentionBackend
+    layers: list[KVPair]
+    memory: Any = None
+    cache_id: int = MAIN_CACHE
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]  # the engine's kv_cache option
+    metadata_cls: ClassVar[type[AttentionMetadata]]
+    # How sequences are addressed, which picks the engine's KV bookkeeping: "blocks"
+    # (block tables) or "slots" (one slot per sequence).
+    addressing: ClassVar[str]
+
+    # ---------------------------------------------------------- step metadata
+
+    def build(
+        self,
+        prefills: list[tuple[ScheduledSequence, int]],
+        decodes: list[tuple[ScheduledSequence, int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The metadata of a step of (sequence, tokens) prefill chunks, then decodes."""
+        slot_mapping = []
+        for seq, n in prefills + decodes:
+            slot_mapping.extend(self.token_slots(seq, n, block_size))
+        fields = _step_fields(prefills, decodes, slot_mapping, device)
+        layout = self.sequence_fields([s for s, _ in prefills], [s for s, _ in decodes], device)
+        return self.metadata_cls(**fields, **layout)
+
+    @abstractmethod
+    def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:
+        """slot_mapping's entries for seq's next n tokens."""
+
+    @abstractmethod
+    def sequence_fields(
+        self,
+        prefills: list[ScheduledSequence],
+        decodes: list[ScheduledSequence],
+        device: torch.device,
+    ) -> dict:
+        """The metadata fields that say where each sequence's cached tokens are."""
+
+    @abstractmethod
+    def cache_heads(self, kv_cache: KVPair) -> tuple[int, int]:
+        """(num_kv_heads, head_size) of one layer's cache; ValueError if the shape is not
+        this layout's."""
+
+    @abstractmethod
+    def validate(self, meta: AttentionMetadata, kv_cache: KVPair, device: torch.device) -> None:
+        """Checks meta's shapes, dtypes and index ranges against one layer's cache (every
+        layer's is alike); raises ValueError naming the field."""
+
+    # -------------------------------------------------------------- attention
+
+    def workspace(
+        self, meta: AttentionMetadata, num_heads: int, head_size: int, dtype, device
+    ) -> Any:
+        """Scratch memory the step's layers share (None: none needed)."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVPair,
+        meta: AttentionMetadata,
+        workspace: Any,
+    ) -> None:
+        """Writes the step's keys and values into kv_cache, then out [T, Hq, D] =
+        attention of q [T, Hq, D] over every cached token of its sequence (k, v:
+        [T, Hkv, D]); prefill tokens causally, decode tokens over the whole sequence."""
+
+    # ------------------------------------------------------------------ cache
+
+    @abstractmethod
+    def cache_size(
+        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_seqs: int
+    ) -> int:
+        """allocate's count for a cache of budget_bytes (or, for a cache that commits
+        memory as it goes, of room for max_num_seqs sequences)."""
+
+    @abstractmethod
+    def allocate(
+        self, spec: CacheSpec, count: int, block_size: int, cache_id: int = MAIN_CACHE
+    ) -> KVCache:
+        """A cache of count units: blocks of block_size tokens, or sequence slots."""
+
+    # ---------------------------------------------------- tensor-parallel step
+
+    @abstractmethod
+    def pack(
+        self, meta: AttentionMetadata, cache: KVCache
+    ) -> tuple[tuple[int, int], list[torch.Tensor]]:
+        """What rank 0 sends beyond the fields every layout has: two sizes for the
+        header and integer tensors for the payload."""
+
+    @abstractmethod
+    def unpack(
+        self,
+        fields: dict,
+        sizes: tuple[int, int],
+        take: Callable[..., torch.Tensor],
+        cache: KVCache,
+    ) -> AttentionMetadata:
+        """The metadata pack sent (fields: every layout's; take(n, dtype) reads the
+        payload's next n values); brings this rank's cache to rank 0's state first."""
+
+
+def _step_fields(
+    prefills: list[tuple[ScheduledSequence, int]],
+    decodes: list[tuple[ScheduledSequence, int]],
+    slot_mapping: list[int],
+    device: torch.device,
+) -> dict:
+    """AttentionMetadata's fields for a step of prefill chunks then decode tokens."""
+    prefill_lens = [s.num_computed_tokens + n for s, n in prefills]
+    decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+    query_start_loc = list(itertools.accumulate((n for _, n in prefills), initial=0))
+
+    def int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return {
+        "slot_mapping": torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        "num_prefill_tokens": query_start_loc[-1],
+        "prefill_query_start_loc": int32(query_start_loc),
+        "prefill_seq_lens": int32(prefill_lens),
+        "max_query_len": max((n for _, n in prefills), default=0),
+        "decode_seq_lens": int32(decode_lens),
+        "max_decode_seq_len": max(decode_lens, default=0),
+    }

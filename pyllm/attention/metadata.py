@@ -1,0 +1,66 @@
+"""AttentionMetadata: what every KV-cache layout says of a step's flat batch, and the
+checks the layouts share. Each backend subclasses it with how it addresses sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token of the step lives in the KV cache.
+
+    slot_mapping: [T] int64, where each token's key and value go (-1 skips); what a
+    slot number means is the layout's.
+    Prefill part (P sequences, the first num_prefill_tokens tokens):
+      prefill_query_start_loc [P + 1] int32, prefill_seq_lens [P] int32 (tokens cached
+      after this step, earlier chunks included), max_query_len.
+    Decode part (D sequences, one token each, the remaining T - num_prefill_tokens):
+      decode_seq_lens [D] int32, max_decode_seq_len.
+    """
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    max_query_len: int = 0
+    decode_seq_lens: torch.Tensor | None = None
+    max_decode_seq_len: int = 0
+
+    @property
+    def backend(self):
+        """The AttentionBackend that runs attention in this metadata's layout (each
+        layout's subclass names its own)."""
+        raise NotImplementedError
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    def check_tokens(self, device: torch.device) -> None:
+        """slot_mapping's type and num_prefill_tokens's range (every layout's first checks)."""
+        T, P = self.num_tokens, self.num_prefill_tokens
+        index_tensor("slot_mapping", self.slot_mapping, torch.int64, 1, device)
+        if not 0 <= P <= T:
+            raise ValueError(f"num_prefill_tokens must lie in [0, {T}], got {P}")
+
+
+def index_tensor(
+    name: str, t: torch.Tensor | None, dtype: torch.dtype, ndim: int, device: torch.device
+) -> torch.Tensor:
+    """t itself if it is a contiguous ndim-D dtype tensor on device; else ValueError."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype or t.dim() != ndim or t.device != device or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {ndim}-D {dtype} tensor on {device}, got "
+            f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            + ("" if t.is_contiguous() else " (not contiguous)")
+        )
+    return t

@@ -1,0 +1,262 @@
+"""The paged KV cache (vLLM's PagedAttention): a pool of blocks of block_size tokens,
+each sequence's blocks listed in its block table.
+
+A token's slot is block_table[position // block_size] * block_size + position %
+block_size; reshape_and_cache writes it there, paged_attention_prefill runs prompt
+tokens and paged_attention_v1/v2 decode tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import pyllm.ops as ops
+from pyllm.attention.backend import (
+    MAIN_CACHE,
+    AttentionBackend,
+    CacheSpec,
+    KVCache,
+    KVPair,
+    ScheduledSequence,
+)
+from pyllm.attention.metadata import AttentionMetadata, index_tensor
+from pyllm.kv_cache import allocate_kv_cache
+
+_C = torch.ops.pyllm
+
+# Decode attention switches from paged_attention_v1 (one pass per sequence and head)
+# to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) past this context
+# length. Measured on 2 CPU cores with SmolLM2's 9/3 heads, 1-32 sequences,
+# contexts 128-16384: v1 and v2 within noise of each other (v1 already spreads
+# sequences x heads over the cores), so the CPU switches only for very long contexts.
+V2_MIN_SEQ_LEN = 8192
+# A GPU needs hundreds of (sequence, head) pairs in flight to fill its SMs; with fewer,
+# splitting each sequence into partitions is what keeps it busy.
+CUDA_V2_MAX_SEQ_HEADS = 512
+
+
+@dataclass(slots=True)
+class PagedMetadata(AttentionMetadata):
+    """slot_mapping: slot = block_number * block_size + offset (-1 skips).
+    prefill_block_tables [P, B] int32 and decode_block_tables [D, B'] int32: each
+    sequence's blocks, padded (only the entries that cover cached tokens are read)."""
+
+    prefill_block_tables: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+
+    @property
+    def backend(self) -> PagedBackend:
+        return PAGED
+
+
+def use_v2(meta: AttentionMetadata, num_heads: int, device: torch.device) -> bool:
+    """Whether this step's decode attention runs paged_attention_v2 (see V2_MIN_SEQ_LEN)."""
+    if meta.max_decode_seq_len <= ops.PARTITION_SIZE:
+        return False  # one partition: v2 would only add the merge
+    if meta.max_decode_seq_len > V2_MIN_SEQ_LEN:
+        return True
+    few_pairs = meta.num_decode_tokens * num_heads <= CUDA_V2_MAX_SEQ_HEADS
+    return device.type == "cuda" and few_pairs
+
+
+def _padded_block_tables(seqs: list[ScheduledSequence], device: torch.device) -> torch.Tensor:
+    width = max((len(s.block_table) for s in seqs), default=0)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
+
+
+class PagedBackend(AttentionBackend):
+    name = "paged"
+    addressing = "blocks"
+    metadata_cls = PagedMetadata
+
+    # ---------------------------------------------------------- step metadata
+
+    def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:
+        table, bs, start = seq.block_table, block_size, seq.num_computed_tokens
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def sequence_fields(self, prefills, decodes, device) -> dict:
+        return {
+            "prefill_block_tables": _padded_block_tables(prefills, device),
+            "decode_block_tables": _padded_block_tables(decodes, device),
+        }
+
+    def cache_heads(self, kv_cache: KVPair) -> tuple[int, int]:
+        # The ops check the caches' layout; the shape says what the step may address.
+        value_cache = kv_cache[1]
+        if value_cache.dim() != 4:
+            raise ValueError(
+                "value_cache must be 4-D [num_blocks, num_kv_heads, head_size, block_size], "
+                f"got shape {tuple(value_cache.shape)}"
+            )
+        return value_cache.shape[1], value_cache.shape[2]
+
+    def validate(self, meta: PagedMetadata, kv_cache: KVPair, device: torch.device) -> None:
+        num_blocks, _, _, block_size = kv_cache[1].shape
+        meta.check_tokens(device)
+        T, P = meta.num_tokens, meta.num_prefill_tokens
+        slots = meta.slot_mapping
+        if T and (int(slots.min()) < -1 or int(slots.max()) >= num_blocks * block_size):
+            raise ValueError(
+                f"slot_mapping values must lie in [-1, {num_blocks * block_size}), got "
+                f"{int(slots.min())}..{int(slots.max())}"
+            )
+        if P:
+            _check_prefill(meta, num_blocks, block_size, device)
+        if T - P:
+            seq_lens = _check_tables(meta, "decode", T - P, num_blocks, block_size, device)
+            if int(seq_lens.min()) < 1 or int(seq_lens.max()) > meta.max_decode_seq_len:
+                raise ValueError(
+                    f"decode_seq_lens must lie in [1, max_decode_seq_len="
+                    f"{meta.max_decode_seq_len}], got {int(seq_lens.min())}..{int(seq_lens.max())}"
+                )
+
+    # -------------------------------------------------------------- attention
+
+    def workspace(self, meta, num_heads, head_size, dtype, device):
+        """The step's scratch for paged_attention_v2 (shared by all layers), or None for v1."""
+        if not meta.num_decode_tokens or not use_v2(meta, num_heads, torch.device(device)):
+            return None
+        partitions = -(-meta.max_decode_seq_len // ops.PARTITION_SIZE)
+        shape = (meta.num_decode_tokens, num_heads, partitions)
+        return (
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty((*shape, head_size), dtype=dtype, device=device),
+        )
+
+    def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
+        key_cache, value_cache = kv_cache
+        _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
+        block_size = value_cache.shape[3]
+        P = meta.num_prefill_tokens
+        if P:
+            _C.paged_attention_prefill(
+                out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
+                meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
+                block_size, meta.max_query_len, None, layer.sliding_window, layer.sinks,
+            )  # fmt: skip
+        if P < meta.num_tokens:
+            _decode(layer, out[P:], q[P:], kv_cache, meta, workspace)
+
+    # ------------------------------------------------------------------ cache
+
+    def block_bytes(self, spec: CacheSpec, block_size: int) -> int:
+        """Bytes one block takes across all layers (keys and values)."""
+        element = spec.dtype.itemsize
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * block_size * element
+
+    def cache_size(self, spec, budget_bytes, block_size, max_num_seqs) -> int:
+        """The blocks budget_bytes holds."""
+        per_block = self.block_bytes(spec, block_size)
+        num_blocks = int(budget_bytes // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget_bytes / 2**30:.3f} GiB holds no block of "
+                f"{per_block} bytes"
+            )
+        return num_blocks
+
+    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE) -> KVCache:
+        """count blocks of block_size tokens in every layer."""
+        layers = [
+            allocate_kv_cache(
+                count, spec.num_kv_heads, spec.head_size, block_size, spec.dtype, spec.device
+            )
+            for _ in range(spec.num_layers)
+        ]
+        return KVCache(self, layers, cache_id=cache_id)
+
+    # ---------------------------------------------------- tensor-parallel step
+
+    def pack(self, meta: PagedMetadata, cache: KVCache):
+        """The block tables, flattened; their widths go in the header."""
+        tables = (meta.prefill_block_tables, meta.decode_block_tables)
+        return (tables[0].shape[1], tables[1].shape[1]), [t.reshape(-1) for t in tables]
+
+    def unpack(self, fields, sizes, take, cache) -> PagedMetadata:
+        (nP,), (nD,) = fields["prefill_seq_lens"].shape, fields["decode_seq_lens"].shape
+        prefill_width, decode_width = sizes
+        return PagedMetadata(
+            **fields,
+            prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
+            decode_block_tables=take(nD * decode_width).view(nD, decode_width),
+        )
+
+
+def _decode(layer, out, q, kv_cache: KVPair, meta: PagedMetadata, workspace) -> None:
+    """Decode tokens, one per sequence: v1, or v2 where the step has a workspace."""
+    key_cache, value_cache = kv_cache
+    block_size = value_cache.shape[3]
+    if workspace is None:
+        _C.paged_attention_v1(
+            out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale,
+            meta.decode_block_tables, meta.decode_seq_lens, block_size,
+            meta.max_decode_seq_len, None, layer.sliding_window, layer.sinks,
+        )  # fmt: skip
+        return
+    exp_sums, max_logits, tmp_out = workspace
+    _C.paged_attention_v2(
+        out, exp_sums, max_logits, tmp_out, q, key_cache, value_cache,
+        layer.num_kv_heads, layer.scale, meta.decode_block_tables,
+        meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
+        layer.sliding_window, layer.sinks,
+    )  # fmt: skip
+
+
+def _check_prefill(meta: PagedMetadata, num_blocks: int, block_size: int, device) -> None:
+    P = meta.num_prefill_tokens
+    qsl = index_tensor(
+        "prefill_query_start_loc", meta.prefill_query_start_loc, torch.int32, 1, device
+    )
+    num_seqs = qsl.shape[0] - 1
+    seq_lens = _check_tables(meta, "prefill", num_seqs, num_blocks, block_size, device)
+    q_lens = qsl[1:] - qsl[:-1]
+    if num_seqs < 1 or int(qsl[0]) != 0 or int(qsl[-1]) != P or int(q_lens.min()) < 1:
+        raise ValueError(
+            f"prefill_query_start_loc must rise from 0 to num_prefill_tokens ({P}), "
+            f"got {qsl.tolist()}"
+        )
+    if int(q_lens.max()) > meta.max_query_len or bool((q_lens > seq_lens).any()):
+        raise ValueError(
+            f"each prefill query length must be <= max_query_len ({meta.max_query_len}) "
+            "and <= its prefill_seq_lens entry"
+        )
+
+
+def _check_tables(
+    meta: PagedMetadata, part: str, num_seqs: int, num_blocks: int, block_size: int, device
+) -> torch.Tensor:
+    """part's seq_lens and block tables: one row per sequence, lengths within the table,
+    block numbers within the cache; returns the seq_lens."""
+    seq_lens = index_tensor(
+        f"{part}_seq_lens", getattr(meta, f"{part}_seq_lens"), torch.int32, 1, device
+    )
+    tables = index_tensor(
+        f"{part}_block_tables", getattr(meta, f"{part}_block_tables"), torch.int32, 2, device
+    )
+    if seq_lens.shape[0] != num_seqs or tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{part}_seq_lens {tuple(seq_lens.shape)} and {part}_block_tables "
+            f"{tuple(tables.shape)} must have {num_seqs} rows (one per {part} sequence)"
+        )
+    if int(seq_lens.max()) > tables.shape[1] * block_size:
+        raise ValueError(
+            f"{part}_seq_lens reach {int(seq_lens.max())} but {part}_block_tables holds "
+            f"{tables.shape[1]} blocks of {block_size} tokens"
+        )
+    # Only the table entries that cover cached tokens are read.
+    used = torch.arange(tables.shape[1], device=device)[None, :] * block_size < seq_lens[:, None]
+    entries = tables[used]
+    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
+        raise ValueError(
+            f"{part}_block_tables holds block numbers outside [0, {num_blocks}): "
+            f"{int(entries.min())}..{int(entries.max())}"
+        )
+    return seq_lens
+
+
+PAGED = PagedBackend()
