@@ -199,27 +199,46 @@ void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
 constexpr int64_t kPanelMinRows = 32;
 
 // Columns [n0, n0 + cols) of W into the panel's nb blocks of 16 (columns past cols
-// are zeros).
+// are zeros). A block's 16 columns are dequantized as rows of words (rows: 16 * K
+// floats, row_words: 16 * K elements of S), then moved into the block's layout 16 x
+// 16 words at a time by an in-register transpose: a store per word was most of the
+// decoding's time.
 template <int64_t T, typename S>
 void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nb, int64_t K,
-                      float* row, S* row_words, S* panel, int cols) {
-  constexpr int E = vec::WordOps<S>::kElems;
-  for (int c = 0; c < nb * vec::kLanes; ++c) {
-    if (c < cols) {
-      dequantize_row_f32<T>(w + (n0 + c) * row_bytes, K, row);
-    } else {
-      std::fill(row, row + K, 0.0f);
+                      float* rows, S* row_words, S* panel, int cols) {
+  constexpr int E = vec::WordOps<S>::kElems, L = vec::kLanes;
+  const int64_t words = K / E;  // per column
+  const void* block_words = std::is_same_v<S, float> ? static_cast<const void*>(rows)
+                                                     : static_cast<const void*>(row_words);
+  const auto* src = static_cast<const uint32_t*>(block_words);  // column c at c * words
+  for (int b = 0; b < nb; ++b) {
+    for (int c = 0; c < L; ++c) {
+      float* row = rows + c * K;
+      if (b * L + c < cols) {
+        dequantize_row_f32<T>(w + (n0 + b * L + c) * row_bytes, K, row);
+      } else {
+        std::fill(row, row + K, 0.0f);
+      }
+      if constexpr (!std::is_same_v<S, float>) {
+        for (int64_t k = 0; k < K; k += L) vec::Vec16::load(row + k).store(row_words + c * K + k);
+      }
     }
-    const S* words = reinterpret_cast<const S*>(row);
-    if constexpr (!std::is_same_v<S, float>) {
-      for (int64_t k = 0; k < K; k += vec::kLanes) vec::Vec16::load(row + k).store(row_words + k);
-      words = row_words;
+    // Word i of column c goes to word i, lane c of the block.
+    auto* dst = reinterpret_cast<uint32_t*>(panel + b * K * L);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + L <= words; i += L) {
+      vec::Words16 r[L];
+      for (int c = 0; c < L; ++c) {
+        r[c] = vec::Words16::load(src + c * words + i, vec::Words16::first(L));
+      }
+      vec::transpose16(r);
+      for (int j = 0; j < L; ++j) r[j].store(dst + (i + j) * L);
     }
-    // Word k / E of column c goes to block c / 16, word k / E, lane c % 16.
-    const auto* src = reinterpret_cast<const uint32_t*>(words);
-    auto* dst = reinterpret_cast<uint32_t*>(panel + (c / vec::kLanes) * K * vec::kLanes) +
-                c % vec::kLanes;
-    for (int64_t i = 0; i < K / E; ++i) dst[i * vec::kLanes] = src[i];
+#endif
+    for (; i < words; ++i) {
+      for (int c = 0; c < L; ++c) dst[i * L + c] = src[c * words + i];
+    }
   }
 }
 
@@ -257,8 +276,8 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
   // Panels from a shared counter, as quant_matmul's strips.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<float> row(K);
-    std::vector<S> row_words(K), panel(NB * vec::kLanes * K);
+    std::vector<float> row(vec::kLanes * K);
+    std::vector<S> row_words(vec::kLanes * K), panel(NB * vec::kLanes * K);
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
