@@ -198,6 +198,33 @@ void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
 // 16 rows 48-52 ms by panels against about 45 by int8 tiles, 64 rows 79-81 ms).
 constexpr int64_t kPanelMinRows = 32;
 
+#if defined(PYLLM_QUANT_AVX2) && defined(__AVX512BF16__)
+#define PYLLM_QUANT_BF16_ROWS 1
+// One weight row as bf16, for the bf16 panels and AMX tiles (AVX512-BF16 rounds
+// as Vec16's bf16 stores do).
+template <int64_t T>
+void dequantize_row_bf16(const uint8_t* row, int64_t K, c10::BFloat16* y) {
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      const __m256i u = group_vector<T>(blk, g);
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+        const __m512i i = F::kSigned ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+        half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(a[2 * g + h]),
+                                  _mm512_set1_ps(off[2 * g + h]));
+      }
+      _mm512_storeu_si512(y + b * F::kBlock + g * 32,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(half[1], half[0])));
+    }
+  }
+}
+#endif
+
 // Columns [n0, n0 + cols) of W into the panel's nb blocks of 16 (columns past cols
 // are zeros). A block's 16 columns are dequantized as rows of words (rows: 16 * K
 // floats, row_words: 16 * K elements of S), then moved into the block's layout 16 x
@@ -213,9 +240,20 @@ void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nb, i
   const auto* src = static_cast<const uint32_t*>(block_words);  // column c at c * words
   for (int b = 0; b < nb; ++b) {
     for (int c = 0; c < L; ++c) {
+      const int64_t col = n0 + b * L + c;
+#ifdef PYLLM_QUANT_BF16_ROWS
+      if constexpr (std::is_same_v<S, c10::BFloat16>) {  // straight to bf16, as rounded below
+        if (b * L + c < cols) {
+          dequantize_row_bf16<T>(w + col * row_bytes, K, row_words + c * K);
+        } else {
+          std::fill(row_words + c * K, row_words + (c + 1) * K, S(0.0f));
+        }
+        continue;
+      }
+#endif
       float* row = rows + c * K;
       if (b * L + c < cols) {
-        dequantize_row_f32<T>(w + (n0 + b * L + c) * row_bytes, K, row);
+        dequantize_row_f32<T>(w + col * row_bytes, K, row);
       } else {
         std::fill(row, row + K, 0.0f);
       }
@@ -333,29 +371,6 @@ void load_tile_config() {
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
-}
-
-// One weight row as bf16.
-template <int64_t T>
-void dequantize_row_bf16(const uint8_t* row, int64_t K, c10::BFloat16* y) {
-  using F = Format<T>;
-  for (int64_t b = 0; b < K / F::kBlock; ++b) {
-    const uint8_t* blk = row + b * F::kBytes;
-    float a[2 * F::kGroups], off[2 * F::kGroups];
-    F::scales(blk, a, off);
-    for (int g = 0; g < F::kGroups; ++g) {
-      const __m256i u = group_vector<T>(blk, g);
-      __m512 half[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m128i q = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
-        const __m512i i = F::kSigned ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
-        half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(a[2 * g + h]),
-                                  _mm512_set1_ps(off[2 * g + h]));
-      }
-      _mm512_storeu_si512(y + b * F::kBlock + g * 32,
-                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(half[1], half[0])));
-    }
-  }
 }
 
 // Rows [0, M) of x as bf16 pairs of K for 16 rows at a time: word k / 2 of row m
