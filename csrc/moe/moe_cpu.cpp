@@ -8,8 +8,11 @@
 // weighted sum runs per token in its own top-k order, so a token's result does not
 // depend on which other tokens share the step.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <vector>
 
@@ -106,6 +109,38 @@ void activate(const at::Tensor& gate, const at::Tensor& up, at::Tensor& act, Moe
   });
 }
 
+// Phase times for benchmarks/bench_moe.py: with PYLLM_MOE_PROFILE naming a file,
+// each call appends one line of microseconds (routing, grouping and the activations'
+// quantization, gate/up products, down products, combine). Off by default: one getenv.
+class PhaseTimes {
+ public:
+  enum Phase { kRoute, kGroup, kGateUp, kDown, kCombine, kPhases };
+  PhaseTimes() : path_(std::getenv("PYLLM_MOE_PROFILE")) {
+    if (path_ != nullptr && *path_ == '\0') path_ = nullptr;
+    if (path_ != nullptr) last_ = Clock::now();
+  }
+  // The time since the previous mark belongs to `phase`.
+  void mark(Phase phase) {
+    if (path_ == nullptr) return;
+    const auto now = Clock::now();
+    us_[phase] += std::chrono::duration<double, std::micro>(now - last_).count();
+    last_ = now;
+  }
+  ~PhaseTimes() {
+    if (path_ == nullptr) return;
+    if (std::FILE* f = std::fopen(path_, "a")) {
+      std::fprintf(f, "%.2f %.2f %.2f %.2f %.2f\n", us_[0], us_[1], us_[2], us_[3], us_[4]);
+      std::fclose(f);
+    }
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  const char* path_;
+  Clock::time_point last_;
+  double us_[kPhases] = {};
+};
+
 }  // namespace
 
 void moe_topk(at::Tensor& topk_weights, at::Tensor& topk_ids, const at::Tensor& router_logits,
@@ -127,9 +162,11 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
                                      down_bias, activation, alpha, limit, expert_start);
   const int64_t T = s.tokens, k = top_k, E = s.experts;
   if (T == 0) return;
+  PhaseTimes phases;
   std::vector<float> weights(T * k);
   std::vector<int32_t> ids(T * k);
   route(router_logits, k, renormalize, weights.data(), ids.data());
+  phases.mark(PhaseTimes::kRoute);
 
   // The pairs (token t, choice j) = t * k + j of each local expert, in pair order;
   // row[p]: the pair's row in the grouped buffers (-1: another rank's expert).
@@ -154,6 +191,7 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
     const at::Tensor index =
         at::from_blob(token.data(), {n}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor x = at::index_select(hidden, 0, index);
+    phases.mark(PhaseTimes::kGroup);
     at::Tensor gate = at::empty({n, s.inter}, options), up = at::empty({n, s.inter}, options);
     at::Tensor act = at::empty({n, s.inter}, options);
     for (int64_t e = 0; e < E; ++e) {
@@ -168,6 +206,7 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
       activate<scalar_t>(gate, up, act, s.activation, static_cast<float>(alpha),
                          static_cast<float>(limit));
     });
+    phases.mark(PhaseTimes::kGateUp);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = start[e], r1 = start[e + 1];
       if (r0 == r1) continue;
@@ -175,6 +214,7 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
       project(ye, act.narrow(0, r0, r1 - r0), w_down, down_type, e, down_bias);
     }
   }
+  phases.mark(PhaseTimes::kDown);
 
   // out[t] = sum over t's choices j, in order, of weight * its expert's row.
   PYLLM_DISPATCH_FLOATING_TYPES(hidden.scalar_type(), "fused_moe", [&] {
@@ -195,6 +235,7 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
       }
     });
   });
+  phases.mark(PhaseTimes::kCombine);
 }
 
 }  // namespace pyllm::cpu
