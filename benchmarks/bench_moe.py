@@ -250,6 +250,11 @@ def main() -> None:
         else:
             mixes = ["Q4_K_M", "Q8_0"]
         for mix in mixes:
+            blocks = [ops.QUANT_TYPES[t][1] for t in TYPE_MIXES[mix] if t in ops.QUANT_TYPES]
+            if len(blocks) < 2 or any(shape.hidden % b or shape.inter % b for b in blocks):
+                print(f"## {shape_name} {mix}: skipped (a type this build lacks, or a block "
+                      f"that does not divide the layer's sizes)")  # fmt: skip
+                continue
             weights, ids = expert_weights(shape, mix, device)
             layer_bytes = sum(w.numel() for w in weights)
             print(f"## {shape_name} {mix}: {shape.experts} experts, top {shape.top_k}, "
