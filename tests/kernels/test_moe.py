@@ -26,6 +26,7 @@ from .utils import (
     DTYPES,
     POISON,
     TOLERANCES,
+    device_param,
     kernel_threads,
     seed_and_single_thread,
 )
@@ -337,6 +338,17 @@ def test_fused_moe_no_local_tokens(device):
     with kernel_threads():
         ops.fused_moe(out, x, logits.to(device), 2, *on, *ids)
     assert torch.equal(out.cpu(), torch.zeros(3, 64))
+
+
+@pytest.mark.parametrize("device", [device_param("cuda")])
+def test_fused_moe_cuda_takes_one_gate_up_type(device):
+    """The CUDA kernels multiply gate and up in one pass: their types must agree there."""
+    (w_gate, _, w_down), ids, _ = make_weights("Q8_0", torch.float32, 4, 64, 32)
+    w_up, up_ids, _ = make_weights("Q4_0", torch.float32, 4, 64, 32)
+    on = [t.to(device) for t in (w_gate, w_up[1], w_down)]
+    out, x = torch.empty(2, 64, device=device), torch.randn(2, 64, device=device)
+    with pytest.raises(ValueError, match=r"\bup_type\b"):
+        ops.fused_moe(out, x, torch.randn(2, 4, device=device), 2, *on, ids[0], up_ids[1], ids[2])
 
 
 @pytest.mark.parametrize("type_name", ["Q5_K", "Q4_1", FLOAT_TYPE])
