@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs, as one command (see README, "Building for CUDA"):
 # build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA
-# (the quantization kernels' on their own), then the kernel, quantized-linear, KV-mode and
-# sampler benchmarks. Every log and table goes to $OUT (the device tool's output folder)
-# or ./gpu-out.
+# (the quantization and MoE kernels' on their own), then the kernel, quantized-linear,
+# MoE, KV-mode and sampler benchmarks. Every log and table goes to $OUT (the device
+# tool's output folder) or ./gpu-out.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
 #
@@ -12,7 +12,8 @@
 # tests need torch, pytest and (for the quantization kernels) the pure-Python `gguf`
 # package; where the machine lacks it, bring it in .gpu-deps (carried with the tree):
 #   pip install --no-deps --target .gpu-deps gguf
-# The benchmarks here need no model (quant_linear.py takes random blocks of real shapes).
+# The benchmarks here need no model (quant_linear.py and bench_moe.py take random blocks
+# of real shapes).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -47,9 +48,12 @@ fi
 "$py" -c "import pyllm.ops as ops; assert ops.BUILT_WITH_CUDA, 'no CUDA kernels'; print('CUDA kernels built')" \
   2>&1 | tee -a "$out/summary.txt"
 
-step "kernel tests on CUDA (tests/kernels -k cuda, quantization apart)"
+step "kernel tests on CUDA (tests/kernels -k cuda, quantization and MoE apart)"
 run tests.log 150 "$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf \
-  --ignore=tests/kernels/test_quant.py
+  --ignore=tests/kernels/test_quant.py --ignore=tests/kernels/test_moe.py
+
+step "mixture-of-experts kernel tests on CUDA (tests/kernels/test_moe.py -k cuda)"
+run tests.log 90 "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py -k cuda -rf
 
 step "quantization kernel tests on CUDA (tests/kernels/test_quant.py -k cuda)"
 # Without gguf those tests would be skipped, not run: say so instead.
@@ -61,6 +65,9 @@ run tests.log 100 "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_quan
 step "quantized linear (benchmarks/quant_linear.py --device cuda, TinyLlama-1.1B Q4_K_M shapes)"
 run bench.log 60 "$py" benchmarks/quant_linear.py --device cuda --shape tinyllama-1.1b \
   --type Q4_K_M --layers 4
+
+step "mixture of experts (benchmarks/bench_moe.py --device cuda: qwen3-30b-a3b, gpt-oss-20b)"
+run bench.log 120 "$py" benchmarks/bench_moe.py --device cuda --passes 3
 
 step "decode attention and the other ops (benchmarks/bench_ops.py --device cuda)"
 run bench.log 45 "$py" benchmarks/bench_ops.py --device cuda

@@ -158,6 +158,7 @@ bool packed_linear_vectorized_for(at::ScalarType dtype);
 #ifdef PYLLM_WITH_CUDA
 namespace cuda {
 PYLLM_DECLARE_OPS
+PYLLM_DECLARE_MOE_OPS
 }  // namespace cuda
 #endif
 

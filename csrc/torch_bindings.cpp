@@ -139,13 +139,11 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("write_kv_contiguous", &pyllm::ns::write_kv_contiguous);     \
   m.impl("contiguous_attention_decode", &pyllm::ns::contiguous_attention_decode); \
   m.impl("contiguous_attention_prefill", &pyllm::ns::contiguous_attention_prefill); \
-  m.impl("apply_token_bitmask", &pyllm::ns::apply_token_bitmask);
+  m.impl("apply_token_bitmask", &pyllm::ns::apply_token_bitmask);     \
+  m.impl("moe_topk", &pyllm::ns::moe_topk);                           \
+  m.impl("fused_moe", &pyllm::ns::fused_moe);
 
-TORCH_LIBRARY_IMPL(pyllm, CPU, m) {
-  PYLLM_REGISTER_IMPLS(cpu)
-  m.impl("moe_topk", &pyllm::cpu::moe_topk);
-  m.impl("fused_moe", &pyllm::cpu::fused_moe);
-}
+TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
 
 #ifdef PYLLM_WITH_CUDA
 TORCH_LIBRARY_IMPL(pyllm, CUDA, m) { PYLLM_REGISTER_IMPLS(cuda) }

@@ -579,7 +579,12 @@ def fused_moe(
     clamped above at limit, up to [-limit, limit], ``(up + 1) * gate *
     sigmoid(alpha * gate)``). The weights hold experts ``[expert_start, expert_start +
     E)`` of the E_total the router scores (expert parallelism); a token's choices
-    outside them add nothing.
+    outside them add nothing. On CUDA, up_type must equal gate_type (gate and up are
+    multiplied in one pass).
+
+    On the CPU, GGUF weights multiply int8-quantized activations (as quant_linear's) for
+    an expert with few rows, dequantized weights for one with many; each token sums its
+    experts in its own top-k order, so results do not depend on the thread count.
     """
     _check_args(
         _C.fused_moe, out=out, hidden=hidden, router_logits=router_logits, top_k=top_k,

@@ -22,10 +22,11 @@ constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
 template <typename T>
 constexpr bool kPackedLinearVectorized = vec::WordOps<T>::kVectorized && vec::kRegisterVecs >= 32;
 
-// One register tile; meanwhile `ahead_lines` cache lines from `ahead` are
-// prefetched into L2, one per step of K (or a few, if fewer steps than lines).
-template <typename T, int MB, int NB>
-inline void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* out,
+// One register tile, its sums stored as T or (O = float) in float32; meanwhile
+// `ahead_lines` cache lines from `ahead` are prefetched into L2, one per step of K
+// (or a few, if fewer steps than lines).
+template <typename T, int MB, int NB, typename O = T>
+inline void packed_tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, O* out,
                  int64_t out_stride, const char* ahead, int64_t ahead_lines) {
   using W = vec::WordOps<T>;
   using vec::Vec16;

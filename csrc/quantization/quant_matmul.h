@@ -1,0 +1,489 @@
+// The quantized-weight products that quant_linear and fused_moe share (an internal
+// header of quant_cpu.cpp and moe_cpu.cpp): input rows quantized to int8
+// (quantize_rows) and their integer dot products with a weight's blocks over a
+// strip of output columns (dot_tile, quant_dot.h), and the many-row paths over
+// dequantized weights: panels for packed_linear's register tile, AMX tiles for bf16
+// where the build targets them, and float32 chunks for ATen's GEMM. quant_cpu.cpp
+// tells how quant_linear combines them.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "../cpu/packed_tile.h"
+#include "gguf_blocks.h"
+#include "quant_dot.h"  // dot_rows; with PYLLM_QUANT_AVX2 also <immintrin.h>
+
+namespace pyllm::cpu {
+namespace {
+
+using namespace pyllm::quant;
+
+// Input rows per register tile: each decoded group of 32 weights is used this many times.
+constexpr int kTileRows = 8;
+// Weights per thread below which a second thread costs more than it saves.
+constexpr int64_t kGrainWeights = 1 << 16;
+
+// ---------------------------------------------------------------------------
+// Input rows to QuantizedRows (quant_dot.h), one span of G values at a time.
+
+template <typename scalar_t>
+void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, int16_t* isum) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float scale = amax / 127.0f;
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t h = 0; h < G / 16; ++h) {
+    int32_t sum = 0;
+    for (int64_t i = 16 * h; i < 16 * h + 16; ++i) {
+      const int qi = static_cast<int>(std::nearbyint(static_cast<float>(x[i]) * inv));
+      q[i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    isum[h] = static_cast<int16_t>(sum);
+    s[h] = scale * float(sum);
+  }
+  *d = scale;
+}
+
+// Sizes r for M rows of K values in spans of G; a buffer reused across calls keeps
+// its allocation.
+inline void size_rows(QuantizedRows& r, int64_t M, int64_t K, int64_t G) {
+  r.K = K;
+  r.G = G;
+  r.span_shift = G == 256 ? 3 : 0;
+  r.q.resize(M * K);
+  r.d.resize(M * K / G);
+  r.s.resize(M * K / 16);
+  r.isum.resize(M * K / 16);
+}
+
+// Span [k, k + G) of row m of r (sized by size_rows) from x[0, G).
+template <typename scalar_t>
+void quantize_span_of(const scalar_t* x, QuantizedRows& r, int64_t m, int64_t k) {
+  const int64_t h = m * (r.K / 16) + k / 16;
+  quantize_span(x, r.G, r.q.data() + m * r.K + k, r.d.data() + (m * r.K + k) / r.G,
+                r.s.data() + h, r.isum.data() + h);
+}
+
+template <typename scalar_t>
+void quantize_rows(const scalar_t* x, int64_t x_stride, int64_t M, int64_t K, int64_t G,
+                   QuantizedRows& r) {
+  size_rows(r, M, K, G);
+  at::parallel_for(0, M * (K / G), std::max<int64_t>(1, 8192 / G), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t m = g / (K / G), k = (g % (K / G)) * G;
+      quantize_span_of(x + m * x_stride + k, r, m, k);
+    }
+  });
+}
+
+template <int64_t T>
+void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+              int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: dot_rows<T, 1>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 2: dot_rows<T, 2>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 3: dot_rows<T, 3>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 4: dot_rows<T, 4>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 5: dot_rows<T, 5>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 6: dot_rows<T, 6>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    case 7: dot_rows<T, 7>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+    default: dot_rows<T, kTileRows>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
+  }
+}
+
+// Float32 results [M, N] for all rows. Threads take strips of columns from a shared
+// counter, each running every row tile over its strip (small enough for its weight
+// bytes to stay in L2 between tiles). A fixed half each left one thread waiting for
+// the other at the end of every call on a virtual machine's shared cores: two
+// single-threaded processes streamed 13.6 GB/s together where one call split in
+// halves made 9.5.
+template <int64_t T>
+void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
+                  float* out, int64_t out_stride) {
+  using F = Format<T>;
+  const int64_t row_bytes = K / F::kBlock * F::kBytes;
+  const int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
+  const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t n0 = next.fetch_add(strip); n0 < N; n0 = next.fetch_add(strip)) {
+      const int64_t n1 = std::min(N, n0 + strip);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        dot_tile<T>(rows, w, row_bytes, x, m0, K, out + m0 * out_stride, out_stride, n0, n1);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Dequantization of whole rows (portable: it runs once per looked-up token).
+
+template <int64_t T, typename scalar_t>
+void dequantize_row(const uint8_t* row, int64_t K, scalar_t* y) {
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      uint8_t u[32];
+      group_quants<T>(blk, g, u);
+      scalar_t* yg = y + b * F::kBlock + g * 32;
+      for (int l = 0; l < 32; ++l) {
+        const float q = F::kSigned ? float(int8_t(u[l])) : float(u[l]);
+        yg[l] = static_cast<scalar_t>(a[2 * g + l / 16] * q + off[2 * g + l / 16]);
+      }
+    }
+  }
+}
+
+// Float32 values of one row: vectorized where group_vector exists.
+template <int64_t T>
+void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
+#ifdef PYLLM_QUANT_AVX2
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      const __m256i u = group_vector<T>(blk, g);
+      const __m128i halves[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+      float* yg = y + b * F::kBlock + g * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_set1_ps(a[2 * g + h]), offset = _mm256_set1_ps(off[2 * g + h]);
+        const __m128i lo = halves[h], hi = _mm_srli_si128(halves[h], 8);
+        const __m256i q0 = F::kSigned ? _mm256_cvtepi8_epi32(lo) : _mm256_cvtepu8_epi32(lo);
+        const __m256i q1 = F::kSigned ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
+        _mm256_storeu_ps(yg + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), scale, offset));
+        _mm256_storeu_ps(yg + 16 * h + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), scale, offset));
+      }
+    }
+  }
+#else
+  dequantize_row<T>(row, K, y);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Many rows: the int8 tiles above decode each group once per 8 rows, which leaves
+// the arithmetic well below the float units' peak. Where packed_linear's register
+// tile runs for the input dtype (AVX-512: float32 FMA, bf16 vdpbf16ps), each thread
+// instead dequantizes a panel of 16 * NB columns into its word-packed layout in a
+// buffer that stays in L2, and runs the tile over all input rows: the weight is
+// decoded once per call, and the products are packed_linear's.
+
+// Input rows from which the panel path is taken: decoding a panel costs about as
+// much as 16 rows of products (benchmarks/quant_linear.py, SmolLM2 Q4_1 and Q4_K:
+// 16 rows 48-52 ms by panels against about 45 by int8 tiles, 64 rows 79-81 ms).
+constexpr int64_t kPanelMinRows = 32;
+
+#if defined(PYLLM_QUANT_AVX2) && defined(__AVX512BF16__)
+#define PYLLM_QUANT_BF16_ROWS 1
+// One weight row as bf16, for the bf16 panels and AMX tiles (AVX512-BF16 rounds
+// as Vec16's bf16 stores do).
+template <int64_t T>
+void dequantize_row_bf16(const uint8_t* row, int64_t K, c10::BFloat16* y) {
+  using F = Format<T>;
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float a[2 * F::kGroups], off[2 * F::kGroups];
+    F::scales(blk, a, off);
+    for (int g = 0; g < F::kGroups; ++g) {
+      const __m256i u = group_vector<T>(blk, g);
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+        const __m512i i = F::kSigned ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+        half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(a[2 * g + h]),
+                                  _mm512_set1_ps(off[2 * g + h]));
+      }
+      _mm512_storeu_si512(y + b * F::kBlock + g * 32,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(half[1], half[0])));
+    }
+  }
+}
+#endif
+
+// Columns [n0, n0 + cols) of W into the panel's nb blocks of 16 (columns past cols
+// are zeros). A block's 16 columns are dequantized as rows of words (rows: 16 * K
+// floats, row_words: 16 * K elements of S), then moved into the block's layout 16 x
+// 16 words at a time by an in-register transpose: a store per word was most of the
+// decoding's time.
+template <int64_t T, typename S>
+void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nb, int64_t K,
+                      float* rows, S* row_words, S* panel, int cols) {
+  constexpr int E = vec::WordOps<S>::kElems, L = vec::kLanes;
+  const int64_t words = K / E;  // per column
+  const void* block_words = std::is_same_v<S, float> ? static_cast<const void*>(rows)
+                                                     : static_cast<const void*>(row_words);
+  const auto* src = static_cast<const uint32_t*>(block_words);  // column c at c * words
+  for (int b = 0; b < nb; ++b) {
+    for (int c = 0; c < L; ++c) {
+      const int64_t col = n0 + b * L + c;
+#ifdef PYLLM_QUANT_BF16_ROWS
+      if constexpr (std::is_same_v<S, c10::BFloat16>) {  // straight to bf16, as rounded below
+        if (b * L + c < cols) {
+          dequantize_row_bf16<T>(w + col * row_bytes, K, row_words + c * K);
+        } else {
+          std::fill(row_words + c * K, row_words + (c + 1) * K, S(0.0f));
+        }
+        continue;
+      }
+#endif
+      float* row = rows + c * K;
+      if (b * L + c < cols) {
+        dequantize_row_f32<T>(w + col * row_bytes, K, row);
+      } else {
+        std::fill(row, row + K, 0.0f);
+      }
+      if constexpr (!std::is_same_v<S, float>) {
+        for (int64_t k = 0; k < K; k += L) vec::Vec16::load(row + k).store(row_words + c * K + k);
+      }
+    }
+    // Word i of column c goes to word i, lane c of the block.
+    auto* dst = reinterpret_cast<uint32_t*>(panel + b * K * L);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + L <= words; i += L) {
+      vec::Words16 r[L];
+      for (int c = 0; c < L; ++c) {
+        r[c] = vec::Words16::load(src + c * words + i, vec::Words16::first(L));
+      }
+      vec::transpose16(r);
+      for (int j = 0; j < L; ++j) r[j].store(dst + (i + j) * L);
+    }
+#endif
+    for (; i < words; ++i) {
+      for (int c = 0; c < L; ++c) dst[i * L + c] = src[c * words + i];
+    }
+  }
+}
+
+// out (in x's dtype S, or float32) = rows [0, M) of x . the panel (+ bias).
+template <typename S, int NB, typename O = S>
+void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t K,
+                const S* bias, O* out, int64_t ld) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) {
+    packed_tile<S, kTileRows, NB>(x + m * x_stride, x_stride, panel, K, bias, out + m * ld, ld,
+                                  nullptr, 0);
+  }
+  auto tail = [&](auto rows) {
+    packed_tile<S, decltype(rows)::value, NB>(x + m * x_stride, x_stride, panel, K, bias,
+                                              out + m * ld, ld, nullptr, 0);
+  };
+  switch (M - m) {
+    case 1: tail(std::integral_constant<int, 1>{}); break;
+    case 2: tail(std::integral_constant<int, 2>{}); break;
+    case 3: tail(std::integral_constant<int, 3>{}); break;
+    case 4: tail(std::integral_constant<int, 4>{}); break;
+    case 5: tail(std::integral_constant<int, 5>{}); break;
+    case 6: tail(std::integral_constant<int, 6>{}); break;
+    case 7: tail(std::integral_constant<int, 7>{}); break;
+    default: break;
+  }
+}
+
+// Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
+template <int64_t T, typename S>
+void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
+                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+  constexpr int NB = tile_blocks(kTileRows);
+  const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
+  // Panels from a shared counter, as quant_matmul's strips.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<float> row(vec::kLanes * K);
+    std::vector<S> row_words(vec::kLanes * K), panel(NB * vec::kLanes * K);
+    for (int64_t p = next++; p < panels; p = next++) {
+      const int64_t n0 = p * NB * vec::kLanes;
+      const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
+      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data(),
+                          nb * vec::kLanes);
+      const S* b = bias ? bias + n0 : nullptr;
+      if (nb == NB) {
+        panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      } else if (nb == 2) {
+        panel_rows<S, 2>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      } else {
+        panel_rows<S, 1>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Many rows on CPUs with AMX (a build whose -march names one): the tile unit
+// multiplies bf16 at several times the vector units' rate. Its B operand must hold
+// pairs of K for 16 columns per 64-byte row, so the roles are swapped: the weight
+// (32 of its rows at a time, dequantized to bf16 in a buffer that stays in L1/L2)
+// is the A operand, as it lies; the inputs, rearranged once per call into such
+// pairs for 16 rows at a time, are B; each 16 x 16 float32 tile of sums is
+// out^T. For bf16 inputs only: rounding float32 inputs and weights to bf16 moved
+// SmolLM2's float32 logits visibly (correlation with the widened model's down to
+// 0.9975 against >= 0.999 for the float32 panels), so float32 keeps float products.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PYLLM_QUANT_AMX 1
+
+// Input rows from which the tile unit takes over from the int8 tiles.
+constexpr int64_t kAmxMinRows = 16;
+
+// Linux hands out the tile registers' state only on request, once per process.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Tiles 0-3: four 16 x 16 float32 sums; 4, 5: 16 weight rows each; 6, 7: 16 input
+// rows each. Every tile is 16 rows of 64 bytes.
+void load_tile_config() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, M) of x as bf16 pairs of K for 16 rows at a time: word k / 2 of row m
+// at [m / 16][k / 2][m % 16]; rows past M are zero, up to a multiple of 32.
+template <typename S>
+std::vector<uint32_t> pair_inputs(const S* x, int64_t x_stride, int64_t M, int64_t K) {
+  const int64_t rows = (M + 31) / 32 * 32, words = K / 2;
+  std::vector<uint32_t> pairs(rows * words, 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<c10::BFloat16> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const S* src = x + m * x_stride;
+      for (int64_t k = 0; k < K; k += vec::kLanes) vec::Vec16::load(src + k).store(row.data() + k);
+      const auto* word = reinterpret_cast<const uint32_t*>(row.data());
+      uint32_t* dst = pairs.data() + (m / 16) * words * 16 + m % 16;
+      for (int64_t i = 0; i < words; ++i) dst[i * 16] = word[i];
+    }
+  });
+  return pairs;
+}
+
+// sums[n][m] (32 x 32) = weight rows [0, 32) (bf16 rows of K) . input rows [0, 32).
+inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t K, float* sums) {
+  const int64_t w_bytes = K * 2, words = K / 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, wrows + k, w_bytes);
+    _tile_loadd(5, wrows + 16 * K + k, w_bytes);
+    _tile_loadd(6, pairs + k / 2 * 16, 64);
+    _tile_loadd(7, pairs + (words + k / 2) * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 128);
+  _tile_stored(1, sums + 16, 128);
+  _tile_stored(2, sums + 16 * 32, 128);
+  _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
+// Columns [0, N / 32 * 32) of out = x . W^T (+ bias); returns how many.
+template <int64_t T, typename S>
+int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
+                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+  const int64_t panels = N / 32;
+  const std::vector<uint32_t> pairs = pair_inputs(x, x_stride, M, K);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    load_tile_config();
+    std::vector<c10::BFloat16> wrows(32 * K);
+    alignas(64) float sums[32 * 32];
+    for (int64_t p = next++; p < panels; p = next++) {
+      const int64_t n0 = p * 32;
+      for (int n = 0; n < 32; ++n) {
+        dequantize_row_bf16<T>(w + (n0 + n) * row_bytes, K, wrows.data() + n * K);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        amx_chunk(wrows.data(), pairs.data() + m0 * K / 2, K, sums);
+        for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
+          S* o = out + m * ld + n0;
+          for (int n = 0; n < 32; ++n) {
+            o[n] = static_cast<S>(sums[n * 32 + (m - m0)] +
+                                  (bias ? static_cast<float>(bias[n0 + n]) : 0.0f));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return panels * 32;
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// Many float32 rows where neither AMX nor packed_linear's tile runs (AVX2 and
+// portable builds): W in chunks dequantized to float32 (about 2 MiB each, so that
+// a chunk stays in L2 while it is multiplied), each multiplied by ATen's matmul,
+// the GEMM that float weights take on these CPUs.
+constexpr int64_t kGemmMinRows = 64;
+
+template <int64_t T>
+void gemm_matmul(const at::Tensor& input, const uint8_t* w, int64_t row_bytes, int64_t N,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t K = input.size(1);
+  const int64_t chunk = std::clamp<int64_t>((2 << 20) / (4 * K) / 16 * 16, 16, N);
+  at::Tensor dense = at::empty({chunk, K}, input.options());
+  float* d = dense.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t c = std::min(chunk, N - n0);
+    at::parallel_for(0, c, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row_f32<T>(w + (n0 + r) * row_bytes, K, d + r * K);
+      }
+    });
+    at::Tensor part = out.narrow(1, n0, c);
+    const at::Tensor wt = dense.narrow(0, 0, c).t();
+    if (bias.has_value()) {
+      at::addmm_out(part, bias->narrow(0, n0, c), input, wt);
+    } else {
+      at::mm_out(part, input, wt);
+    }
+  }
+}
+
+int64_t block_size_of(int64_t type) {
+  int64_t size = 0;
+  dispatch_type(type, [&](auto t) { size = Format<decltype(t)::value>::kBlock; });
+  return size;
+}
+
+}  // namespace
+}  // namespace pyllm::cpu
