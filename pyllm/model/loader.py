@@ -20,6 +20,7 @@ import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.mxfp4_checkpoint import MXFP4_PARTS, checkpoint_pairs, load_mxfp4_experts
 from pyllm.model.registry import model_class
 from pyllm.model.weights import WeightFiller
 
@@ -53,7 +54,7 @@ def load_model(
         config = ModelConfig.from_hf_dir(path)
         model_cls = model_class(config.architecture)
         model = model_cls(config, resolve_dtype(dtype, device), device, max_model_len, tp)
-        load_safetensors(model, path)
+        load_safetensors(model, path, keep_quantized=quantization == "auto")
         if quantization not in ("auto", "none"):
             quantize_linears(model, quantization)
     elif not os.path.exists(path):
@@ -135,11 +136,16 @@ def estimate_weight_bytes(
         return 0  # load_model names the problem
     from safetensors import safe_open
 
-    total = 0
+    total, keep = 0, quantization == "auto"
     for file in safetensors_files(path):
         with safe_open(file, "pt") as f:
             for key in f.keys():
-                total += math.prod(f.get_slice(key).get_shape()) * dtype.itemsize
+                numel = math.prod(f.get_slice(key).get_shape())
+                if key.endswith(MXFP4_PARTS):  # uint8: 2 weights a byte, 1 scale a block
+                    widened = 2 * numel * dtype.itemsize if key.endswith(MXFP4_PARTS[0]) else 0
+                    total += numel if keep else widened
+                else:
+                    total += numel * dtype.itemsize
     return total
 
 
@@ -180,26 +186,54 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
-    from safetensors import SafetensorError, safe_open
+def load_safetensors(model: LlamaForCausalLM, folder: str, keep_quantized: bool = True) -> None:
+    """Fills the model from the folder's safetensors files. MXFP4 experts (gpt-oss's
+    ``*_blocks`` / ``*_scales`` pairs) stay in their blocks where keep_quantized, else
+    are widened to the model's dtype."""
+    from safetensors import SafetensorError
 
     filler = WeightFiller(model, folder)
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(file, framework="pt") as f:
-                names = list(f.keys())
-            for name in names:
-                # safe_open maps the whole file, and every page read stays resident
-                # (and counted) while it is open. Reopening it per tensor releases each
-                # tensor's pages after its copy, so loading peaks near the model's size
-                # plus one tensor instead of twice the model's size.
-                with safe_open(file, framework="pt") as f:
-                    whole = f.get_slice(name)
-                    index = filler.part_to_read(name, tuple(whole.get_shape()))
-                    # A tensor-parallel rank reads only its part of a split tensor.
-                    tensor = f.get_tensor(name) if index is None else whole[index]
-                filler.fill(name, tensor, where=file, hf=True, part=index is not None)
-                del tensor
-        except SafetensorError as error:
-            raise ValueError(f"{file} is not a valid safetensors file: {error}") from None
+    where = {name: file for file in safetensors_files(folder) for name in _tensor_names(file)}
+    pairs = checkpoint_pairs(where)
+    try:
+        load_mxfp4_experts(model, filler, lambda name: _read(where[name], name), pairs,
+                           keep_quantized)  # fmt: skip
+        paired = set(pairs) | set(pairs.values())
+        for name, file in where.items():
+            if name not in paired:
+                _fill_one(filler, file, name)
+    except SafetensorError as error:
+        raise ValueError(f"{folder} holds an invalid safetensors file: {error}") from None
     filler.finish()
+
+
+def _tensor_names(file: str) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a valid safetensors file: {error}") from None
+
+
+def _read(file: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _fill_one(filler: WeightFiller, file: str, name: str) -> None:
+    """One tensor into its slot. safe_open maps the whole file, and every page read
+    stays resident (and counted) while it is open: reopening it per tensor releases
+    each tensor's pages after its copy, so loading peaks near the model's size plus one
+    tensor instead of twice the model's size."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        whole = f.get_slice(name)
+        index = filler.part_to_read(name, tuple(whole.get_shape()))
+        # A tensor-parallel rank reads only its part of a split tensor.
+        tensor = f.get_tensor(name) if index is None else whole[index]
+    filler.fill(name, tensor, where=file, hf=True, part=index is not None)

@@ -31,7 +31,12 @@ from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.registry import model_class
-from pyllm.model.weights import WeightFiller, per_expert_name, shard_rows
+from pyllm.model.weights import (
+    WeightFiller,
+    expert_block_ranges,
+    per_expert_name,
+    shard_rows,
+)
 
 # The tensor types we dequantize (each tested in tests/model/test_gguf.py).
 SUPPORTED_TYPES = (
@@ -394,20 +399,17 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
 
 def _read_experts(file, model: LlamaForCausalLM, tensor: GGUFTensor, module, full) -> torch.Tensor:
     """A 3-D tensor of experts' blocks, of the model's shape `full` [E, N, K], as this
-    rank's uint8 [E', N', row bytes]: all of it; under tensor parallelism each expert's
-    share of gate/up rows or of down's columns; under expert parallelism its experts."""
+    rank's uint8 [E', N', row bytes] (expert_block_ranges says which part)."""
     if tensor.shape != full:
         raise ValueError(
             f"{file.name}: tensor {tensor.name!r} has shape {tensor.shape}, the model expects "
             f"{full}"
         )
-    shard, held = model.shard, model.local_config.expert_range
     _, rows, cols = full
-    mine = shard.split(rows) if module.out_features != rows else range(rows)
-    first = shard.rank if module.in_features != cols else 0  # a row-parallel rank's share
-    row_bytes = ops.quant_row_bytes(tensor.type_id, module.in_features)
+    full_bytes = ops.quant_row_bytes(tensor.type_id, cols)
+    held, mine, cut = expert_block_ranges(model, module, rows, full_bytes, tensor.type_id)
+    row_bytes = len(cut)
     qweight = torch.empty(len(held), len(mine), row_bytes, dtype=torch.uint8)
     ranges = [range(e * rows + mine.start, e * rows + mine.stop) for e in held]
-    cut = range(first * row_bytes, (first + 1) * row_bytes)
     _read_rows(file, tensor, ranges, qweight.view(-1, row_bytes).numpy(), cut)
     return qweight.to(model.device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+import pyllm.ops as ops
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.moe import SparseMoeBlock
 
@@ -197,6 +198,28 @@ def _expert_slots(model: LlamaForCausalLM, name: str, param, slots: dict, fused:
         part = per_expert_name(name, j)
         slots[part] = Slot(param[j - held.start], full[1:], one_dim, one_take, zero)
         fused[name].append(part)
+
+
+def expert_block_ranges(model: LlamaForCausalLM, module, rows: int, row_bytes: int, qtype: int):
+    """Which blocks of a checkpoint's quantized experts [E, rows, row_bytes] (of qtype)
+    this rank keeps for `module` (an ExpertProjection): (experts, rows, byte columns of
+    a row). All of them unsplit; under tensor parallelism each expert's share of
+    gate/up rows or of down's columns (a row-parallel rank's share is whole blocks);
+    under expert parallelism its experts."""
+    shard = model.shard
+    mine = shard.split(rows) if module.out_features != rows else range(rows)
+    kept = ops.quant_row_bytes(qtype, module.in_features)
+    first = shard.rank if kept != row_bytes else 0
+    return model.local_config.expert_range, mine, range(first * kept, (first + 1) * kept)
+
+
+def expert_share(model: LlamaForCausalLM, module, qweight: torch.Tensor, qtype: int):
+    """The part of a checkpoint's quantized experts uint8 [E, rows, row bytes] (of
+    qtype) this rank keeps for `module`, as a contiguous tensor on the model's device."""
+    _, rows, row_bytes = qweight.shape
+    held, mine, cut = expert_block_ranges(model, module, rows, row_bytes, qtype)
+    part = qweight[held.start : held.stop, mine.start : mine.stop, cut.start : cut.stop]
+    return part.contiguous().to(model.device)
 
 
 def _copy_into(slot: Slot, tensor: torch.Tensor, part: bool) -> None:
