@@ -458,11 +458,16 @@ def gguf_file_info(path: str) -> dict:
     for t in reader.tensors:
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
     tensor_bytes = sum(by_type.values())
+    config = load_config(path)
     # A decode token reads every tensor once, but only one row of the embedding table
-    # when the LM head is a tensor of its own (tied, the table is the head and is read).
+    # when the LM head is a tensor of its own (tied, the table is the head and is read),
+    # and of a MoE layer's experts (the 3-D ffn_*_exps) only the top_k it is routed to.
     decode_bytes = tensor_bytes
     if "output.weight" in tensors and "token_embd.weight" in tensors:
         decode_bytes -= int(tensors["token_embd.weight"].n_bytes)
+    expert_bytes = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." in n)
+    if config.num_experts:
+        decode_bytes -= expert_bytes * (1 - config.num_experts_per_tok / config.num_experts)
     label = max(by_type, key=by_type.get)
     field = reader.fields.get("general.file_type")
     if field is not None:
@@ -470,13 +475,13 @@ def gguf_file_info(path: str) -> dict:
             label = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
         except ValueError:
             pass
-    config = load_config(path)
     return {
         "path": path,
         "name": os.path.basename(path),
         "file_bytes": os.path.getsize(path),
         "tensor_bytes": tensor_bytes,
-        "decode_bytes": decode_bytes,
+        "decode_bytes": int(decode_bytes),
+        "expert_bytes": expert_bytes,
         "type": label,
         "bytes_by_type": by_type,
         "weight_elements": sum(int(t.n_elements) for t in reader.tensors),
@@ -529,14 +534,17 @@ def estimated_need(engine: str, info: dict, options: dict) -> tuple[int, str]:
         return info["file_bytes"] + kv + runtime, "the file + an f16 KV cache + 0.5 GiB"
     from pyllm.engine.config import DEFAULT_CPU_KV_CACHE_GIB
     from pyllm.model.dtype import resolve_dtype
+    from pyllm.model.loader import estimate_weight_bytes
 
     kv = int(float(options.get("kv_cache_memory") or DEFAULT_CPU_KV_CACHE_GIB) * GIB)
-    weights, how = int(1.5 * info["file_bytes"]), "1.5 x the file"
-    if not pyllm_keeps_weights_quantized(options):
-        itemsize = resolve_dtype(options.get("dtype", "auto"), "cpu").itemsize
-        widened = int(1.25 * info["weight_elements"] * itemsize)
-        if widened > weights:
-            weights, how = widened, f"1.25 x the weights widened to {itemsize} bytes"
+    # Kept blocks take their bytes in the file, one copy; widened weights their dtype's,
+    # with more slack for the widening at load.
+    dtype = resolve_dtype(options.get("dtype", "auto"), "cpu")
+    keep = pyllm_keeps_weights_quantized(options)
+    quantization = "auto" if keep else "none"
+    factor = 1.05 if keep else 1.25
+    weights = int(factor * estimate_weight_bytes(info["path"], dtype, quantization))
+    how = f"{factor} x the weights as pyllm holds them ({'kept' if keep else 'widened'})"
     return weights + kv + runtime, f"{how} + a {gib(kv)} KV cache + 0.5 GiB"
 
 
@@ -780,9 +788,9 @@ def gguf_mode(args, files: list[str]) -> int:
             files_meta.append({k: v for k, v in info.items() if k != "path"})
             print(
                 f"{info['name']}: {info['type']}, file {gib(info['file_bytes'])}; a decode token "
-                f"reads {info['decode_bytes'] / 1e6:.0f} MB of tensors (all of the file's "
+                f"reads {info['decode_bytes'] / 1e6:.0f} MB of tensors (the file's "
                 f"{info['tensor_bytes'] / 1e6:.0f} MB, less the embedding table when the LM "
-                "head is its own tensor)",
+                "head is its own tensor, and less the experts a token is not routed to)",
                 flush=True,
             )
             tokenizer = Tokenizer.from_pretrained(path)
