@@ -121,3 +121,35 @@ def test_memory_estimate_counts_mxfp4_blocks(gpt_oss_folders):
     )  # fmt: skip
     # The experts' floats become 17 bytes per 32 weights.
     assert kept == widened - experts + experts // 4 * 17 // 32
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_keeps_its_share_of_the_blocks(rank):
+    """Two ranks: gate/up (column-parallel) keep each expert's half of the rows, down
+    (row-parallel) each row's half of the blocks; expert parallelism whole experts. The
+    shares laid side by side are the whole."""
+    from types import SimpleNamespace
+
+    from pyllm.model.shard import Shard
+    from pyllm.model.weights import expert_share
+
+    experts, inter, hidden = 4, 64, 96
+    gate_up = ggml_blocks(*random_ocp((experts, inter), hidden, seed=3))  # [E, I, H / 32 * 17]
+    down = ggml_blocks(*random_ocp((experts, hidden), inter, seed=4))  # [E, H, I / 32 * 17]
+
+    def model(shard, held):
+        return SimpleNamespace(shard=shard, device=torch.device("cpu"),
+                               local_config=SimpleNamespace(expert_range=held))  # fmt: skip
+
+    def module(out_features, in_features):
+        return SimpleNamespace(out_features=out_features, in_features=in_features)
+
+    width = model(Shard(rank, 2), range(experts))
+    rows = expert_share(width, module(inter // 2, hidden), gate_up, MXFP4)
+    assert torch.equal(rows, gate_up[:, rank * inter // 2 : (rank + 1) * inter // 2])
+    cols = expert_share(width, module(hidden, inter // 2), down, MXFP4)
+    half = down.shape[2] // 2
+    assert torch.equal(cols, down[:, :, rank * half : (rank + 1) * half])
+    whole = model(Shard(rank, 2, expert_parallel=True), range(2 * rank, 2 * rank + 2))
+    mine = expert_share(whole, module(inter, hidden), gate_up, MXFP4)
+    assert torch.equal(mine, gate_up[2 * rank : 2 * rank + 2])
