@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine runs, as one command (see README, "Building for CUDA"):
+# The checks a lent GPU machine runs, as one command (see docs/cuda.md):
 # build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA
 # (the quantization and MoE kernels' on their own), then the kernel, quantized-linear,
 # MoE, KV-mode and sampler benchmarks. Every log and table goes to $OUT (the device
