@@ -9,6 +9,7 @@
 #include "attention/sizes.h"
 #include "cache/kv_arena.h"
 #include "ops.h"
+#include "quantization/gguf_formats.h"
 
 TORCH_LIBRARY(pyllm, m) {
   // Cache ops.
@@ -108,6 +109,18 @@ TORCH_LIBRARY(pyllm, m) {
   m.def("supported_head_sizes() -> int[]", []() { return pyllm::as_vector(pyllm::kHeadSizes); });
   m.def("supported_block_sizes() -> int[]",
         []() { return pyllm::as_vector(pyllm::kBlockSizes); });
+  // The GGUF types quant_linear reads: names, type ids, weights and bytes per block.
+  m.def("quant_types() -> (str[], int[], int[], int[])", []() {
+    std::vector<std::string> names;
+    std::vector<int64_t> ids, blocks, bytes;
+    for (const auto& t : pyllm::quant::kQuantTypes) {
+      names.emplace_back(t.name);
+      ids.push_back(t.id);
+      blocks.push_back(t.block);
+      bytes.push_back(t.bytes);
+    }
+    return std::make_tuple(names, ids, blocks, bytes);
+  });
   m.def("small_batch_max_rows() -> int", []() -> int64_t { return pyllm::kSmallBatchMaxRows; });
   m.def("packed_linear_vectorized(ScalarType dtype) -> bool", [](at::ScalarType dtype) -> bool {
     return pyllm::cpu::packed_linear_vectorized_for(dtype);

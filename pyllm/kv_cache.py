@@ -84,6 +84,42 @@ def _forget_views(pointers: list[int], ref: weakref.ref) -> None:
             del _ARENA_VIEWS[pointer]
 
 
+def _check_arena_args(
+    num_layers: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.device:
+    """KVArena's arguments checked; returns the device, with its index on CUDA."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+        ("num_kv_heads", num_kv_heads),
+    ):
+        _positive_int(name, value)
+    if max_model_len > 2**31 - 1:
+        raise ValueError(f"max_model_len must fit int32, got {max_model_len}")
+    _head_size(head_size)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not BUILT_WITH_CUDA:
+            raise ValueError(
+                f"device {device}: pyllm was built without CUDA kernels "
+                "(rebuild with PYLLM_TARGET=cuda)"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"device {device} is not supported; pyllm runs on cpu and cuda")
+    return device
+
+
 class KVArena:
     """A virtually contiguous KV cache: every slot's K/V reserved, memory mapped on demand.
 
@@ -117,31 +153,9 @@ class KVArena:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("num_kv_heads", num_kv_heads),
-        ):
-            _positive_int(name, value)
-        if max_model_len > 2**31 - 1:
-            raise ValueError(f"max_model_len must fit int32, got {max_model_len}")
-        _head_size(head_size)
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"dtype {dtype} is not supported; supported: float32, float16, bfloat16"
-            )
-        device = torch.device(device)
-        if device.type == "cuda":
-            if not BUILT_WITH_CUDA:
-                raise ValueError(
-                    f"device {device}: pyllm was built without CUDA kernels "
-                    "(rebuild with PYLLM_TARGET=cuda)"
-                )
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-        elif device.type != "cpu":
-            raise ValueError(f"device {device} is not supported; pyllm runs on cpu and cuda")
+        device = _check_arena_args(
+            num_layers, max_num_seqs, max_model_len, num_kv_heads, head_size, dtype, device
+        )
         self.num_layers, self.max_num_seqs, self.max_model_len = (
             num_layers,
             max_num_seqs,

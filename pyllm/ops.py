@@ -30,6 +30,9 @@ Token-major inputs (``query``, ``key``, ``value``) may be row views of a larger
 tensor (for example the q/k/v parts of one fused projection): their token stride is
 free, but the heads and head dimension of one token must be packed (``[H, D]``
 contiguous). Outputs must be contiguous.
+
+The ops over GGUF-quantized weights (quant_linear, dequantize_rows, fused_moe, ...) live
+in ``pyllm.ops_quant`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     kv_cache_x,
 )
 from pyllm.kv_cache import KVArena, _check_seq_slots, _check_token_slots, allocate_kv_cache
+from pyllm.ops_quant import (
+    FLOAT_WEIGHT_TYPES,
+    QUANT_TYPES,
+    dequantize_rows,
+    fused_moe,
+    moe_topk,
+    quant_linear,
+    quant_row_bytes,
+)
 
 _C = torch.ops.pyllm
 
@@ -440,164 +452,6 @@ def packed_linear(
     """
     _check_args(_C.packed_linear, out=out, input=input, packed_weight=packed_weight, bias=bias)
     _C.packed_linear(out, input, packed_weight, bias)
-
-
-# ---------------------------------------------------------------------------
-# Linear layers over GGUF-quantized weights.
-
-# GGML type name -> (type id, weights per block, bytes per block): the block formats
-# quant_linear and dequantize_rows read, as a GGUF file stores them.
-QUANT_TYPES: dict[str, tuple[int, int, int]] = {
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q5_0": (6, 32, 22),
-    "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144),
-    "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210),
-    "MXFP4": (39, 32, 17),
-}
-_QUANT_BY_ID = {
-    type_id: (name, block, nbytes) for name, (type_id, block, nbytes) in QUANT_TYPES.items()
-}
-
-
-def quant_row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one weight row of in_features values in GGML type qtype."""
-    name, block, nbytes = _quant_type(qtype)
-    if in_features % block:
-        raise ValueError(
-            f"in_features ({in_features}) must be a multiple of {name}'s block of {block}"
-        )
-    return in_features // block * nbytes
-
-
-def _quant_type(qtype: object) -> tuple[str, int, int]:
-    if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in _QUANT_BY_ID:
-        supported = ", ".join(f"{n}={t}" for n, (t, _, _) in QUANT_TYPES.items())
-        raise ValueError(f"qtype must be a supported GGML type id ({supported}), got {qtype!r}")
-    return _QUANT_BY_ID[qtype]
-
-
-def quant_linear(
-    out: torch.Tensor,
-    input: torch.Tensor,
-    qweight: torch.Tensor,
-    qtype: int,
-    bias: torch.Tensor | None = None,
-) -> None:
-    """out = input @ W.T (+ bias) with W [N, K] kept quantized: ``qweight`` holds its N
-    rows of GGUF blocks of GGML type ``qtype`` (``QUANT_TYPES``), uint8
-    ``[N, quant_row_bytes(qtype, K)]``, exactly as a GGUF file stores the tensor.
-    ``input [M, K]`` and ``out [M, N]`` float32/bf16/fp16, ``bias [N]``.
-
-    On the CPU each input row is quantized to int8 in groups of 32 and multiplied with
-    the weights' integers (VNNI or AVX2 integer dot products), scaled per group and
-    accumulated in float32: the error against a float product is bounded by half a
-    quantization step of the input per weight. Input rows and out rows may be strided
-    (row views); their elements must be packed.
-    """
-    _check_args(_C.quant_linear, out=out, input=input, qweight=qweight, qtype=qtype, bias=bias)
-    _C.quant_linear(out, input, qweight, qtype, bias)
-
-
-def dequantize_rows(
-    out: torch.Tensor, qweight: torch.Tensor, qtype: int, rows: torch.Tensor | None = None
-) -> None:
-    """out[i] = row rows[i] of the quantized weight, as floats (all rows in order when
-    rows is None): ``out [R, K]`` float32/bf16/fp16, ``qweight`` as for quant_linear,
-    ``rows [R]`` int64. An embedding lookup in a quantized token table."""
-    _check_args(_C.dequantize_rows, out=out, qweight=qweight, qtype=qtype, rows=rows)
-    if rows is not None and qweight.dim():
-        _check_range("rows", rows, torch.int64, 0, qweight.shape[0])
-    _C.dequantize_rows(out, qweight, qtype, rows)
-
-
-# ---------------------------------------------------------------------------
-# Mixture of experts.
-
-# GGML's type ids of float tensors: an expert weight of one of these types is floats
-# of the activations' dtype (fused_moe).
-FLOAT_WEIGHT_TYPES: dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 30,
-}
-
-
-def moe_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top_k experts: ``router_logits [T, E]`` -> (weights ``[T, top_k]``
-    float32, ids ``[T, top_k]`` int32), largest first (the lower id first on ties).
-    Weights are the softmax over all E experts (in float32), renormalized over the
-    chosen ones if asked: with renormalize, equal to a softmax over the top_k logits
-    alone (gpt-oss's top-k-then-softmax)."""
-    _tensor("router_logits", router_logits)
-    _positive_int("top_k", top_k)
-    rows = router_logits.shape[0] if router_logits.dim() else 0
-    weights = torch.empty(rows, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(rows, top_k, dtype=torch.int32, device=router_logits.device)
-    _check_args(_C.moe_topk, topk_weights=weights, topk_ids=ids, router_logits=router_logits,
-                renormalize=renormalize)  # fmt: skip
-    _C.moe_topk(weights, ids, router_logits, renormalize)
-    return weights, ids
-
-
-def fused_moe(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    router_logits: torch.Tensor,
-    top_k: int,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    gate_type: int,
-    up_type: int,
-    down_type: int,
-    renormalize: bool = True,
-    gate_bias: torch.Tensor | None = None,
-    up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    activation: str = "silu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    expert_start: int = 0,
-) -> None:
-    """A mixture-of-experts feed-forward in one op:
-    ``out[t] = sum_j w[t, j] * (down_e(act(gate_e(x_t), up_e(x_t))) + down_bias[e])``
-    over token t's top_k experts e (routed as moe_topk does), with
-    ``gate_e(x) = x @ w_gate[e].T + gate_bias[e]`` and likewise up and down.
-
-    ``hidden``, ``out``: ``[T, H]`` float32/bf16/fp16 (hidden's rows may be strided);
-    ``router_logits [T, E_total]``. Each weight is either GGUF blocks kept as stored,
-    uint8 ``[E, N, quant_row_bytes(type, K)]`` of the type id given (``QUANT_TYPES``),
-    or floats ``[E, N, K]`` of hidden's dtype with type ``FLOAT_WEIGHT_TYPES[dtype]``:
-    w_gate and w_up ``[E, I, H]``, w_down ``[E, H, I]``; biases ``[E, N]`` in hidden's
-    dtype. activation: ``"silu"`` (silu(gate) * up) or ``"swigluoai"`` (gpt-oss: gate
-    clamped above at limit, up to [-limit, limit], ``(up + 1) * gate *
-    sigmoid(alpha * gate)``). The weights hold experts ``[expert_start, expert_start +
-    E)`` of the E_total the router scores (expert parallelism); a token's choices
-    outside them add nothing. On CUDA, up_type must equal gate_type (gate and up are
-    multiplied in one pass).
-
-    On the CPU, GGUF weights multiply int8-quantized activations (as quant_linear's) for
-    an expert with few rows, dequantized weights for one with many; each token sums its
-    experts in its own top-k order, so results do not depend on the thread count.
-    """
-    _check_args(
-        _C.fused_moe, out=out, hidden=hidden, router_logits=router_logits, top_k=top_k,
-        renormalize=renormalize, w_gate=w_gate, w_up=w_up, w_down=w_down, gate_type=gate_type,
-        up_type=up_type, down_type=down_type, gate_bias=gate_bias, up_bias=up_bias,
-        down_bias=down_bias, activation=activation, alpha=alpha, limit=limit,
-        expert_start=expert_start,
-    )  # fmt: skip
-    _C.fused_moe(
-        out, hidden, router_logits, top_k, renormalize, w_gate, w_up, w_down, gate_type,
-        up_type, down_type, gate_bias, up_bias, down_bias, activation, float(alpha),
-        float(limit), expert_start,
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

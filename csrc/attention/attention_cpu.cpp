@@ -1,12 +1,14 @@
 // The CPU attention ops: paged decode (v1, v2), paged causal prefill, and the same
 // kernels over the contiguous layout. The kernels are in attention_cpu_kernels.h
 // (decode and the general prefill) and attention_cpu_prefill_lanes.h (prefill on
-// AVX-512); the argument contract in attention_checks.h (shared with CUDA), the CPU's
-// own index checks in attention_cpu_checks.h.
+// AVX-512), their scheduling in attention_cpu_tasks.h; the argument contract in
+// attention_checks.h (shared with CUDA), the CPU's own index checks in
+// attention_cpu_checks.h.
 
 #include "attention_cpu_checks.h"
 #include "attention_cpu_kernels.h"
 #include "attention_cpu_prefill_lanes.h"
+#include "attention_cpu_tasks.h"
 
 namespace pyllm::cpu {
 

@@ -4,7 +4,7 @@
 // that translation unit (anonymous namespace), as when it was one file.
 #pragma once
 
-#include "attention_cpu_kernels.h"
+#include "attention_cpu_tasks.h"
 
 namespace pyllm::cpu {
 namespace {

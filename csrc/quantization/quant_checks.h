@@ -1,6 +1,6 @@
 // The quantized linear ops' argument contracts, checked first by their CPU and CUDA
 // implementations: the GGML block formats they read, and the qweight, input, out,
-// bias and rows tensors. pyllm/ops.py checks the values of rows.
+// bias and rows tensors. pyllm/ops_quant.py checks the values of rows.
 #pragma once
 
 #include <cstdint>
@@ -11,30 +11,19 @@
 
 #include "../check_utils.h"
 #include "../layers/layers_checks.h"
+#include "gguf_formats.h"
 
 namespace pyllm {
 
-// One GGML block format: its type id, name, weights per block, bytes per block.
-struct QuantType {
-  int64_t id;
-  const char* name;
-  int64_t block, bytes;
-};
-
-inline constexpr QuantType kQuantTypes[] = {
-    {2, "Q4_0", 32, 18},  {3, "Q4_1", 32, 20},    {6, "Q5_0", 32, 22},    {7, "Q5_1", 32, 24},
-    {8, "Q8_0", 32, 34},  {12, "Q4_K", 256, 144}, {13, "Q5_K", 256, 176}, {14, "Q6_K", 256, 210},
-    {39, "MXFP4", 32, 17},
-};
+using quant::kQuantTypes;
+using quant::QuantType;
 
 inline const QuantType& check_qtype(int64_t qtype) {
   for (const QuantType& t : kQuantTypes) {
     if (t.id == qtype) return t;
   }
-  TORCH_CHECK_VALUE(false,
-                    "qtype must be a supported GGML type id (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, "
-                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, MXFP4=39), got ",
-                    qtype);
+  TORCH_CHECK_VALUE(false, "qtype must be a supported GGML type id (", quant::kQuantTypesText,
+                    "), got ", qtype);
 }
 
 // qweight [out_features, row bytes] uint8 holding rows of in_features values of type

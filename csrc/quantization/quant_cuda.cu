@@ -1,6 +1,6 @@
 // CUDA kernels for GGUF-quantized weights: quant_linear and dequantize_rows.
 //
-// A quantized weight [N, K] is N rows of K / kBlockSize blocks of kTypeSize bytes,
+// A quantized weight [N, K] is N rows of K / kBlock blocks of kBytes bytes,
 // as the GGUF file stores them. Every format is decoded (gguf_blocks.cuh) in units of
 // 32 consecutive weights of one row (a whole block for the 32-weight formats, one of
 // the 8 sub-blocks of a 256-weight K-format block), so every kernel has one loop

@@ -66,20 +66,8 @@ inline void prefetch_ahead(const uint8_t* blk) {
 // quantized with one scale per 256: the sub-block scales multiply the 16-bit pair
 // sums as integers, so a whole block's products stay in one int32 accumulator and
 // become float once per block. Offsets: mins (or Q6_K's -32) times the inputs'
-// integer sums per 16, also once per block.
-// Q4_K / Q5_K's 12 scale bytes as 8 scales and 8 mins (bytes), with 32-bit word
-// operations instead of 16 six-bit extractions.
-inline void k_scales_mins(const uint8_t* s, uint64_t& scales, uint64_t& mins) {
-  uint32_t u0, u1, u2;
-  std::memcpy(&u0, s, 4);
-  std::memcpy(&u1, s + 4, 4);
-  std::memcpy(&u2, s + 8, 4);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  const uint32_t sc_hi = (u2 & k4) | (((u0 >> 6) & k2) << 4);
-  const uint32_t m_hi = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
-  scales = uint64_t(u0 & k6) | (uint64_t(sc_hi) << 32);
-  mins = uint64_t(u1 & k6) | (uint64_t(m_hi) << 32);
-}
+// integer sums per 16, also once per block. (gguf_formats.h's k_scales_mins unpacks
+// Q4_K's and Q5_K's scales.)
 
 }  // namespace
 }  // namespace pyllm::cpu

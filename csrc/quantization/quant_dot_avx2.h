@@ -44,14 +44,14 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
       uint64_t scales = 0;
       float d, dmin = 0.0f;
       if constexpr (T == kQ6_K) {
-        d = half_at(blk + 208);
-        scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        d = half_at(blk + F::kD);
+        scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kScales)));
       } else {
         const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
         d = _mm_cvtss_f32(dd);
         dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
         uint64_t mins;
-        k_scales_mins(blk + 4, scales, mins);
+        k_scales_mins(blk + F::kScales, scales, mins);
         // Each group's min for both its halves: the offsets' integer weights per 16.
         const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
         scale16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
@@ -63,7 +63,7 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
         // Pair sums 0-7 are the group's first 16 values, 8-15 its second.
         __m256i scale;
         if constexpr (T == kQ6_K) {
-          const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          const auto* sc = reinterpret_cast<const int8_t*>(blk + F::kScales);
           scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
         } else {
           scale = _mm256_set1_epi16(static_cast<int16_t>((scales >> (8 * g)) & 0xFF));

@@ -58,9 +58,9 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
       __m512i words;    // the integer scales as 16-bit words
       float d, dmin;
       if constexpr (T == kQ6_K) {
-        d = half_at(blk + 208);
+        d = half_at(blk + F::kD);
         dmin = 32.0f * d;
-        const auto* sc = reinterpret_cast<const __m128i*>(blk + 192);
+        const auto* sc = reinterpret_cast<const __m128i*>(blk + F::kScales);
         scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc));
         words = _mm512_castsi256_si512(scale16);
       } else {
@@ -68,7 +68,7 @@ void kquant_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, in
         d = _mm_cvtss_f32(dd);
         dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
         uint64_t scales, mins;
-        k_scales_mins(blk + 4, scales, mins);
+        k_scales_mins(blk + F::kScales, scales, mins);
         const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mins));
         scale16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         words = _mm512_castsi128_si512(

@@ -38,11 +38,9 @@ from pyllm.model.weights import (
     shard_rows,
 )
 
-# The tensor types we dequantize (each tested in tests/model/test_gguf.py).
-SUPPORTED_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-    "MXFP4",
-)  # fmt: skip
+# The tensor types we dequantize (each tested in tests/model/test_gguf.py): the float
+# types and those quant_linear reads.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *ops.QUANT_TYPES)
 
 # Tensors that are not weights of ours: rope factors go into the config.
 _NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")

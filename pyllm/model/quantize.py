@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import torch
 
+import pyllm.ops as ops
+
+# The types quantize_weight writes, by lower-case name.
+_NAMES = ("q4_0", "q8_0", "q4_k", "q6_k", "mxfp4")
 # Names to GGML type ids (gguf.GGMLQuantizationType).
-QUANT_TYPES_BY_NAME: dict[str, int] = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14, "mxfp4": 39}
+QUANT_TYPES_BY_NAME: dict[str, int] = {name: ops.QUANT_TYPES[name.upper()][0] for name in _NAMES}
 
 # (weights per block, bytes per block)
 _BLOCK_SIZES: dict[str, tuple[int, int]] = {
-    "q4_0": (32, 18),
-    "q8_0": (32, 34),
-    "q4_k": (256, 144),
-    "q6_k": (256, 210),
-    "mxfp4": (32, 17),
+    name: ops.QUANT_TYPES[name.upper()][1:] for name in _NAMES
 }
 
 # Float32 elements quantized per chunk; the K-types' candidate grids multiply their

@@ -238,6 +238,14 @@ def test_quant_row_bytes():
         ops.quant_row_bytes(ops.QUANT_TYPES["Q4_K"][0], 96)
 
 
+def test_quant_types_match_gguf():
+    # The list the library exports (csrc/quantization/gguf_formats.h) against gguf's.
+    assert len(ops.QUANT_TYPES) == 9
+    for name, (type_id, block, nbytes) in ops.QUANT_TYPES.items():
+        assert GGMLType[name].value == type_id
+        assert gguf.GGML_QUANT_SIZES[GGMLType[name]] == (block, nbytes)
+
+
 def bad_quant_linear_cases():
     q8 = ops.QUANT_TYPES["Q8_0"][0]
     qweight, _ = random_weight("Q8_0", 8, 64)

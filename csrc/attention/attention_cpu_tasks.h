@@ -1,0 +1,71 @@
+// Scheduling of the CPU attention tasks: running them on at::parallel_for's threads,
+// and where each task's query rows and keys start.
+//
+// An internal header of attention_cpu.cpp, its only includer: what it defines stays in
+// that translation unit (anonymous namespace), as when it was one file.
+#pragma once
+
+#include "attention_cpu_kernels.h"
+
+namespace pyllm::cpu {
+namespace {
+
+// Query rows x key tokens below which a call runs on the calling thread alone
+// (about 8K products of head_size 64..128: tens of microseconds, the order of
+// waking a sleeping OpenMP worker on a busy machine).
+constexpr int64_t kMinParallelWork = 8192;
+
+// Runs task(i, following, workspace) for i in [0, num_tasks) on
+// at::parallel_for's threads; each thread claims the next unclaimed task, so
+// tasks of different cost (listed longest first) spread evenly. `following`
+// is the task the same thread runs next (claimed one ahead so that its first
+// keys can be prefetched), or -1.
+template <typename F>
+void run_tasks(int64_t num_tasks, const F& task, int64_t work = kMinParallelWork) {
+  if (num_tasks == 0) return;
+  std::atomic<int64_t> next{0};
+  // A tiny call (a short decode) finishes faster on this thread than it takes to wake
+  // another: at::parallel_for over one worker runs inline.
+  const int64_t workers =
+      work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Workspace ws;
+    for (int64_t i = next.fetch_add(1); i < num_tasks;) {
+      const int64_t following = next.fetch_add(1);
+      task(i, following < num_tasks ? following : -1, ws);
+      i = following;
+    }
+  });
+}
+
+
+// The first key position the query at query_pos sees (0 without a window).
+inline int window_start(int query_pos, int sliding_window) {
+  return sliding_window > 0 ? std::max(0, query_pos - sliding_window + 1) : 0;
+}
+
+// The cache block that holds key position `pos`, as its first token position.
+inline int block_start(int pos, int block_size) { return pos / block_size * block_size; }
+
+// Sets up the decode rows of (seq, kv_head): its group of query heads, all at
+// position seq_len - 1, limited to keys before t_end and within the window.
+template <typename scalar_t>
+void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t seq,
+                 int kv_head, int group, int head_size, float scale, const float* alibi,
+                 int seq_len, int t_end, int sliding_window) {
+  constexpr int X = PagedCache<scalar_t>::kX;
+  rows.reset(group, head_size, X, scale, alibi != nullptr);
+  const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
+  for (int g = 0; g < group; ++g) {
+    rows.set_query(g, q + g * head_size);
+    rows.query_pos[g] = seq_len - 1;
+    rows.last_key[g] = std::min(seq_len, t_end) - 1;
+    rows.first_key[g] = window_start(seq_len - 1, sliding_window);
+    if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
+  }
+}
+
+int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kPartitionSize); }
+
+}  // namespace
+}  // namespace pyllm::cpu
