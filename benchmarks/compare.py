@@ -554,6 +554,11 @@ def gguf_worker(
     """One engine on one file: load, warm up, every case once; prints one @@JSON line."""
     with open(workload_path) as f:
         workload = json.load(f)
+    # Load time is the model's: the engine's library (and torch) is imported first.
+    if engine_name == "pyllm":
+        from pyllm import LLM  # noqa: F401  (pyllm imports its parts on first use)
+    elif engine_name == "llama.cpp":
+        import llama_cpp  # noqa: F401
     start = time.perf_counter()
     if engine_name == "pyllm":
         if threads:
