@@ -15,7 +15,7 @@ import torch
 import pyllm.ops as ops
 from pyllm.model.weights import WeightFiller, expert_share, per_expert_name
 
-MXFP4 = ops.QUANT_TYPES["MXFP4"][0]
+MXFP4, BLOCK, BLOCK_BYTES = ops.QUANT_TYPES["MXFP4"]  # 32 weights in 17 bytes
 BLOCKS, SCALES = "_blocks", "_scales"
 MXFP4_PARTS = (BLOCKS, SCALES)
 
@@ -65,11 +65,11 @@ def load_mxfp4_experts(model, filler: WeightFiller, read, pairs: dict[str, str],
             if name not in filler.slots:
                 raise ValueError(f"unexpected tensor {blocks_name!r} (not part of this model)")
             module = model.get_submodule(f"{experts}.{proj}")
-            if keep and module.in_features % 32 == 0:
+            if keep and module.in_features % BLOCK == 0:
                 module.set_quantized(expert_share(model, module, rows, MXFP4), MXFP4)
                 filler.mark(name)
             else:
-                _widen(filler, name, rows, 32 * (rows.shape[2] // 17))
+                _widen(filler, name, rows, rows.shape[2] // BLOCK_BYTES * BLOCK)
         del qweight
 
 
