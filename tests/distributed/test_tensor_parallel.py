@@ -129,9 +129,8 @@ def test_quantized_gguf_shards_keep_their_blocks():
         assert qkv.qparts and o.qparts and layer.mlp.down_proj.qparts
         assert sum(p.stop - p.start for p in qkv.qparts) == (9 + 3 + 3) * 64 // 3
         assert o.in_features == 576 // 3 and layer.mlp.down_proj.in_features == 1536 // 3
-        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8),
-                           use_tqdm=False)  # fmt: skip
-        assert len(out[0].outputs[0].token_ids) == 8
+        out = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
     finally:
         llm.engine.close()
 
