@@ -39,7 +39,7 @@ MoePath moe_path(int64_t type, int64_t rows) {
     return rows >= kFloatGemmMinRows ? MoePath::kFloatMany : MoePath::kFloatFew;
   }
   if constexpr (kPackedLinearVectorized<S>) {
-    if (rows >= kPanelMinRows) return MoePath::kPanel;
+    if (rows >= panel_min_rows<S>(type)) return MoePath::kPanel;
   }
   if constexpr (std::is_same_v<S, float> && !kPackedLinearVectorized<S>) {
     if (rows >= kGemmMinRows) return MoePath::kGemm;

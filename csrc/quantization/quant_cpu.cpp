@@ -58,7 +58,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     }
 #endif
     if constexpr (kPackedLinearVectorized<scalar_t>) {
-      if (n_panel == 0 && M >= kPanelMinRows) {
+      if (n_panel == 0 && M >= panel_min_rows<scalar_t>(qtype)) {
         n_panel = N / vec::kLanes * vec::kLanes;
         dispatch_type(qtype, [&](auto t) {
           panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,

@@ -218,12 +218,22 @@ void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, i
   }
 }
 
+}  // namespace
+}  // namespace pyllm::cpu
+
+#include "quant_octets_avx512.h"
+
+namespace pyllm::cpu {
+namespace {
+
 // Output columns [n0, n1) for input rows [m0, m0 + R).
 template <int64_t T, int R>
 void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
   if constexpr (Format<T>::kGroups == 8) {
     kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  } else if constexpr (kOctetFormat<T>) {
+    octet_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
   } else {
     block32_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
   }

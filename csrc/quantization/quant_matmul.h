@@ -198,6 +198,18 @@ void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
 // 16 rows 48-52 ms by panels against about 45 by int8 tiles, 64 rows 79-81 ms).
 constexpr int64_t kPanelMinRows = 32;
 
+// The 4-bit formats whose int8 products run by octets (quant_octets_avx512.h) keep
+// them for float32 inputs: 2 cores of a Zen 4, 2880x2880 Q4_0 and MXFP4, 32-512
+// rows, int8 tiles 265-319 GFLOP/s against the float32 panels' 155-212 (bf16 panels
+// 267-417 against 254-288: they still win from 32 rows).
+template <typename scalar_t>
+int64_t panel_min_rows(int64_t type) {
+#if defined(PYLLM_QUANT_ZMM)
+  if (is_octet_format(type) && std::is_same_v<scalar_t, float>) return INT64_MAX;
+#endif
+  return kPanelMinRows;
+}
+
 #if defined(PYLLM_QUANT_AVX2) && defined(__AVX512BF16__)
 #define PYLLM_QUANT_BF16_ROWS 1
 // One weight row as bf16, for the bf16 panels and AMX tiles (AVX512-BF16 rounds

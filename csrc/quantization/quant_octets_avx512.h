@@ -1,0 +1,262 @@
+// The 4-bit formats with 16 nibble bytes per block of 32 (Q4_0, Q4_1, MXFP4) under
+// AVX-512 VNNI, eight blocks (an octet, 256 weights) at a time, with every product
+// of the octet summed in one int32 vector per input row.
+//
+// block32_rows gives each 64-byte dot product two blocks, so every pair needs its
+// own float conversion, scale permute and multiply-add per input row: batch-1 decode
+// of 4-bit weights was compute-bound (Q4_0 2880x2880, 2 threads, 20 GB/s where Q8_0
+// streams 30), and 8 rows ran at 6 GB/s. Here the octet's weights are rearranged so
+// that 32-bit lane l of all four of its dot products holds weights of block l % 8:
+//   lanes 0-7:  dword i of blocks 0-7,   lanes 8-15: dword i + 1 of blocks 0-7,
+// for (i, nibble) = (0, low), (0, high), (2, low), (2, high), where dword i of a
+// block's nibble bytes holds weights 4i..4i+3 (low nibbles) and 16+4i.. (high). The
+// four products then share one per-lane scale vector and add as integers, leaving
+// one conversion and one multiply-add per row per octet. The input rows are
+// rearranged to match once per call (a few percent of the products' work).
+//
+// Offsets are integers added to each row's sums before the products: Q4_0's codes
+// are unsigned with -8 (each row's sums start at -8 times its inputs' lane sums);
+// MXFP4's values are looked up as value + 12 (unsigned, vpdpbusd's unsigned side)
+// and start at -12 times the lane sums, so its results stay exact at every scale.
+// Q4_1's min adds min * dx * (the inputs' lane sums) per octet.
+//
+// With VBMI, MXFP4 (17-byte blocks: an octet is 136 bytes) takes its codes by byte
+// permutes from four 64-byte loads and its values from a 64-entry table that needs
+// no nibble masks; its E8M0 scales become each row's scale by one vscalefps.
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "quant_groups_avx2.h"
+
+namespace pyllm::cpu {
+namespace {
+
+constexpr bool is_octet_format(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kMXFP4;
+}
+template <int64_t T>
+inline constexpr bool kOctetFormat = is_octet_format(T);
+
+// Lane l of rearranged vector v (0-3): the block's dword (see above).
+constexpr int octet_dword(int v, int l) { return (v / 2) * 2 + l / 8 + (v % 2) * 4; }
+
+// MXFP4's values + this are unsigned.
+constexpr int kMxfp4Offset = 12;
+
+// Input rows [m0, m0 + R), their whole octets rearranged: per row and octet four
+// 64-byte vectors, then the 16 lane sums (int32 times the offset for Q4_0 and MXFP4;
+// float x * dx for Q4_1).
+struct OctetRows {
+  uint8_t* q = nullptr;
+  int32_t* sums = nullptr;
+  int64_t octets = 0;
+  const uint8_t* vectors(int r, int64_t o) const { return q + (r * octets + o) * 256; }
+  const int32_t* lane_sums(int r, int64_t o) const { return sums + (r * octets + o) * 16; }
+};
+
+template <int64_t T>
+OctetRows rearrange_rows(const QuantizedRows& x, int64_t m0, int R, int64_t octets) {
+  thread_local std::vector<uint8_t> storage;
+  const size_t bytes = static_cast<size_t>(R * octets) * (256 + 64) + 64;
+  if (storage.size() < bytes) storage.resize(bytes);
+  OctetRows out;
+  const auto base = reinterpret_cast<uintptr_t>(storage.data());
+  out.q = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t{63});
+  out.sums = reinterpret_cast<int32_t*>(out.q + R * octets * 256);
+  out.octets = octets;
+  // Vector v, lane l: block b = l % 8 lives in source vector b / 2, at dword
+  // (b % 2) * 8 + octet_dword(v, l); the second source of each permute is +16.
+  alignas(64) static const auto index = [] {
+    std::array<std::array<int32_t, 16>, 4> idx{};
+    for (int v = 0; v < 4; ++v) {
+      for (int l = 0; l < 16; ++l) {
+        const int b = l % 8;
+        idx[v][l] = (b / 2 % 2) * 16 + (b % 2) * 8 + octet_dword(v, l);
+      }
+    }
+    return idx;
+  }();
+  const __mmask16 upper_sources = 0xF0F0;  // lanes of blocks 4-7
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t o = 0; o < octets; ++o) {
+      const int8_t* src = x.q_row(m) + o * 256;
+      __m512i s[4];
+      for (int j = 0; j < 4; ++j) s[j] = _mm512_loadu_si512(src + 64 * j);
+      auto* dst = const_cast<uint8_t*>(out.vectors(r, o));
+      __m512i sum = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        const __m512i idx = _mm512_load_si512(index[v].data());
+        __m512i t = _mm512_mask_blend_epi32(upper_sources, _mm512_permutex2var_epi32(s[0], idx, s[1]),
+                                            _mm512_permutex2var_epi32(s[2], idx, s[3]));
+        sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), t);
+        _mm512_store_si512(dst + 64 * v, t);
+      }
+      auto* sums = const_cast<int32_t*>(out.lane_sums(r, o));
+      if constexpr (T == kQ4_0 || T == kMXFP4) {
+        const __m512i offset = _mm512_set1_epi32(T == kQ4_0 ? -8 : -kMxfp4Offset);
+        _mm512_store_si512(sums, _mm512_mullo_epi32(sum, offset));
+      } else if constexpr (T == kQ4_1) {
+        const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[m * (x.K / 32) + 8 * o]));
+        const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
+        _mm512_store_ps(reinterpret_cast<float*>(sums), _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx16));
+      }
+    }
+  }
+  return out;
+}
+
+// The octet's weights: codes of the four rearranged vectors (unsigned nibbles; for
+// MXFP4 their signed values), and its scales a (and Q4_1's mins) per lane.
+template <int64_t T>
+inline void octet_weights(const uint8_t* blk, __m512i* w, __m512& a16, __m512& min16) {
+  using F = Format<T>;
+  alignas(64) static const auto index = [] {
+    std::array<std::array<int32_t, 16>, 2> idx{};
+    for (int h = 0; h < 2; ++h) {
+      for (int l = 0; l < 16; ++l) idx[h][l] = (l % 8 / 4) * 16 + (l % 4) * 4 + 2 * h + l / 8;
+    }
+    return idx;
+  }();
+  // Blocks 0-3 and 4-7, their nibble bytes one per 128-bit lane.
+  __m512i half[2];
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* p = F::nibbles(blk + 4 * h * F::kBytes, 0);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    for (int b = 1; b < 4; ++b) {
+      const auto* q = reinterpret_cast<const __m128i*>(p + b * F::kBytes);
+      v = _mm512_mask_broadcast_i32x4(v, static_cast<__mmask16>(0xF << (4 * b)), _mm_loadu_si128(q));
+    }
+    half[h] = v;
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i d = _mm512_permutex2var_epi32(half[0], _mm512_load_si512(index[h].data()), half[1]);
+    w[2 * h] = _mm512_and_si512(d, nib);
+    w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), nib);
+  }
+  __m256 a, b;
+  scales8<T>(blk, a, b);
+  a16 = _mm512_shuffle_f32x4(_mm512_castps256_ps512(a), _mm512_castps256_ps512(a), 0x44);
+  if constexpr (T == kQ4_1) {
+    min16 = _mm512_shuffle_f32x4(_mm512_castps256_ps512(b), _mm512_castps256_ps512(b), 0x44);
+  }
+  if constexpr (T == kMXFP4) {
+    const __m512i values = _mm512_add_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))),
+        _mm512_set1_epi8(kMxfp4Offset));
+    for (int v = 0; v < 4; ++v) w[v] = _mm512_shuffle_epi8(values, w[v]);
+  }
+}
+
+#if defined(__AVX512VBMI__)
+// MXFP4's octet by byte permutes: codes of dwords 0-1 from bytes [0, 128), of dwords
+// 2-3 from [8, 136); values + offset from a table repeated four times (vpermb reads
+// six index bits); lane l's exponent, minus 128, as a float (scale 2^(e - 128)).
+inline void mxfp4_octet(const uint8_t* blk, __m512i* w, __m512& exponent16) {
+  using F = Format<kMXFP4>;
+  struct Tables {
+    std::array<uint8_t, 64> codes[2], exponents, values;
+  };
+  alignas(64) static const Tables t = [] {
+    Tables v{};
+    for (int p = 0; p < 64; ++p) {
+      const int l = p / 4, b = l % 8, i = p % 4;
+      for (int h = 0; h < 2; ++h) {
+        const int dword = 2 * h + l / 8;
+        v.codes[h][p] = static_cast<uint8_t>(b * F::kBytes + F::kQs + 4 * dword + i - 8 * h);
+      }
+      v.exponents[p] = static_cast<uint8_t>(b * F::kBytes + F::kE);
+      v.values[p] = static_cast<uint8_t>(kMxfp4Values[p % 16] + kMxfp4Offset);
+    }
+    return v;
+  }();
+  const __m512i values = _mm512_load_si512(t.values.data());
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* p = blk + 8 * h;
+    const __m512i d = _mm512_permutex2var_epi8(
+        _mm512_loadu_si512(p), _mm512_load_si512(t.codes[h].data()), _mm512_loadu_si512(p + 64));
+    w[2 * h] = _mm512_permutexvar_epi8(d, values);
+    w[2 * h + 1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(d, 4), values);
+  }
+  const __m512i e = _mm512_maskz_permutex2var_epi8(
+      0x1111111111111111ULL, _mm512_loadu_si512(blk), _mm512_load_si512(t.exponents.data()),
+      _mm512_loadu_si512(blk + 64));
+  exponent16 = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
+}
+#endif
+
+// The scales of an octet's lanes for input row scales dx16: a16 * dx16, or with
+// VBMI's MXFP4 dx16 * 2^exponent16 (the same product, rounded once).
+template <int64_t T>
+inline constexpr bool kScalefOctets =
+#if defined(__AVX512VBMI__)
+    T == kMXFP4;
+#else
+    false;
+#endif
+
+template <int64_t T, int R>
+void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<T>;
+  const int64_t blocks = K / 32, octets = blocks / 8;
+  const OctetRows xr = rearrange_rows<T>(x, m0, R, octets);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t o = 0; o < octets; ++o) {
+      const uint8_t* blk = row + o * 8 * F::kBytes;
+      prefetch_ahead<8 * F::kBytes>(blk);
+      __m512i wv[4];
+      __m512 a16, min16;
+#if defined(__AVX512VBMI__)
+      if constexpr (kScalefOctets<T>) {
+        mxfp4_octet(blk, wv, a16);
+      } else
+#endif
+      {
+        octet_weights<T>(blk, wv, a16, min16);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* q = xr.vectors(r, o);
+        __m512i sum = T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
+        for (int v = 0; v < 4; ++v) {
+          sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_load_si512(q + 64 * v));
+        }
+        const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[(m0 + r) * blocks + 8 * o]));
+        const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
+        const __m512 scale =
+            kScalefOctets<T> ? _mm512_scalef_ps(dx16, a16) : _mm512_mul_ps(a16, dx16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+        if constexpr (T == kQ4_1) {
+          const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(xr.lane_sums(r, o)));
+          acc[r] = _mm512_fmadd_ps(min16, s, acc[r]);
+        }
+      }
+    }
+    // The last blocks (K not a multiple of 256) one at a time.
+    __m256 tail[R];
+    float tail_off[R] = {};
+    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+    for (int64_t b = octets * 8; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      float sa[2], sb[2];
+      F::scales(blk, sa, sb);
+      group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, tail);
+      for (int r = 0; r < R; ++r) {
+        const float* s = x.s_row(m0 + r) + 2 * b;
+        tail_off[r] += sb[0] * (s[0] + s[1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(tail[r]) + tail_off[r];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pyllm::cpu
