@@ -230,7 +230,9 @@ namespace {
 template <int64_t T, int R>
 void dot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  if constexpr (Format<T>::kGroups == 8) {
+  if constexpr (T == kQ4_K) {
+    q4k_rows<R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  } else if constexpr (Format<T>::kGroups == 8) {
     kquant_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
   } else if constexpr (kOctetFormat<T>) {
     octet_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);

@@ -201,11 +201,13 @@ constexpr int64_t kPanelMinRows = 32;
 // The 4-bit formats whose int8 products run by octets (quant_octets_avx512.h) keep
 // them for float32 inputs: 2 cores of a Zen 4, 2880x2880 Q4_0 and MXFP4, 32-512
 // rows, int8 tiles 265-319 GFLOP/s against the float32 panels' 155-212 (bf16 panels
-// 267-417 against 254-288: they still win from 32 rows).
+// 267-417 against 254-288: they still win from 32 rows); Q4_K 2048x2048 331-343
+// GFLOP/s at 32-64 rows by int8 tiles.
 template <typename scalar_t>
 int64_t panel_min_rows(int64_t type) {
 #if defined(PYLLM_QUANT_ZMM)
-  if (is_octet_format(type) && std::is_same_v<scalar_t, float>) return INT64_MAX;
+  const bool octets = is_octet_format(type) || type == kQ4_K;
+  if (octets && std::is_same_v<scalar_t, float>) return INT64_MAX;
 #endif
   return kPanelMinRows;
 }

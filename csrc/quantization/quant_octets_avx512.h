@@ -39,15 +39,19 @@ constexpr bool is_octet_format(int64_t type) {
 template <int64_t T>
 inline constexpr bool kOctetFormat = is_octet_format(T);
 
-// Lane l of rearranged vector v (0-3): the block's dword (see above).
-constexpr int octet_dword(int v, int l) { return (v / 2) * 2 + l / 8 + (v % 2) * 4; }
+// Lane l of rearranged vector v (0-3): the dword (of the 8 of its block of 32) it
+// holds. Q4_K's groups are plain runs of 32 nibbles, taken in order.
+template <int64_t T>
+constexpr int octet_dword(int v, int l) {
+  return T == kQ4_K ? 2 * v + l / 8 : (v / 2) * 2 + l / 8 + (v % 2) * 4;
+}
 
 // MXFP4's values + this are unsigned.
 constexpr int kMxfp4Offset = 12;
 
 // Input rows [m0, m0 + R), their whole octets rearranged: per row and octet four
 // 64-byte vectors, then the 16 lane sums (int32 times the offset for Q4_0 and MXFP4;
-// float x * dx for Q4_1).
+// float x * dx for Q4_1 and Q4_K).
 struct OctetRows {
   uint8_t* q = nullptr;
   int32_t* sums = nullptr;
@@ -73,7 +77,7 @@ OctetRows rearrange_rows(const QuantizedRows& x, int64_t m0, int R, int64_t octe
     for (int v = 0; v < 4; ++v) {
       for (int l = 0; l < 16; ++l) {
         const int b = l % 8;
-        idx[v][l] = (b / 2 % 2) * 16 + (b % 2) * 8 + octet_dword(v, l);
+        idx[v][l] = (b / 2 % 2) * 16 + (b % 2) * 8 + octet_dword<T>(v, l);
       }
     }
     return idx;
@@ -102,6 +106,10 @@ OctetRows rearrange_rows(const QuantizedRows& x, int64_t m0, int R, int64_t octe
         const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[m * (x.K / 32) + 8 * o]));
         const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
         _mm512_store_ps(reinterpret_cast<float*>(sums), _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx16));
+      } else {
+        static_assert(T == kQ4_K);
+        const __m512 dx = _mm512_set1_ps(x.d[m * (x.K / 256) + o]);
+        _mm512_store_ps(reinterpret_cast<float*>(sums), _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx));
       }
     }
   }
@@ -255,6 +263,69 @@ void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
     for (int r = 0; r < R; ++r) {
       out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(tail[r]) + tail_off[r];
     }
+  }
+}
+
+// Q4_K by the same rearrangement, a block of 256 being eight groups of 32 with 6-bit
+// scales and mins: lane l of the four vectors holds weights of group l % 8, so one
+// vpmulld by the groups' scales per row and block replaces kquant_rows' pair sums
+// (vpmaddubsw + vpdpwssd per vector), and the mins take the rows' lane sums.
+inline void q4k_weights(const uint8_t* blk, __m512i* w, __m512i& sc16, __m512& min16, float& d) {
+  using F = Format<kQ4_K>;
+  alignas(64) static const auto index = [] {
+    std::array<std::array<int32_t, 16>, 4> idx{};
+    for (int v = 0; v < 4; ++v) {
+      for (int l = 0; l < 16; ++l) idx[v][l] = 8 * (l % 8 / 2) + octet_dword<kQ4_K>(v, l);
+    }
+    return idx;
+  }();
+  const uint8_t* qs = F::nibble_bytes(blk, 0);
+  const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
+  const __mmask32 odd_groups = 0xCCCCCCCC;  // the 16-bit words of lanes 1, 3, 5, ...
+  for (int v = 0; v < 4; ++v) {
+    const __m512i t = _mm512_permutex2var_epi32(q0, _mm512_load_si512(index[v].data()), q1);
+    w[v] = _mm512_and_si512(_mm512_mask_srli_epi16(t, odd_groups, t, 4), _mm512_set1_epi8(0x0F));
+  }
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
+  d = _mm_cvtss_f32(dd);
+  uint64_t scales, mins;
+  k_scales_mins(blk + F::kScales, scales, mins);
+  sc16 = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(scales)));
+  const __m512i m16 = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(mins)));
+  min16 = _mm512_mul_ps(_mm512_cvtepi32_ps(m16), _mm512_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+}
+
+template <int R>
+void q4k_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
+              float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  using F = Format<kQ4_K>;
+  const int64_t blocks = K / 256;
+  const OctetRows xr = rearrange_rows<kQ4_K>(x, m0, R, blocks);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * F::kBytes;
+      prefetch_ahead<F::kBytes>(blk);
+      __m512i wv[4], sc16;
+      __m512 min16;
+      float d;
+      q4k_weights(blk, wv, sc16, min16, d);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* q = xr.vectors(r, b);
+        __m512i sum = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+          sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_load_si512(q + 64 * v));
+        }
+        const float dx = x.d[(m0 + r) * blocks + b];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc16)),
+                                 _mm512_set1_ps(d * dx), acc[r]);
+        const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(xr.lane_sums(r, b)));
+        acc[r] = _mm512_fmadd_ps(min16, s, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
