@@ -21,10 +21,10 @@ KEYS = (
 )
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-# Speculation is skipped for a step with more running sequences than this: a batch
-# that large already keeps the cores busy, and verifying proposals only adds work
-# (docs/speculative-decoding.md: how it was measured).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Speculation is skipped for a step with more running sequences than this: on 2 CPU
+# cores, from batch 4 on, free text and code edits ran slower with proposals than
+# without (docs/speculative-decoding.md has the measurement).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 class SpeculativeConfigError(ValueError):
