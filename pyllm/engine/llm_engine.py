@@ -89,7 +89,8 @@ class LLMEngine:
         self.speculator = self._speculator()
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
-            "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
+            "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s speculative=%s "
+            "(loaded in %.1fs)",
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             self.device,
@@ -98,6 +99,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.enable_prefix_caching,
+            _describe(self.speculator),
             time.perf_counter() - start,
         )
 
@@ -402,6 +404,16 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=counters.spec_decode_num_accepted_tokens,
             spec_decode_num_emitted_tokens=counters.spec_decode_num_emitted_tokens,
         )
+
+
+def _describe(speculator: Speculator | None) -> str:
+    if speculator is None:
+        return "off"
+    cfg = speculator.config
+    return (
+        f"{cfg.method}(k={cfg.num_speculative_tokens}, n={cfg.prompt_lookup_min}.."
+        f"{cfg.prompt_lookup_max}, off above batch {cfg.disable_by_batch_size})"
+    )
 
 
 def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:
