@@ -162,6 +162,21 @@ class BlockManager:
             previous = h
         self._num_hashed[id(seq)] = max(done, full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Frees seq's blocks past its computed tokens (those only rejected proposals
+        reached). Never hashed, never shared: they go to the front of the free list and
+        are taken before any cached prefix is evicted. The last kept block may hold
+        rejected KV past the computed tokens; it is not full, so not hashed, and those
+        positions are written again before it fills."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, f"block {block_id} is shared"
+            block.ref_count = 0
+            self.free_blocks[block_id] = None
+            self.free_blocks.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks (finished, aborted or preempted)."""
         # Tail blocks first: they are the least likely to be shared, so they should

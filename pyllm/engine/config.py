@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pyllm.attention.registry import BACKENDS
+from pyllm.engine.spec_decode.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    parse_speculative_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +125,14 @@ class EngineConfig:
     distributed_timeout: float = option(
         60.0, "seconds a tensor-parallel rank may take to answer before the engine fails"
     )
+    speculative_config: dict | None = option(
+        None,
+        "speculative decoding, as vLLM's dict (JSON on the command line), e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        f'"prompt_lookup_min": 2}}; "disable_by_batch_size": no proposals in a step running '
+        f"more sequences (default: {DEFAULT_DISABLE_BY_BATCH_SIZE})",
+        type=str,
+    )
 
     def __post_init__(self) -> None:
         from pyllm.model.default_model import default_model_path
@@ -133,6 +145,8 @@ class EngineConfig:
         self.torch_device = _resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         self._check_modes()
+        # The checked form the engine reads (None: no speculation).
+        self.speculative = parse_speculative_config(self.speculative_config)
 
     def _check_modes(self) -> None:
         """quantization, kv_cache and prefix caching, block_size, expert_parallel."""

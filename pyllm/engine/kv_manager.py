@@ -54,6 +54,11 @@ class KVCacheManager(Protocol):
         """After a step: offers seq's newly computed tokens to later prompts."""
         ...
 
+    def trim(self, seq: Sequence) -> None:
+        """Releases what seq holds past its computed tokens: the room of rejected
+        proposed tokens (speculative decoding), whose KV is garbage."""
+        ...
+
     def free(self, seq: Sequence) -> None:
         """Releases seq's memory (finished, aborted or preempted)."""
         ...

@@ -27,6 +27,7 @@ from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.slot_manager import SlotManager
+from pyllm.engine.spec_decode.speculator import Emitted, Speculator, sample_with_drafts
 from pyllm.engine.stats import EngineStats, StepCounters
 from pyllm.engine.stop_checker import check_stop, streamable_text
 from pyllm.model.loader import estimate_weight_bytes, load_model
@@ -85,9 +86,11 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._request_of: dict[int, _Request] = {}  # id(sequence) -> its request
         self.counters = StepCounters()
+        self.speculator = self._speculator()
         logger.info(
             "pyllm engine: model=%s dtype=%s device=%s %s max_model_len=%d "
-            "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s (loaded in %.1fs)",
+            "max_num_batched_tokens=%d max_num_seqs=%d prefix_caching=%s speculative=%s "
+            "(loaded in %.1fs)",
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             self.device,
@@ -96,6 +99,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.enable_prefix_caching,
+            _describe(self.speculator),
             time.perf_counter() - start,
         )
 
@@ -119,6 +123,15 @@ class LLMEngine:
             count, cfg.block_size, cfg.enable_prefix_caching, block_bytes=block_bytes
         )
         return cache, manager
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if self.config.tensor_parallel_size > 1:
+            logger.warning("speculative decoding is off: not supported with tensor parallelism yet")
+            return None
+        return Speculator(spec, self.max_model_len)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (also done at exit)."""
@@ -242,6 +255,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one model step; returns the outputs of requests that progressed."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -254,17 +269,41 @@ class LLMEngine:
                 self.counters.prompt_tokens_computed += n
         touched: dict[str, _Request] = {}
         if sampled:
-            result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
+            emitted = self._sample(logits, sampled)
             now = time.time()
-            for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            for seq, (tokens, logprobs) in zip(sampled, emitted, strict=True):
                 request = self._request_of[id(seq)]
                 touched[request.request_id] = request
                 request.first_token_time = request.first_token_time or now
-                self._append_token(request, seq, token, logprob)
+                self._commit(request, seq, tokens, logprobs)
         for seq, _ in batch.all():
             if not seq.is_finished:
                 self.kv_manager.register_computed_blocks(seq)
         return [self._output(r) for r in touched.values()]
+
+    def _sample(self, logits, sampled: list[Sequence]) -> list[Emitted]:
+        """Per sampled sequence, the tokens it emits this step (one unless a draft of
+        proposed tokens was verified) and their logprobs."""
+        if not any(seq.spec_token_ids for seq in sampled):
+            result = self.sampler(logits, [seq.sampling_row() for seq in sampled])
+            return [([t], [lp]) for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
+        return sample_with_drafts(self.sampler, logits, sampled)
+
+    def _commit(self, request: _Request, seq: Sequence, tokens: list[int], logprobs) -> None:
+        """Appends the step's tokens to seq until one ends it. A verified draft's
+        rejected tokens are rolled back first: their KV is computed but not kept."""
+        drafted = len(seq.spec_token_ids)
+        if drafted:
+            seq.num_computed_tokens -= drafted - (len(tokens) - 1)
+            self.kv_manager.trim(seq)
+            seq.spec_token_ids = []
+            self.counters.count_draft(drafted, len(tokens) - 1)
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            self._append_token(request, seq, token, logprob)
+            if drafted:
+                self.counters.spec_decode_num_emitted_tokens += 1
+            if seq.is_finished:
+                break
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token)
@@ -360,7 +399,21 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            spec_decode_num_drafts=counters.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=counters.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=counters.spec_decode_num_accepted_tokens,
+            spec_decode_num_emitted_tokens=counters.spec_decode_num_emitted_tokens,
         )
+
+
+def _describe(speculator: Speculator | None) -> str:
+    if speculator is None:
+        return "off"
+    cfg = speculator.config
+    return (
+        f"{cfg.method}(k={cfg.num_speculative_tokens}, n={cfg.prompt_lookup_min}.."
+        f"{cfg.prompt_lookup_max}, off above batch {cfg.disable_by_batch_size})"
+    )
 
 
 def _fill_prompt_logprobs(prompt_logits: list[PromptLogits]) -> None:

@@ -1,15 +1,16 @@
 """Turns a scheduled batch into the flat tensors the model takes, and runs it.
 
-Tokens of all sequences go into one flat batch, no padding: prompt chunks first, then
-decode tokens, one per sequence. For each token the runner computes its position; the
-cache's attention backend (pyllm.attention) builds the step's metadata: where each
-token's key and value go and where each sequence's cached tokens are. Logits are
-computed only where a token will be sampled: the last token of each sequence whose
-pending tokens are all computed by this step; and, for a sequence that asks for prompt
-logprobs (seq.prompt_logprobs is not None), at each prompt position of its chunk whose
-next token is in the prompt (every position but the last). Positions served from the
-prefix cache were never run: the same step computes their logits apart, in a
-throwaway KV cache.
+Tokens of all sequences go into one flat batch, no padding: prompt chunks (and decodes
+verifying proposed tokens) first, then decode tokens, one per sequence. For each token
+the runner computes its position; the cache's attention backend (pyllm.attention)
+builds the step's metadata: where each token's key and value go and where each
+sequence's cached tokens are. Logits are computed only where a token will be sampled:
+the last token of each sequence whose pending tokens are all computed by this step
+(for a decode carrying proposed tokens, the 1 + len(seq.spec_token_ids) rows that
+verify them); and, for a sequence that asks for prompt logprobs (seq.prompt_logprobs
+is not None), at each prompt position of its chunk whose next token is in the prompt
+(every position but the last). Positions served from the prefix cache were never run:
+the same step computes their logits apart, in a throwaway KV cache.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def _flatten(batch: ScheduledBatch) -> _FlatBatch:
         last = min(start + n, seq.num_prompt_tokens - 1)
         if seq.prompt_logprobs is not None and start < last:
             prompt_rows.append((seq, start, range(len(input_ids), len(input_ids) + last - start)))
-        input_ids.extend(seq.token_ids[start : start + n])
+        input_ids.extend(seq.step_token_ids(start, n))
         positions.extend(range(start, start + n))
-        if start + n == seq.num_tokens:  # everything pending is computed: sample
-            logits_indices.append(len(input_ids) - 1)
+        if start + n == seq.num_tokens + len(seq.spec_token_ids):  # all pending computed
+            # The last token's row, and one before it per proposed token: a draft is
+            # verified at every position it proposes.
+            first = len(input_ids) - 1 - len(seq.spec_token_ids)
+            logits_indices.extend(range(first, len(input_ids)))
             sampled.append(seq)
     return _FlatBatch(input_ids, positions, logits_indices, sampled, prompt_rows)
 
@@ -97,7 +101,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
-        """Runs one step; returns float32 logits [len(sampled), vocab], those sequences, and
+        """Runs one step; returns float32 logits [rows, vocab] (one row per sampled
+        sequence, 1 + len(seq.spec_token_ids) for one with proposals), those sequences, and
         the prompt logits of the sequences asking for prompt logprobs: this step's chunk,
         and on a prompt's first step the positions the prefix cache served."""
         logits, sampled, prompt_logits = self._forward(batch)

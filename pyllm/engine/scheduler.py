@@ -4,7 +4,8 @@ Each step has a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`). The policy, in order:
 
 1. Decodes: every running sequence with one pending token, oldest first, one token
-   each. They come first, so generation never waits behind a prompt.
+   each, plus the tokens proposed for it (speculative decoding) where the budget and
+   memory allow. They come first, so generation never waits behind a prompt.
 2. Prompts share what is left: running prompts (chunked prefills, oldest first), then
    waiting sequences. While more than one prompt competes, a first pass gives each at
    most `long_prefill_token_threshold` tokens, and running prompts leave that many to
@@ -175,16 +176,26 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING and _is_decode(seq):
-                if self._grant(seq, 1, grants, batch, preempt=True):
-                    self._add_to_batch(batch, seq, 1)
-                    budget -= 1
+                n = self._decode_tokens(seq, budget)
+                if self._grant(seq, n, grants, batch, preempt=True):
+                    self._add_to_batch(batch, seq, n)
+                    budget -= n
         return budget
+
+    def _decode_tokens(self, seq: Sequence, budget: int) -> int:
+        """A decode's tokens this step: its pending one and the proposed tokens that fit
+        the budget and free KV memory (proposals are dropped before anything is
+        preempted for them)."""
+        del seq.spec_token_ids[budget - 1 :]
+        if seq.spec_token_ids and not self.kv_manager.can_append(seq, seq.num_scheduled_tokens):
+            seq.spec_token_ids.clear()
+        return seq.num_scheduled_tokens
 
     def _grant(self, seq: Sequence, most: int, grants, batch, preempt: bool) -> int:
         """Up to `most` more of seq's pending tokens this step, preempting sequences
         without a grant when memory is short (if preempt); returns how many."""
         have = grants.get(id(seq), 0)
-        extra = min(seq.num_pending_tokens - have, most)
+        extra = min(seq.num_scheduled_tokens - have, most)
         if extra <= 0:
             return 0
         while not self.kv_manager.can_append(seq, have + extra):
@@ -232,6 +243,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._leave_running(seq)
+        seq.spec_token_ids.clear()
         self.kv_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -251,6 +263,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_manager.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -29,6 +29,10 @@ class Sequence:
     pending. A decode step has one pending token (the last
     one sampled); a prompt has all its tokens pending and may be fed over several steps
     (chunked prefill). After preemption everything is pending again and recomputed.
+
+    With speculative decoding a decode may also carry `spec_token_ids`: tokens proposed
+    to follow, not yet part of the sequence. The step computes them after its pending
+    token; the engine then keeps the accepted ones and rolls the rest back.
     """
 
     request_id: str
@@ -47,6 +51,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # served from the prefix cache on first schedule
     block_table: list[int] = field(default_factory=list)
     kv_slot: int | None = None  # contiguous KV cache only
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed, for this step only
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_text: str = ""
@@ -87,6 +92,18 @@ class Sequence:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """What a step may compute of it: its pending tokens and any proposed ones."""
+        return self.num_pending_tokens + len(self.spec_token_ids)
+
+    def step_token_ids(self, start: int, n: int) -> list[int]:
+        """The n tokens from position start, proposed ones after the sequence's own."""
+        tokens = self.token_ids[start : start + n]
+        if len(tokens) < n:
+            tokens += self.spec_token_ids[: n - len(tokens)]
+        return tokens
 
     @property
     def is_finished(self) -> bool:

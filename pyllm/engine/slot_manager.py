@@ -107,6 +107,10 @@ class SlotManager:
         self.free_slots.append(seq.kv_slot)
         seq.kv_slot = None
 
+    def trim(self, seq: Sequence) -> None:
+        """Nothing to give back: the slot's committed memory stays for the tokens to
+        come (as COMMIT_AHEAD's), and seq.num_computed_tokens is the committed length."""
+
     # Prefix caching is a paged-cache feature: nothing to match or register here.
     def match_prefix(self, seq: Sequence) -> None:
         pass

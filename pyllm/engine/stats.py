@@ -18,6 +18,18 @@ class StepCounters:
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
     # Preemptions are counted once, by the scheduler (Scheduler.num_preemptions).
+    # Speculative decoding: drafts verified, their tokens, those accepted, and the
+    # tokens the drafted sequences emitted in those steps (accepted + one, less any
+    # cut by a stop).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
+
+    def count_draft(self, proposed: int, accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += proposed
+        self.spec_decode_num_accepted_tokens += accepted
 
 
 @dataclass(frozen=True)
@@ -43,3 +55,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens served from it
+    # Speculative decoding (all 0 without it): drafts verified, tokens proposed,
+    # accepted, and emitted by drafted sequences in those steps.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0

@@ -104,6 +104,18 @@ class _EngineCollector(Collector):
             stats.prefix_cache_hits,
         )
         yield self._counter("pyllm:engine_steps", "Engine steps run", stats.steps)
+        yield from self._spec_decode_counters(stats)
+
+    def _spec_decode_counters(self, stats: EngineStats):
+        for name, doc in (
+            ("drafts", "Drafts of proposed tokens verified (speculative decoding)"),
+            ("draft_tokens", "Tokens proposed and verified (speculative decoding)"),
+            ("accepted_tokens", "Proposed tokens accepted (speculative decoding)"),
+            ("emitted_tokens", "Tokens emitted by sequences verifying a draft, accepted ones "
+             "and the one after them (speculative decoding)"),
+        ):  # fmt: skip
+            value = getattr(stats, f"spec_decode_num_{name}")
+            yield self._counter(f"pyllm:spec_decode_num_{name}", doc, value)
 
 
 class ServerMetrics:

@@ -8,6 +8,10 @@ sequence, each row shaped by its own SamplingParams, in vLLM's order:
 3. one uniform number per row picks a token by inverse CDF (draw.py), from the request's
    own generator when it has a seed.
 
+Speculative decoding's drafts are verified by `verify` (rejection.py): every position
+of a draft processed as above, greedy rows by matching argmaxes, sampled ones by
+rejection sampling.
+
 Logprobs (logprobs.py) describe the raw logits. Nothing loops over the vocabulary in
 Python: penalties touch only the (row, token) pairs in the context, the cuts and the
 draw are batched tensor ops, and transforms no row of the step asks for are skipped (an
@@ -19,6 +23,7 @@ engine.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -30,6 +35,7 @@ from pyllm.sampling.draw import Generators, inverse_cdf, inverse_cdf_exact
 from pyllm.sampling.logprobs import Logprobs, sampled_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.penalties import apply_penalties, penalize, restore
+from pyllm.sampling.rejection import accepted_greedy, accepted_sampled, final_weights
 from pyllm.sampling.select import first_argmax
 from pyllm.sampling.structured import mask_logits
 
@@ -41,6 +47,13 @@ class SamplerOutput:
     # params.logprobs is k (0: an empty dict) or its request ranks best_of samples
     # (k = 0 unless logprobs asks more), else None.
     logprobs: list[Logprobs | None]
+
+
+@dataclass
+class VerifyOutput:
+    # Per sequence: its accepted draft tokens, then the token drawn after them.
+    token_ids: list[list[int]]
+    logprobs: list[list[Logprobs | None]]  # per emitted token, as SamplerOutput's
 
 
 class Sampler:
@@ -114,6 +127,64 @@ class Sampler:
                 weights = sampling_weights(take_rows(processed, rows), [batch[i] for i in full])
                 put_rows(token_ids, rows, inverse_cdf(weights, take_rows(uniforms, rows)))
         return token_ids
+
+    @torch.inference_mode()
+    def verify(
+        self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]
+    ) -> VerifyOutput:
+        """Speculative decoding (rejection.py): drafts[j] proposes tokens after sequence
+        j; its len(drafts[j]) + 1 rows of logits and batch, in order, are the positions
+        from its pending token on, each row's SamplingRow as the sequence stands there.
+        Returns the accepted prefix of each draft and one more token, with logprobs."""
+        self._check_logits(logits, batch)
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        if starts[-1] != len(batch):
+            raise ValueError(f"drafts need {starts[-1]} rows, got {len(batch)}")
+        greedy, sampled = split_greedy([batch[start] for start in starts[:-1]])
+        tokens: list[list[int]] = [[] for _ in drafts]
+        if greedy:
+            self._verify_greedy(logits, batch, drafts, starts, greedy, tokens)
+        if sampled:
+            self._verify_sampled(logits, batch, drafts, starts, sampled, tokens)
+        rows = [starts[j] + i for j, emitted in enumerate(tokens) for i in range(len(emitted))]
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        emitted = torch.tensor([t for ts in tokens for t in ts], device=logits.device)
+        found = iter(sampled_logprobs(logits[index], emitted, [batch[r] for r in rows]))
+        return VerifyOutput(tokens, [[next(found) for _ in ts] for ts in tokens])
+
+    def _verify_greedy(self, logits, batch, drafts, starts, seqs, tokens) -> None:
+        rows = [r for j in seqs for r in range(starts[j], starts[j + 1])]
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        processed = apply_penalties(logits[index], [batch[r] for r in rows], self.eos_token_ids)
+        targets = iter(first_argmax(processed).tolist())
+        for j in seqs:
+            row_targets = [next(targets) for _ in range(len(drafts[j]) + 1)]
+            tokens[j] = row_targets[: accepted_greedy(row_targets, drafts[j]) + 1]
+
+    def _verify_sampled(self, logits, batch, drafts, starts, seqs, tokens) -> None:
+        rows = [r for j in seqs for r in range(starts[j], starts[j + 1])]
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        probs = self.distribution(logits[index], [batch[r] for r in rows])
+        # One uniform per draft token (its test) and one for the final draw, from the
+        # sequence's own generator when it has a seed.
+        uniforms = self._generators.uniforms([batch[r] for r in rows]).tolist()
+        local = list(itertools.accumulate((len(drafts[j]) + 1 for j in seqs), initial=0))
+        draft_rows = [local[n] + i for n, j in enumerate(seqs) for i in range(len(drafts[j]))]
+        draft_ids = [t for j in seqs for t in drafts[j]]
+        draft_probs = iter(probs[draft_rows, draft_ids].tolist())
+        weights, finals = [], []
+        for n, j in enumerate(seqs):
+            draft, start = drafts[j], local[n]
+            passed = accepted_sampled(
+                [next(draft_probs) for _ in draft], uniforms[start : start + len(draft)]
+            )
+            weights.append(final_weights(probs[start : local[n + 1]], draft, passed))
+            finals.append(uniforms[start + len(draft)])
+            tokens[j] = draft[:passed]
+        finals = torch.tensor(finals, dtype=torch.float64, device=probs.device)
+        drawn = inverse_cdf(torch.stack(weights), finals)
+        for j, token in zip(seqs, drawn.tolist(), strict=True):
+            tokens[j].append(token)
 
     def _mask_by_grammar(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         rows = [i for i, row in enumerate(batch) if row.matcher is not None]

@@ -1,0 +1,96 @@
+"""Speculative decoding in the engine's step: which decoding sequences carry proposed
+tokens this step (`Speculator.propose`, before scheduling), and the step's sampling
+with drafts verified (`sample_with_drafts`, after the model ran).
+
+A sequence speculates unless that could change what it generates or what the engine
+promises of it: a grammar (structured output) decodes normally, and so does a seeded
+sequence that samples (its tokens must not depend on the batch, and whether a step
+speculates does). Proposals are skipped for a whole step when more sequences run than
+disable_by_batch_size: a large batch already keeps the cores busy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from pyllm.engine.sequence import Sequence
+from pyllm.engine.spec_decode.config import SpeculativeConfig
+from pyllm.engine.spec_decode.ngram import propose_ngram
+from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
+from pyllm.sampling.logprobs import Logprobs
+from pyllm.sampling.sampler import Sampler
+
+# Per sampled sequence: the tokens it emits this step, and their logprobs.
+Emitted = tuple[list[int], list[Logprobs | None]]
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets each running decode's spec_token_ids for the coming step ([] for one
+        that does not speculate)."""
+        active = len(running) <= self.config.disable_by_batch_size
+        for seq in running:
+            if seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0:
+                seq.spec_token_ids = self._draft(seq) if active and speculates(seq) else []
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        cfg = self.config
+        # Never past max_tokens (the token after the draft is emitted too) nor the
+        # context: a proposed token's position must exist.
+        k = min(
+            cfg.num_speculative_tokens,
+            seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens,
+        )
+        return propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+def speculates(seq: Sequence) -> bool:
+    params = seq.sampling_params
+    seeded_draw = params.seed is not None and params.temperature >= GREEDY_TEMPERATURE
+    return seq.matcher is None and not seeded_draw
+
+
+def draft_rows(seq: Sequence) -> list[SamplingRow]:
+    """The sampler's rows for seq's pending token and each proposed token after it:
+    the tokens as they stand at that position (penalties and min_tokens see them)."""
+    rows = [seq.sampling_row()]
+    tokens = seq.token_ids
+    for i, token in enumerate(seq.spec_token_ids, start=1):
+        tokens = [*tokens, token]
+        num_output = seq.num_output_tokens + i
+        rows.append(SamplingRow(seq.sampling_params, tokens, num_output, seq.arrival))
+    return rows
+
+
+@torch.inference_mode()
+def sample_with_drafts(
+    sampler: Sampler, logits: torch.Tensor, sampled: list[Sequence]
+) -> list[Emitted]:
+    """The step's tokens when some sampled sequences carry drafts: logits has one row per
+    sequence without and 1 + len(draft) rows per sequence with (the model runner's
+    order). Sequences without a draft are sampled as in a plain step."""
+    starts = list(itertools.accumulate((1 + len(s.spec_token_ids) for s in sampled), initial=0))
+    plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
+    drafted = [i for i, s in enumerate(sampled) if s.spec_token_ids]
+    out: list[Emitted | None] = [None] * len(sampled)
+    device = logits.device
+    if plain:
+        index = torch.tensor([starts[i] for i in plain], dtype=torch.int64, device=device)
+        result = sampler(logits[index], [sampled[i].sampling_row() for i in plain])
+        for i, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+            out[i] = ([token], [logprob])
+    if drafted:
+        rows = [r for i in drafted for r in range(starts[i], starts[i + 1])]
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        batch = [row for i in drafted for row in draft_rows(sampled[i])]
+        result = sampler.verify(logits[index], batch, [sampled[i].spec_token_ids for i in drafted])
+        for i, tokens, logprobs in zip(drafted, result.token_ids, result.logprobs, strict=True):
+            out[i] = (tokens, logprobs)
+    return out
