@@ -144,6 +144,28 @@ inline __m512i dot64(__m512i u, __m512i x) {
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
 }
 
+// Blocks [b0, b1) of one weight row one at a time (the last ones, K not a multiple of
+// 256): each input row's sum of them in sums[R].
+template <int64_t T, int R>
+void tail_blocks(const uint8_t* row, const QuantizedRows& x, int64_t m0, int64_t b0, int64_t b1,
+                 float* sums) {
+  using F = Format<T>;
+  __m256 acc[R];
+  float off[R] = {};
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    float sa[2], sb[2];
+    F::scales(blk, sa, sb);
+    group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, acc);
+    for (int r = 0; r < R; ++r) {
+      const float* s = x.s_row(m0 + r) + 2 * b;
+      off[r] += sb[0] * (s[0] + s[1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]) + off[r];
+}
+
 template <int64_t T, int R>
 void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                   int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
@@ -197,23 +219,10 @@ void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, i
         }
       }
     }
-    // The last blocks (K not a multiple of 256) one at a time.
-    __m256 tail[R];
-    float tail_off[R] = {};
-    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
-    for (int64_t b = whole; b < blocks; ++b) {
-      const uint8_t* blk = row + b * F::kBytes;
-      float sa[2], sb[2];
-      F::scales(blk, sa, sb);
-      group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, tail);
-      for (int r = 0; r < R; ++r) {
-        const float* s = x.s_row(m0 + r) + 2 * b;
-        tail_off[r] += sb[0] * (s[0] + s[1]);
-      }
-    }
+    float tail[R];
+    tail_blocks<T, R>(row, x, m0, whole, blocks, tail);
     for (int r = 0; r < R; ++r) {
-      out[r * out_stride + n] =
-          _mm512_reduce_add_ps(acc[r]) + hsum(off[r]) + hsum(tail[r]) + tail_off[r];
+      out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(off[r]) + tail[r];
     }
   }
 }

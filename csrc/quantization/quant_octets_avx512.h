@@ -246,23 +246,9 @@ void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
         }
       }
     }
-    // The last blocks (K not a multiple of 256) one at a time.
-    __m256 tail[R];
-    float tail_off[R] = {};
-    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
-    for (int64_t b = octets * 8; b < blocks; ++b) {
-      const uint8_t* blk = row + b * F::kBytes;
-      float sa[2], sb[2];
-      F::scales(blk, sa, sb);
-      group_step<T, R>(group_vector<T>(blk, 0), sa[0], sa[1], x, m0, b, tail);
-      for (int r = 0; r < R; ++r) {
-        const float* s = x.s_row(m0 + r) + 2 * b;
-        tail_off[r] += sb[0] * (s[0] + s[1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + hsum(tail[r]) + tail_off[r];
-    }
+    float tail[R];
+    tail_blocks<T, R>(row, x, m0, octets * 8, blocks, tail);
+    for (int r = 0; r < R; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + tail[r];
   }
 }
 
