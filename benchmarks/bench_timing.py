@@ -1,7 +1,10 @@
-"""Timing shared by the benchmark scripts: repeated calls, synchronized on CUDA."""
+"""Timing shared by the benchmark scripts: repeated calls, synchronized on CUDA; the
+CPU's name for their reports."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -42,3 +45,12 @@ def call_times(
 def best_of(repeats: int, fn: Callable[[], object], device: str = "cpu") -> float:
     """The fastest of `repeats` calls."""
     return min(call_times(fn, device, min_time=0.0, min_repeats=repeats, max_repeats=repeats))
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"

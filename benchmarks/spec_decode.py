@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import time
+
+from bench_timing import cpu_name
 
 from pyllm import LLM, SamplingParams
 
@@ -64,15 +64,6 @@ WORKLOADS = {
     ],
     "free": FREE,
 }
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int):

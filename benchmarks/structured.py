@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import sys
 import time
 import uuid
+
+from bench_timing import cpu_name
 
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.llm_engine import LLMEngine
@@ -41,15 +41,6 @@ PERSON = {
 }
 SCHEMA = {"type": "array", "items": PERSON, "minItems": 100}
 PROMPT = "List one hundred people as JSON records with name, age, mood and city:"
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def run_batch(engine: LLMEngine, batch: int, params: SamplingParams) -> tuple[float, float]:
