@@ -7,8 +7,6 @@ import json
 import subprocess
 import sys
 
-from tests.engine.test_engine import tiny_model_dir  # noqa: F401  (the fixture)
-
 
 def _bench(model_dir: str, tmp_path, *args: str) -> tuple[str, list[dict]]:
     out = tmp_path / "rows.json"

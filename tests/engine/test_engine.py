@@ -8,18 +8,8 @@ import random
 import pytest
 
 from pyllm import LLM, SamplingParams
-from tests.model.conftest import make_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_model("llama", path, max_position_embeddings=1024)
-    # The engine needs a tokenizer beside the weights: a tiny byte-level one.
-    _write_byte_tokenizer(path, vocab_size=512)
-    return str(path)
 
 
 def _write_byte_tokenizer(path, vocab_size: int) -> None:

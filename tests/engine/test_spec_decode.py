@@ -17,8 +17,7 @@ from pyllm import LLM, SamplingParams
 from pyllm.cli import _engine_config, build_parser, main
 from pyllm.sampling import sampler as sampler_module
 from pyllm.sampling.sampler import Sampler
-from tests.engine.test_engine import _assert_all_blocks_free, _write_byte_tokenizer
-from tests.model.conftest import make_hf_model
+from tests.engine.test_engine import _assert_all_blocks_free
 
 NGRAM = {
     "method": "ngram",
@@ -28,14 +27,6 @@ NGRAM = {
     "disable_by_batch_size": 4096,
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-spec")
-    make_hf_model("llama", path, max_position_embeddings=1024)
-    _write_byte_tokenizer(path, vocab_size=512)
-    return str(path)
 
 
 def _llm(path: str, spec: dict | None = NGRAM, **options) -> LLM:
