@@ -128,9 +128,6 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return None
-        if self.config.tensor_parallel_size > 1:
-            logger.warning("speculative decoding is off: not supported with tensor parallelism yet")
-            return None
         return Speculator(spec, self.max_model_len)
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.penalties import apply_penalties, penalize, restore
 from pyllm.sampling.rejection import accepted_greedy, accepted_sampled, final_weights
 from pyllm.sampling.select import first_argmax
-from pyllm.sampling.structured import mask_logits
+from pyllm.sampling.structured import mask_draft_logits, mask_logits
 
 
 @dataclass
@@ -134,12 +134,15 @@ class Sampler:
     ) -> VerifyOutput:
         """Speculative decoding (rejection.py): drafts[j] proposes tokens after sequence
         j; its len(drafts[j]) + 1 rows of logits and batch, in order, are the positions
-        from its pending token on, each row's SamplingRow as the sequence stands there.
-        Returns the accepted prefix of each draft and one more token, with logprobs."""
+        from its pending token on, each row's SamplingRow as the sequence stands there;
+        the first row's grammar matcher, if any, masks every position (the draft must be
+        one the grammar allows). Returns the accepted prefix of each draft and one more
+        token, with logprobs."""
         self._check_logits(logits, batch)
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         if starts[-1] != len(batch):
             raise ValueError(f"drafts need {starts[-1]} rows, got {len(batch)}")
+        self._mask_drafts_by_grammar(logits, batch, drafts, starts)
         greedy, sampled = split_greedy([batch[start] for start in starts[:-1]])
         tokens: list[list[int]] = [[] for _ in drafts]
         if greedy:
@@ -190,6 +193,14 @@ class Sampler:
         rows = [i for i, row in enumerate(batch) if row.matcher is not None]
         if rows:
             mask_logits(logits, rows, [batch[i].matcher for i in rows], self.eos_token_ids)
+
+    def _mask_drafts_by_grammar(self, logits, batch, drafts, starts) -> None:
+        seqs = [j for j in range(len(drafts)) if batch[starts[j]].matcher is not None]
+        if seqs:
+            matchers = [batch[starts[j]].matcher for j in seqs]
+            chosen = [drafts[j] for j in seqs]
+            mask_draft_logits(logits, [starts[j] for j in seqs], matchers, chosen,
+                              self.eos_token_ids)  # fmt: skip
 
     def distribution(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The probabilities [num_seqs, vocab] each sequence would draw from this step

@@ -6,6 +6,7 @@ regex, one of a few strings, or a grammar (Lark or GBNF), through llguidance.
     grammars.compile(spec)     # once per spec (cached); ParamError if it is invalid
     matcher = grammars.matcher(spec)                         # one per sequence
     mask_logits(logits, rows, matchers, eos_ids)             # each step, in the sampler
+    mask_draft_logits(logits, starts, matchers, drafts, eos_ids)  # speculative rows
 
 Each step the sampler asks every constrained sequence's matcher which tokens may come
 next (one bit per token, filled in parallel by llguidance's threads) and masks the
@@ -26,6 +27,7 @@ finish_reason "error" (the engine reads `matcher_error`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -278,21 +280,67 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, eos_ids) 
     kernel (ops.apply_token_bitmask). A matcher in error (a grammar past the limits
     mid-way) allows only end-of-sequence; the engine then ends that sequence with
     finish_reason "error" (matcher_error)."""
-    global _executor
-    import llguidance
+    bitmask = _allocate_bitmask(len(matchers), logits.shape[1])
+    _fill_masks(bitmask, list(enumerate(matchers)), eos_ids)
+    _apply_masks(logits, rows, bitmask)
 
+
+def mask_draft_logits(
+    logits: torch.Tensor, starts: list[int], matchers: list, drafts: list[list[int]], eos_ids
+) -> None:
+    """Speculative decoding's masks: row starts[j] + i of logits gets the mask of
+    matchers[j] after it consumed drafts[j][:i] (each draft allowed by its grammar:
+    allowed_prefix). llguidance walks each matcher through its draft and back, the
+    sequences in parallel."""
+    rows = [
+        start + i
+        for start, draft in zip(starts, drafts, strict=True)
+        for i in range(len(draft) + 1)
+    ]
+    bitmask = _allocate_bitmask(len(rows), logits.shape[1])
+    local = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+    walks = [(m, first, draft) for m, first, draft in zip(matchers, local, drafts, strict=False)]
+    _shared_executor().unsafe_compute_mask_ptr_with_draft_token(
+        walks, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+    )
+    _only_eos_where_error(bitmask, [(first, m) for m, first, _ in walks], eos_ids)
+    _apply_masks(logits, rows, bitmask)
+
+
+def allowed_prefix(matcher, draft: list[int]) -> list[int]:
+    """The longest prefix of draft the grammar accepts from where matcher stands."""
+    if not draft or matcher.is_error() or matcher.is_stopped():
+        return []
+    return draft[: matcher.validate_tokens(draft)]
+
+
+def _fill_masks(bitmask: torch.Tensor, targets: list[tuple[int, object]], eos_ids) -> None:
+    """Fills bitmask[row] with matcher's next-token mask for each (row, matcher)."""
+    pairs = [(m, row) for row, m in targets]
+    _shared_executor().unsafe_compute_mask_ptr(
+        pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+    )
+    _only_eos_where_error(bitmask, targets, eos_ids)
+
+
+def _shared_executor():
+    global _executor
     if _executor is None:
+        import llguidance
+
         _executor = llguidance.LLExecutor()
-    vocab = logits.shape[1]
-    bitmask = _allocate_bitmask(len(matchers), vocab)
-    words = bitmask.shape[1]
-    pairs = [(m, i) for i, m in enumerate(matchers)]
-    _executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
-    for i, m in enumerate(matchers):
+    return _executor
+
+
+def _only_eos_where_error(bitmask: torch.Tensor, targets, eos_ids) -> None:
+    for row, m in targets:
         if m.is_error():
-            bitmask[i] = 0
+            bitmask[row] = 0
             for t in eos_ids:
-                bitmask[i, t // 32] |= _BITS[t % 32]
+                bitmask[row, t // 32] |= _BITS[t % 32]
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     device = logits.device
     rows_tensor = torch.tensor(rows, dtype=torch.int64, device=device)
     ops.apply_token_bitmask(logits, bitmask.to(device), rows_tensor)

@@ -75,6 +75,24 @@ def test_moe_tp2_generates_what_tp1_does(tmp_path, kind, overrides):
     assert not child_pids(), "worker processes outlived the engine"
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_speculative_tp2_generates_what_plain_tp1_does(tmp_path, kv_cache):
+    """n-gram proposals verified across ranks, rejected KV rolled back on each."""
+    model = make_model_dir(tmp_path, "llama")
+    prompts = _prompts(6)
+    expected = _outputs(model, 1, prompts, kv_cache=kv_cache)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1, "disable_by_batch_size": 64}  # fmt: skip
+    llm = LLM(model, dtype="float32", kv_cache_memory=0.02, tensor_parallel_size=2,
+              max_num_batched_tokens=16, kv_cache=kv_cache, speculative_config=ngram)  # fmt: skip
+    try:
+        assert (_run(llm, prompts, GREEDY), _run(llm, prompts, SEEDED)) == expected
+        assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.engine.close()
+    assert not child_pids(), "worker processes outlived the engine"
+
+
 def test_smollm2_tp3_generates_what_tp1_does():
     """9 heads and 3 KV heads: 3 ranks of 3 heads and one KV head each. float32 widened
     from the GGUF file; prompts share a prefix (prefix cache) and chunk at 16 tokens."""

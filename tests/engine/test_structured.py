@@ -13,7 +13,13 @@ import torch
 
 from pyllm import LLM, SamplingParams
 from pyllm.sampling.params import ParamError
-from pyllm.sampling.structured import MAX_SPEC_CHARS, StructuredOutput, mask_logits
+from pyllm.sampling.structured import (
+    MAX_SPEC_CHARS,
+    StructuredOutput,
+    allowed_prefix,
+    mask_draft_logits,
+    mask_logits,
+)
 from tests.tokenizer import smollm_gguf
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -211,3 +217,53 @@ def test_catastrophic_regexes_run_in_bounded_time(llm, regex):
     assert time.perf_counter() - start < 30
     if out.finish_reason == "stop":
         assert re.fullmatch(regex, out.text)
+
+
+# ------------------------------------------------------------ speculative decoding
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1, "disable_by_batch_size": 64}  # fmt: skip
+ANN = {"name": "Ann", "age": 31, "mood": "calm", "address": {"city": "Oslo", "zip": "01234"}}
+ANN_TEXT = json.dumps(ANN, separators=(",", ":"))  # the grammar's own spacing
+
+
+def test_draft_masks_are_the_masks_after_each_draft_token(llm):
+    engine = llm.engine
+    spec = StructuredOutput(json=PERSON)
+    walker, follower = engine.grammars.matcher(spec), engine.grammars.matcher(spec)
+    eos = sorted(engine.eos_token_ids)
+    vocab = engine.model_config.vocab_size
+    valid = engine.tokenizer.encode(ANN_TEXT[:40], add_special_tokens=False)
+    bad = engine.tokenizer.encode("}}", add_special_tokens=False)
+    draft = allowed_prefix(walker, valid + bad)
+    assert draft == valid  # cut where the grammar refuses
+    logits = torch.randn(2 + len(draft), vocab)
+    expected = logits.clone()
+    mask_draft_logits(logits, [1], [walker], [draft], eos)
+    for i in range(len(draft) + 1):
+        mask_logits(expected, [1 + i], [follower], eos)
+        if i < len(draft):
+            assert follower.consume_token(draft[i])
+    assert torch.equal(logits, expected)  # row 0 and the last row untouched too
+    assert allowed_prefix(walker, draft) == draft  # rolled back to where it stood
+
+
+def test_speculation_under_a_grammar_follows_the_plain_engine(llm):
+    spec_llm = LLM(smollm_gguf(), dtype="float32", quantization="none",
+                   kv_cache_memory=0.25, speculative_config=NGRAM)  # fmt: skip
+    prompts = [f"Copy this JSON exactly: {ANN_TEXT}", "Invent a person."]
+    params = dict(temperature=0.0, max_tokens=80, structured_output={"json": PERSON})
+    plain = _chat(llm, prompts, **params)
+    spec = _chat(spec_llm, prompts, **params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert json.loads(spec[0].text) == ANN
+    stats = spec_llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 10
+    sampled = _chat(spec_llm, prompts * 2, **{**params, "temperature": 1.0})
+    for out in sampled:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert (
+        spec_llm.engine.stats().spec_decode_num_accepted_tokens
+        > stats.spec_decode_num_accepted_tokens
+    )

@@ -3,10 +3,12 @@ tokens this step (`Speculator.propose`, before scheduling), and the step's sampl
 with drafts verified (`sample_with_drafts`, after the model ran).
 
 A sequence speculates unless that could change what it generates or what the engine
-promises of it: a grammar (structured output) decodes normally, and so does a seeded
-sequence that samples (its tokens must not depend on the batch, and whether a step
-speculates does). Proposals are skipped for a whole step when more sequences run than
-disable_by_batch_size: a large batch already keeps the cores busy.
+promises of it: a seeded sequence that samples decodes normally (its tokens must not
+depend on the batch, and whether a step speculates does). Under a grammar (structured
+output) a proposal is cut to the prefix the grammar allows, and each verified position
+is masked as it would be when decoded. Proposals are skipped for a whole step when
+more sequences run than disable_by_batch_size: a large batch already keeps the cores
+busy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pyllm.engine.spec_decode.ngram import propose_ngram
 from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
 from pyllm.sampling.logprobs import Logprobs
 from pyllm.sampling.sampler import Sampler
+from pyllm.sampling.structured import allowed_prefix
 
 # Per sampled sequence: the tokens it emits this step, and their logprobs.
 Emitted = tuple[list[int], list[Logprobs | None]]
@@ -48,13 +51,14 @@ class Speculator:
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens,
         )
-        return propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        draft = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return draft if seq.matcher is None else allowed_prefix(seq.matcher, draft)
 
 
 def speculates(seq: Sequence) -> bool:
     params = seq.sampling_params
     seeded_draw = params.seed is not None and params.temperature >= GREEDY_TEMPERATURE
-    return seq.matcher is None and not seeded_draw
+    return not seeded_draw
 
 
 def draft_rows(seq: Sequence) -> list[SamplingRow]:
