@@ -119,6 +119,18 @@ def test_penalties_and_min_tokens_apply_at_every_verified_position(tiny_model_di
     assert _accepted(llm) > 0
 
 
+def test_every_sample_of_n_speculates_alone(tiny_model_dir, plain_outputs):
+    # n = 3 greedy samples of each prompt: siblings share the prompt's blocks and each
+    # verifies its own proposals; all three are the plain engine's output.
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, n=3)
+    llm = _llm(tiny_model_dir)
+    outputs = llm.generate(prompt_token_ids=_prompts(12), sampling_params=params, use_tqdm=False)
+    for out, expected in zip(outputs, plain_outputs, strict=True):
+        assert [o.token_ids for o in out.outputs] == [expected] * 3
+    assert llm.engine.stats().spec_decode_num_drafts > 3 * 12
+    _assert_all_blocks_free(llm)
+
+
 def test_preemption_loses_nothing(tiny_model_dir, plain_outputs):
     # 12 prompts of up to 152 tokens in 24 blocks of 16 tokens: the engine preempts.
     llm = _llm(tiny_model_dir, kv_cache_memory=24 * 16 * 2 * 2 * 2 * 64 * 4 / 2**30)
