@@ -9,14 +9,13 @@ global ones.
 
 from __future__ import annotations
 
-from torch import nn
-
 from pyllm.model.config import ModelConfig
 from pyllm.model.layers import MLP, Attention, RMSNorm
 from pyllm.model.llama import LlamaForCausalLM, input_norm
+from pyllm.model.module import Module
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(Module):
     def __init__(self, config: ModelConfig, dtype, device, layer: int) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps

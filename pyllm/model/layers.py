@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pyllm.attention.backend import KVPair
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, rope_inv_freq
 from pyllm.model.linear import Linear, empty_param
+from pyllm.model.module import Module
 
 _C = torch.ops.pyllm
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, hidden_size: int, eps: float, dtype, device) -> None:
         super().__init__()
         self.weight = empty_param(hidden_size, dtype=dtype, device=device)
@@ -56,7 +56,7 @@ def rotary_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> tor
     return cache.contiguous().to(device)
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Grouped-query attention with one fused q/k/v projection.
 
     The projection's output row is [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]; rotary and the
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         return norm(heads).view(x.shape[0], -1)
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one projection; act is
     SiLU or (Gemma) the tanh approximation of GELU."""
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm.model.module import Module
 
 _C = torch.ops.pyllm
 
@@ -108,7 +109,7 @@ def dequantize_parts(parts: list[QuantPart], in_features: int, dtype) -> torch.T
     return torch.cat(pieces)
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """y = x W^T (+ b), with W allocated once and filled by the loader.
 
     A GGUF model's quantized weights stay quantized (set_quantized): W is then kept as

@@ -29,6 +29,7 @@ from pyllm.model.linear import (
     pack_linear_weight,
     plain_copy_fits,
 )
+from pyllm.model.module import Module
 from pyllm.model.moe import SparseMoeBlock
 from pyllm.model.shard import Shard, set_reductions, shard_config
 
@@ -50,7 +51,7 @@ def make_mlp(config: ModelConfig, dtype, device, layer: int) -> nn.Module:
     return MLP(config, dtype, device)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, config: ModelConfig, dtype, device, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     def __init__(
         self, config: ModelConfig, dtype, device, layer_cls: type[nn.Module], vocab_rows: int
     ) -> None:
@@ -86,7 +87,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     layer_cls: type[nn.Module] = DecoderLayer
 
     def __init__(

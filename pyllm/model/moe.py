@@ -21,11 +21,12 @@ from torch import nn
 import pyllm.ops as ops
 from pyllm.model.config import ModelConfig
 from pyllm.model.linear import empty_param, linear_small_batch, takes_small_batch_path
+from pyllm.model.module import Module
 
 _C = torch.ops.pyllm
 
 
-class Router(nn.Module):
+class Router(Module):
     """Logits [T, num_experts] = x W^T (+ b), in the model's dtype (as HF computes them).
     Not a linear.Linear: it stays in floats when the projections are quantized, and its
     few rows would keep the model's projections from being word-packed."""
@@ -41,7 +42,7 @@ class Router(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ExpertProjection(nn.Module):
+class ExpertProjection(Module):
     """One projection of every expert held: weight [E, N, K] floats, or after
     set_quantized qweight uint8 [E, N, row bytes] of GGML type qtype; bias [E, N]."""
 
@@ -80,7 +81,7 @@ class ExpertProjection(nn.Module):
         return out
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(Module):
     """The MLP of a sparse layer: x [T, H] -> [T, H]. `reduce` (tensor or expert
     parallelism) sums the ranks' partial outputs."""
 
