@@ -262,6 +262,8 @@ def build_engines(path: str, args, notes: list[str]) -> dict:
     engines = {}
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
     spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+    if args.disable_by_batch_size:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     if "plain" in args.modes or "ngram" in args.modes:
         engines["plain"] = Pyllm(path, args.max_tokens)
     if "ngram" in args.modes:
@@ -295,11 +297,13 @@ def warm_up(engines: dict, tokenizer) -> None:
 
 
 def bench_model(name: str, args) -> tuple[dict, list[str]]:
-    """{(kind, batch): {engine: Run}} for one model; its notes."""
+    """{(kind, batch): {engine: Run}} for one model; its title and notes."""
     path = MODELS[name]()
-    notes: list[str] = []
-    engines = build_engines(path, args, notes)
-    tokenizer = next(e.llm.tokenizer for e in engines.values() if isinstance(e, Pyllm))
+    engines = build_engines(path, args, notes := [])
+    pyllm = next(e.llm for e in engines.values() if isinstance(e, Pyllm))
+    dtype = str(pyllm.engine.config.torch_dtype).removeprefix("torch.")
+    notes.insert(0, f"{name}: {os.path.basename(path)}, pyllm {dtype}")
+    tokenizer = pyllm.tokenizer
     warm_up(engines, tokenizer)
     cells = {}
     for kind in args.kinds:
@@ -395,6 +399,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookup-max", type=int, default=4, help="longest n-gram")
     parser.add_argument("--lookup-min", type=int, default=2, help="shortest n-gram (pyllm)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        help="ngram's threshold (default: the config's, 2); a large one speculates at any batch",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="each cell: the best of")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's")
     parser.add_argument("--llama-cpp-path", default=os.environ.get("LLAMA_CPP_PYTHONPATH"),
@@ -424,7 +433,7 @@ def llama_cpp_line(args) -> str:
 
 def main() -> None:
     args = parse_args()
-    print("$ python " + " ".join(sys.argv))
+    print("$ PYTHONPATH=. python " + " ".join(sys.argv))
     print(cpu_line(args))
     if "llamacpp" in args.modes:
         print(llama_cpp_line(args))
@@ -433,8 +442,8 @@ def main() -> None:
         f"{args.lookup_max} (llama.cpp lookup: 1-{args.lookup_max}); best of {args.repeats}"
     )
     for name in args.models:
-        cells, notes = bench_model(name, args)
-        print(f"\n{name}: tok/s (speedup, acceptance, mean accepted length)\n")
+        cells, (title, *notes) = bench_model(name, args)
+        print(f"\n{title}; tok/s (speedup, acceptance, mean accepted length)\n")
         print(table(cells))
         print("\n".join(["", *notes, "targets:", *targets(cells)]))
 
