@@ -342,18 +342,30 @@ def rate(run: Run | None) -> str:
     return "-" if run is None else f"{run.rate:.0f}"
 
 
+def ratio(run: Run | None, base: Run | None) -> str:
+    return "-" if run is None or base is None else f"{run.rate / base.rate:.2f}x"
+
+
+# Column title, the engine whose presence shows it, its cell from a row's runs.
+COLUMNS = [
+    ("plain", "plain", lambda c: rate(c.get("plain"))),
+    ("ngram (x, acc, len)", "ngram", lambda c: spec_cell(c.get("ngram"), c.get("plain"), True)),
+    ("widened plain", "wide", lambda c: rate(c.get("wide"))),
+    ("draft (x, acc)", "draft", lambda c: spec_cell(c.get("draft"), c.get("wide"), False)),
+    ("llama.cpp plain", "llama.cpp", lambda c: rate(c.get("llama.cpp"))),
+    ("llama.cpp lookup", "lookup", lambda c: rate(c.get("lookup"))),
+    ("ngram / lookup", "lookup", lambda c: ratio(c.get("ngram"), c.get("lookup"))),
+]
+
+
 def table(cells: dict) -> str:
-    head = ["kind", "batch", "prompt tokens", "plain", "ngram (x, acc, len)",
-            "widened plain", "draft (x, acc)", "llama.cpp plain", "llama.cpp lookup",
-            "ngram / lookup"]  # fmt: skip
+    """A markdown table with the columns of the engines that ran."""
+    ran = {mode for cell in cells.values() for mode in cell}
+    columns = [c for c in COLUMNS if c[1] in ran]
+    head = ["kind", "batch", "prompt tokens", *(title for title, _, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (kind, batch), cell in cells.items():
-        ngram, lookup = cell.get("ngram"), cell.get("lookup")
-        ratio = f"{ngram.rate / lookup.rate:.2f}x" if ngram and lookup else "-"
-        row = [kind, str(batch), cell["prompt_tokens"], rate(cell.get("plain")),
-               spec_cell(ngram, cell.get("plain"), True), rate(cell.get("wide")),
-               spec_cell(cell.get("draft"), cell.get("wide"), False),
-               rate(cell.get("llama.cpp")), rate(lookup), ratio]  # fmt: skip
+        row = [kind, str(batch), cell["prompt_tokens"], *(fn(cell) for _, _, fn in columns)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
