@@ -58,18 +58,20 @@ def _run_tg(engine: LLMEngine, prompts: list[list[int]], tokens: int, tag: str) 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", None, params, prompt_token_ids=prompt)
-    decode_seconds, decode_steps = 0.0, 0
+    decode_seconds, decoded = 0.0, 0
     while engine.has_unfinished_requests():
         scheduler = engine.scheduler
         prefilling = bool(scheduler.waiting) or any(
             s.num_pending_tokens > 1 or s.num_computed_tokens == 0 for s in scheduler.running
         )
+        before = engine.counters.generation_tokens
         start = time.perf_counter()
         engine.step()
         if not prefilling:
             decode_seconds += time.perf_counter() - start
-            decode_steps += 1
-    return decode_seconds / max(decode_steps, 1)
+            decoded += engine.counters.generation_tokens - before
+    # A step emits a token per sequence, or more where speculation's proposals pass.
+    return decode_seconds * len(prompts) / max(decoded, 1)
 
 
 def run_bench(

@@ -129,8 +129,9 @@ class EngineConfig:
         None,
         "speculative decoding, as vLLM's dict (JSON on the command line), e.g. "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        f'"prompt_lookup_min": 2}}; "disable_by_batch_size": no proposals in a step running '
-        f"more sequences (default: {DEFAULT_DISABLE_BY_BATCH_SIZE})",
+        f'"prompt_lookup_min": 2}}, or a draft model\'s {{"model": PATH, '
+        f'"num_speculative_tokens": 4}}; "disable_by_batch_size": no proposals in a step '
+        f"running more sequences (default: {DEFAULT_DISABLE_BY_BATCH_SIZE})",
         type=str,
     )
 

@@ -3,14 +3,19 @@
 Two implementations: BlockManager (the paged cache: block tables, prefix caching) and
 SlotManager (the contiguous cache: one arena slot per sequence, no prefix caching).
 Scheduling and preemption only go through these methods, so they are the same in both
-modes.
+modes. `allocate_kv_cache` builds a cache and its manager (the engine's, and a draft
+model's for speculative decoding).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from pyllm.attention.backend import KVCache
+from pyllm.attention.registry import get_backend
+from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.sequence import Sequence
+from pyllm.engine.slot_manager import SlotManager
 
 
 class KVCacheManager(Protocol):
@@ -62,3 +67,20 @@ class KVCacheManager(Protocol):
     def free(self, seq: Sequence) -> None:
         """Releases seq's memory (finished, aborted or preempted)."""
         ...
+
+
+def allocate_kv_cache(
+    model, layout: str, budget: int, block_size: int, max_num_seqs: int, prefix_caching: bool
+) -> tuple[KVCache, KVCacheManager]:
+    """model's KV cache in `layout` (an attention backend's name) within budget bytes,
+    and the manager that hands out its memory: blocks, or one slot per sequence (at
+    most max_num_seqs)."""
+    backend = get_backend(layout)
+    count = backend.cache_size(model.cache_spec, budget, block_size, max_num_seqs)
+    cache = model.allocate_kv_cache(backend, count, block_size)
+    if backend.addressing == "slots":
+        # Virtual room for count sequences; only `budget` bytes of it are ever
+        # committed at once (SlotManager keeps to that).
+        return cache, SlotManager(cache.memory, budget)
+    block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
+    return cache, BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)

@@ -18,15 +18,13 @@ import time
 from dataclasses import dataclass
 
 from pyllm.attention.backend import KVCache
-from pyllm.attention.registry import get_backend
-from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import EngineConfig
-from pyllm.engine.kv_manager import KVCacheManager
+from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
 from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
-from pyllm.engine.slot_manager import SlotManager
+from pyllm.engine.spec_decode.draft_loader import Target
 from pyllm.engine.spec_decode.speculator import Emitted, Speculator, sample_with_drafts
 from pyllm.engine.stats import EngineStats, StepCounters
 from pyllm.engine.stop_checker import check_stop, streamable_text
@@ -110,25 +108,34 @@ class LLMEngine:
         manager that hands out its memory: blocks, or one slot per sequence."""
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
-        budget //= cfg.tensor_parallel_size  # each rank's share
-        backend = get_backend(cfg.kv_cache)
-        count = backend.cache_size(self.model.cache_spec, budget, cfg.block_size, cfg.max_num_seqs)
-        cache = self.model.allocate_kv_cache(backend, count, cfg.block_size)
-        if backend.addressing == "slots":
-            # Virtual room for count sequences; only `budget` bytes of it are ever
-            # committed at once (SlotManager keeps to that).
-            return cache, SlotManager(cache.memory, budget)
-        block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
-        manager = BlockManager(
-            count, cfg.block_size, cfg.enable_prefix_caching, block_bytes=block_bytes
+        self._kv_budget = budget // cfg.tensor_parallel_size  # each rank's share
+        return allocate_kv_cache(
+            self.model,
+            cfg.kv_cache,
+            self._kv_budget,
+            cfg.block_size,
+            cfg.max_num_seqs,
+            cfg.enable_prefix_caching,
         )
-        return cache, manager
 
     def _speculator(self) -> Speculator | None:
         spec = self.config.speculative
         if spec is None:
             return None
-        return Speculator(spec, self.max_model_len)
+        if spec.method == "draft_model" and self.config.tensor_parallel_size > 1:
+            logger.warning("draft-model speculation is off: not supported with tensor parallelism")
+            return None
+        target = Target(
+            self.config,
+            self.model_config,
+            self.tokenizer,
+            self.max_model_len,
+            self.model.cache_spec,
+            self._kv_budget,
+            self._weights_bytes,
+            self._available,
+        )
+        return Speculator(spec, self.max_model_len, target)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (also done at exit)."""
@@ -237,8 +244,14 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-                self.sampler.forget(seq.arrival)
+                self._release(seq)
         self._forget(request)
+
+    def _release(self, seq: Sequence) -> None:
+        """seq has ended: what the sampler and the speculator keep of it goes."""
+        self.sampler.forget(seq.arrival)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _forget(self, request: _Request) -> None:
         del self.requests[request.request_id]
@@ -320,7 +333,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             reason = seq.finish_reason
             self.scheduler.finish(seq, reason)
-            self.sampler.forget(seq.arrival)
+            self._release(seq)
         if request.waiting_siblings and seq is request.seqs[0]:
             # The prompt's full blocks are now cached: siblings reuse them.
             for sibling in request.waiting_siblings:
@@ -407,9 +420,14 @@ def _describe(speculator: Speculator | None) -> str:
     if speculator is None:
         return "off"
     cfg = speculator.config
+    if cfg.method == "draft_model":
+        draft = speculator.proposer
+        how = f"model={draft.name}, draft {draft.kv_manager.describe()}"
+    else:
+        how = f"n={cfg.prompt_lookup_min}..{cfg.prompt_lookup_max}"
     return (
-        f"{cfg.method}(k={cfg.num_speculative_tokens}, n={cfg.prompt_lookup_min}.."
-        f"{cfg.prompt_lookup_max}, off above batch {cfg.disable_by_batch_size})"
+        f"{cfg.method}(k={cfg.num_speculative_tokens}, {how}, off above batch "
+        f"{cfg.disable_by_batch_size})"
     )
 
 

@@ -312,11 +312,6 @@ def test_bad_configs_are_refused_by_key(tiny_model_dir, config, key):
         _llm(tiny_model_dir, config)
 
 
-def test_draft_models_are_not_supported_yet(tiny_model_dir):
-    with pytest.raises(ValueError, match="not supported yet"):
-        _llm(tiny_model_dir, {"model": tiny_model_dir, "num_speculative_tokens": 3})
-
-
 def test_command_line_takes_json(capsys):
     argv = ["generate", "hi", "--speculative-config"]
     json = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'

@@ -5,5 +5,8 @@ The accepted prefix and one token more are kept; the rejected tokens' KV is drop
 
     config.py    speculative_config (vLLM's dict) -> SpeculativeConfig, checked
     ngram.py     prompt lookup: the tokens that followed the last n-gram's latest match
+    draft.py     a draft model's greedy tokens, batched, over its own KV cache
+    draft_loader.py  a draft model checked against the engine's (vocabulary, context,
+                 memory) and loaded
     speculator.py  which sequences speculate this step, verification, KV rollback
 """

@@ -1,16 +1,18 @@
 """speculative_config: vLLM's dict (`{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": n, "prompt_lookup_min": m}`), checked once into a
-SpeculativeConfig. A bad key or value raises ConfigError naming it."""
+"prompt_lookup_max": n, "prompt_lookup_min": m}`, or a draft model's `{"model": PATH,
+"num_speculative_tokens": k}`), checked once into a SpeculativeConfig. A bad key or
+value raises SpeculativeConfigError naming it."""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's other methods: named here so the error says they are not supported yet.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 KEYS = (
     "method",
     "model",
@@ -45,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # longest n-gram looked up
     prompt_lookup_min: int  # shortest n-gram looked up
     disable_by_batch_size: int  # no proposals in a step with more running sequences
+    model: str | None = None  # the draft model's path (method "draft_model")
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -60,36 +63,63 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise SpeculativeConfigError(unknown[0], f"is not a known key; known: {list(KEYS)}")
     method = _method(value)
     k = _positive(value, "num_speculative_tokens", None)
-    # One bound given: the other is the same (as vLLM); neither: vLLM's default.
+    batch = _positive(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    if method == "draft_model":
+        return SpeculativeConfig(method, k, 0, 0, batch, _draft_path(value))
+    most, least = _lookup_bounds(value)
+    return SpeculativeConfig(method, k, most, least, batch)
+
+
+def _lookup_bounds(value: dict) -> tuple[int, int]:
+    """(prompt_lookup_max, prompt_lookup_min): one given, the other is the same (as
+    vLLM); neither, vLLM's default."""
     most = _positive(value, "prompt_lookup_max", None)
     least = _positive(value, "prompt_lookup_min", None)
     most, least = most or least, least or most
     if most is None:
-        most = least = DEFAULT_PROMPT_LOOKUP
+        return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
     if least > most:
         raise SpeculativeConfigError(
             "prompt_lookup_min", f"({least}) must not exceed prompt_lookup_max ({most})"
         )
-    batch = _positive(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-    return SpeculativeConfig(method, k, most, least, batch)
+    return most, least
 
 
 def _method(value: dict) -> str:
-    """ "ngram" from `method` (or vLLM's older `"model": "ngram"`); a draft model or
-    another method is refused."""
+    """ "ngram" from `method` (or vLLM's older `"model": "ngram"`); "draft_model" from
+    `method` or a `model` path without one; another method is refused."""
     model = value.get("model")
-    method = value.get("method", "ngram" if model == "ngram" else None)
-    if method is None and model is not None:
-        method = "draft_model"
-    if method in NOT_YET or (model is not None and model != "ngram"):
+    method = value.get("method")
+    if method is None:
+        method = "ngram" if model == "ngram" else "draft_model" if model is not None else None
+    if method in NOT_YET:
         raise SpeculativeConfigError(
-            "model" if model is not None and model != "ngram" else "method",
+            "method",
             f"asks for {method!r} speculation, which is not supported yet; "
             f"supported: {list(METHODS)}",
         )
     if method not in METHODS:
         raise SpeculativeConfigError("method", f"must be one of {list(METHODS)}, got {method!r}")
+    if method == "ngram" and model not in (None, "ngram"):
+        raise SpeculativeConfigError(
+            "model", f"names a draft model ({model!r}) but method is 'ngram'"
+        )
     return method
+
+
+def _draft_path(value: dict) -> str:
+    """The draft model's path, which must exist; the n-gram keys are refused."""
+    for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        if key in value:
+            raise SpeculativeConfigError(key, "is an n-gram key: a draft model looks nothing up")
+    path = value.get("model")
+    if path is None:
+        raise SpeculativeConfigError("model", "is required: the draft model's path")
+    if not isinstance(path, str | os.PathLike) or not os.path.exists(path):
+        raise SpeculativeConfigError(
+            "model", f"must be a GGUF file or an HF model folder that exists, got {path!r}"
+        )
+    return os.fspath(path)
 
 
 def _positive(value: dict, key: str, default: int | None) -> int | None:

@@ -11,8 +11,11 @@ microseconds whatever the context length.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 import numpy as np
+
+from pyllm.engine.sequence import Sequence
 
 SEARCH_WINDOW = 4096  # tokens searched, most recent first; older matches are missed
 
@@ -41,3 +44,21 @@ def propose_ngram(token_ids: SequenceOf[int], k: int, min_n: int, max_n: int) ->
     if end < 0:
         return []
     return tokens[end + 1 : end + 1 + k].tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class NgramProposer:
+    """The Speculator's proposer for method "ngram": nothing held between steps."""
+
+    min_n: int
+    max_n: int
+
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
+        """Per sequence, up to its length of proposed tokens ([] when nothing matches)."""
+        return [
+            propose_ngram(seq.token_ids, k, self.min_n, self.max_n)
+            for seq, k in zip(seqs, lengths, strict=True)
+        ]
+
+    def forget(self, seq: Sequence) -> None:
+        """Nothing to release: proposals are looked up afresh each step."""

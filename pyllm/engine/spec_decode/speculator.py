@@ -8,18 +8,21 @@ depend on the batch, and whether a step speculates does). Under a grammar (struc
 output) a proposal is cut to the prefix the grammar allows, and each verified position
 is masked as it would be when decoded. Proposals are skipped for a whole step when
 more sequences run than disable_by_batch_size: a large batch already keeps the cores
-busy.
+busy. The proposals come from the proposer config.method names: n-gram lookup or a
+draft model.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 import torch
 
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.spec_decode.config import SpeculativeConfig
-from pyllm.engine.spec_decode.ngram import propose_ngram
+from pyllm.engine.spec_decode.draft_loader import Target, load_draft
+from pyllm.engine.spec_decode.ngram import NgramProposer
 from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
 from pyllm.sampling.logprobs import Logprobs
 from pyllm.sampling.sampler import Sampler
@@ -29,30 +32,60 @@ from pyllm.sampling.structured import allowed_prefix
 Emitted = tuple[list[int], list[Logprobs | None]]
 
 
+class Proposer(Protocol):
+    """Where proposals come from: ngram.NgramProposer or draft.DraftProposer."""
+
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
+        """Per sequence, at most its length of proposed tokens."""
+        ...
+
+    def forget(self, seq: Sequence) -> None:
+        """Releases what is held for seq (finished or aborted)."""
+        ...
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: Target):
+        """target: the engine's model and settings, which a draft model is checked
+        against and sized from."""
         self.config = config
         self.max_model_len = max_model_len
+        self.proposer: Proposer = (
+            load_draft(config, target)
+            if config.method == "draft_model"
+            else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        )
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running decode's spec_token_ids for the coming step ([] for one
         that does not speculate)."""
         active = len(running) <= self.config.disable_by_batch_size
+        chosen, lengths = [], []
         for seq in running:
             if seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0:
-                seq.spec_token_ids = self._draft(seq) if active and speculates(seq) else []
+                seq.spec_token_ids = []
+                k = self._length(seq)
+                if active and k > 0 and speculates(seq):
+                    chosen.append(seq)
+                    lengths.append(k)
+        for seq, tokens in zip(chosen, self.proposer.propose(chosen, lengths), strict=True):
+            seq.spec_token_ids = (
+                tokens if seq.matcher is None else allowed_prefix(seq.matcher, tokens)
+            )
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        cfg = self.config
-        # Never past max_tokens (the token after the draft is emitted too) nor the
-        # context: a proposed token's position must exist.
-        k = min(
-            cfg.num_speculative_tokens,
+    def forget(self, seq: Sequence) -> None:
+        """seq finished or was aborted: the proposer's state for it goes."""
+        self.proposer.forget(seq)
+
+    def _length(self, seq: Sequence) -> int:
+        """The most tokens seq may be proposed: never past max_tokens (the token after
+        the draft is emitted too) nor the context (a proposed token's position must
+        exist)."""
+        return min(
+            self.config.num_speculative_tokens,
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens,
         )
-        draft = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return draft if seq.matcher is None else allowed_prefix(seq.matcher, draft)
 
 
 def speculates(seq: Sequence) -> bool:
