@@ -231,10 +231,14 @@ void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
       }
       for (int r = 0; r < R; ++r) {
         const uint8_t* q = xr.vectors(r, o);
-        __m512i sum = T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
-        for (int v = 0; v < 4; ++v) {
-          sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_load_si512(q + 64 * v));
-        }
+        // Two chains of two: a chain of four vpdpbusd waited on each one's latency
+        // (SmolLM2 Q4_1, 8 rows, 1 thread: 19.0 -> 17.2 ms). Integer sums: exact.
+        __m512i even = T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
+        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_load_si512(q + 64));
+        even = _mm512_dpbusd_epi32(even, wv[0], _mm512_load_si512(q));
+        even = _mm512_dpbusd_epi32(even, wv[2], _mm512_load_si512(q + 128));
+        odd = _mm512_dpbusd_epi32(odd, wv[3], _mm512_load_si512(q + 192));
+        const __m512i sum = _mm512_add_epi32(even, odd);
         const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[(m0 + r) * blocks + 8 * o]));
         const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
         const __m512 scale =
@@ -300,10 +304,11 @@ void q4k_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
       q4k_weights(blk, wv, sc16, min16, d);
       for (int r = 0; r < R; ++r) {
         const uint8_t* q = xr.vectors(r, b);
-        __m512i sum = _mm512_setzero_si512();
-        for (int v = 0; v < 4; ++v) {
-          sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_load_si512(q + 64 * v));
-        }
+        __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_load_si512(q));
+        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_load_si512(q + 64));
+        even = _mm512_dpbusd_epi32(even, wv[2], _mm512_load_si512(q + 128));
+        odd = _mm512_dpbusd_epi32(odd, wv[3], _mm512_load_si512(q + 192));
+        const __m512i sum = _mm512_add_epi32(even, odd);  // two chains, as octet_rows
         const float dx = x.d[(m0 + r) * blocks + b];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc16)),
                                  _mm512_set1_ps(d * dx), acc[r]);
