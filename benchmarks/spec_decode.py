@@ -148,10 +148,10 @@ class Run:
 class Pyllm:
     """A pyllm engine: generate(prompts) -> Run."""
 
-    def __init__(self, path: str, max_tokens: int, **options):
+    def __init__(self, path: str, args: argparse.Namespace, **options):
         options = {"enable_prefix_caching": False, "kv_cache_memory": 1.0, **options}
-        self.llm = LLM(path, **options)
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.llm = LLM(path, dtype=args.dtype, device=args.device, **options)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def generate(self, prompts: list[list[int]]) -> Run:
         before = self.llm.engine.stats()
@@ -265,9 +265,9 @@ def build_engines(path: str, args, notes: list[str]) -> dict:
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     if "plain" in args.modes or "ngram" in args.modes:
-        engines["plain"] = Pyllm(path, args.max_tokens)
+        engines["plain"] = Pyllm(path, args)
     if "ngram" in args.modes:
-        engines["ngram"] = Pyllm(path, args.max_tokens, speculative_config=spec)
+        engines["ngram"] = Pyllm(path, args, speculative_config=spec)
     if "draft" in args.modes:
         engines |= draft_engines(path, args, notes)
     if "llamacpp" in args.modes:
@@ -282,11 +282,11 @@ def draft_engines(path: str, args, notes: list[str]) -> dict:
     engine without speculation as its baseline; {} when the config is refused."""
     spec = {"model": path, "num_speculative_tokens": args.k}
     try:
-        draft = Pyllm(path, args.max_tokens, quantization="none", speculative_config=spec)
+        draft = Pyllm(path, args, quantization="none", speculative_config=spec)
     except ValueError as error:
         notes.append(f"draft: skipped: this pyllm does not support a draft model ({error})")
         return {}
-    return {"wide": Pyllm(path, args.max_tokens, quantization="none"), "draft": draft}
+    return {"wide": Pyllm(path, args, quantization="none"), "draft": draft}
 
 
 def warm_up(engines: dict, tokenizer) -> None:
@@ -411,6 +411,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookup-max", type=int, default=4, help="longest n-gram")
     parser.add_argument("--lookup-min", type=int, default=2, help="shortest n-gram (pyllm)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", help="pyllm's (the draft mode pays in float32)")
+    parser.add_argument("--device", default="auto", help="pyllm's: auto, cpu or cuda")
     parser.add_argument(
         "--disable-by-batch-size",
         type=int,
