@@ -234,9 +234,11 @@ class Scheduler:
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        # One pending token after some computed ones is a decode; anything else
-        # (a prompt, a chunk, a recomputation) runs through the prefill kernel.
-        if num_new == 1 and seq.num_computed_tokens > 0:
+        # One output token after the computed ones is a decode; anything else (a prompt,
+        # a chunk, even of one prompt token, a recomputation) runs through the prefill
+        # kernel, so a prompt token meets the same kernel however the prompt was chunked
+        # (the two kernels round differently).
+        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
             batch.decodes.append((seq, num_new))
         else:
             batch.prefills.append((seq, num_new))
