@@ -153,6 +153,13 @@ PYLLM_DECLARE_MOE_OPS
 // Whether packed_linear has a vector kernel for dtype in this build (AVX-512;
 // bf16 also AVX512-BF16); elsewhere it runs a plain loop.
 bool packed_linear_vectorized_for(at::ScalarType dtype);
+// Batch-invariant mode: quantized weights take the int8 products at every row count,
+// whose result for a row never depends on the other rows of the call, instead of
+// dequantized panels (or AMX tiles, or ATen's GEMM) from some row count on; greedy
+// output then no longer depends on batching, chunking or prefix-cache hits.
+// Process-wide, set by the engine (EngineConfig.batch_invariant). In quant_cpu.cpp.
+bool batch_invariant();
+void set_batch_invariant(bool on);
 }  // namespace cpu
 
 #ifdef PYLLM_WITH_CUDA

@@ -121,6 +121,10 @@ TORCH_LIBRARY(pyllm, m) {
     }
     return std::make_tuple(names, ids, blocks, bytes);
   });
+  // Batch-invariant quantized products (quantization/quant_matmul.h).
+  m.def("set_batch_invariant(bool on) -> ()",
+        [](bool on) { pyllm::cpu::set_batch_invariant(on); });
+  m.def("batch_invariant() -> bool", []() -> bool { return pyllm::cpu::batch_invariant(); });
   m.def("small_batch_max_rows() -> int", []() -> int64_t { return pyllm::kSmallBatchMaxRows; });
   m.def("packed_linear_vectorized(ScalarType dtype) -> bool", [](at::ScalarType dtype) -> bool {
     return pyllm::cpu::packed_linear_vectorized_for(dtype);

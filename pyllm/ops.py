@@ -66,11 +66,13 @@ from pyllm.kv_cache import KVArena, _check_seq_slots, _check_token_slots, alloca
 from pyllm.ops_quant import (
     FLOAT_WEIGHT_TYPES,
     QUANT_TYPES,
+    batch_invariant,
     dequantize_rows,
     fused_moe,
     moe_topk,
     quant_linear,
     quant_row_bytes,
+    set_batch_invariant,
 )
 
 _C = torch.ops.pyllm
@@ -88,6 +90,7 @@ __all__ = [
     "TOKEN_TILE",
     "allocate_kv_cache",
     "apply_token_bitmask",
+    "batch_invariant",
     "contiguous_attention_decode",
     "contiguous_attention_prefill",
     "copy_blocks",
@@ -108,6 +111,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "set_batch_invariant",
     "silu_and_mul",
     "small_batch_linear",
     "swap_blocks",

@@ -33,6 +33,22 @@ def quant_row_bytes(qtype: int, in_features: int) -> int:
     return in_features // block * nbytes
 
 
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode, process-wide: quant_linear and fused_moe take the int8
+    products at every row count, so a row's result never depends on the other rows of
+    the call. Off (the default), many rows (from 32 in bf16, or 16 with AMX) go through
+    dequantized panels or AMX tiles instead: faster, but their rounding differs from the
+    int8 products', so a prompt's output may depend on how it was batched or chunked."""
+    if not isinstance(on, bool):
+        raise ValueError(f"on must be True or False, got {on!r}")
+    _C.set_batch_invariant(on)
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (set_batch_invariant)."""
+    return bool(_C.batch_invariant())
+
+
 def _quant_type(qtype: object) -> tuple[str, int, int]:
     if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in _QUANT_BY_ID:
         supported = ", ".join(f"{n}={t}" for n, (t, _, _) in QUANT_TYPES.items())

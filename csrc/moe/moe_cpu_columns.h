@@ -42,7 +42,7 @@ MoePath moe_path(int64_t type, int64_t rows) {
     if (rows >= panel_min_rows<S>(type)) return MoePath::kPanel;
   }
   if constexpr (std::is_same_v<S, float> && !kPackedLinearVectorized<S>) {
-    if (rows >= kGemmMinRows) return MoePath::kGemm;
+    if (rows >= kGemmMinRows && !batch_invariant()) return MoePath::kGemm;
   }
   return MoePath::kInt8;
 }

@@ -19,6 +19,7 @@
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
 // (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
 // vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows).
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -33,6 +34,13 @@
 #include "quant_matmul.h"
 
 namespace pyllm::cpu {
+
+namespace {
+std::atomic<bool> g_batch_invariant{false};
+}  // namespace
+
+bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
+void set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_order_relaxed); }
 
 void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
                   int64_t qtype, const std::optional<at::Tensor>& bias) {
@@ -50,7 +58,8 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
     int64_t n_panel = 0;
 #ifdef PYLLM_QUANT_AMX
-    if (std::is_same_v<scalar_t, c10::BFloat16> && M >= kAmxMinRows && amx_ready()) {
+    if (std::is_same_v<scalar_t, c10::BFloat16> && M >= kAmxMinRows && !batch_invariant() &&
+        amx_ready()) {
       dispatch_type(qtype, [&](auto t) {
         n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b,
                                                  o, ld);
@@ -67,7 +76,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
       }
     }
     if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
-      if (n_panel == 0 && M >= kGemmMinRows) {
+      if (n_panel == 0 && M >= kGemmMinRows && !batch_invariant()) {
         dispatch_type(qtype, [&](auto t) {
           gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
         });

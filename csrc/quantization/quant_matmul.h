@@ -28,6 +28,7 @@
 #include <c10/util/Half.h>
 
 #include "../cpu/packed_tile.h"
+#include "../ops.h"  // batch_invariant
 #include "gguf_blocks.h"
 #include "quant_dot.h"  // dot_rows; with PYLLM_QUANT_AVX2 also <immintrin.h>
 
@@ -205,6 +206,7 @@ constexpr int64_t kPanelMinRows = 32;
 // GFLOP/s at 32-64 rows by int8 tiles.
 template <typename scalar_t>
 int64_t panel_min_rows(int64_t type) {
+  if (batch_invariant()) return INT64_MAX;  // only the int8 products (ops.h)
 #if defined(PYLLM_QUANT_ZMM)
   const bool octets = is_octet_format(type) || type == kQ4_K;
   if (octets && std::is_same_v<scalar_t, float>) return INT64_MAX;

@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import pyllm.ops as ops
 from pyllm.attention.backend import MAIN_CACHE, SCRATCH_CACHE, KVCache
 from pyllm.attention.registry import backend_of_number
 from pyllm.distributed.launch import init_group, threads_per_rank
@@ -91,6 +92,7 @@ def run_worker(
     box = [None]
     dist.broadcast_object_list(box, src=0, group=tp.control)
     config = EngineConfig(**box[0])
+    ops.set_batch_invariant(config.batch_invariant)
     tp.split_experts(config.expert_parallel)
     model, _ = load_model(
         config.model_path, config.torch_dtype, config.torch_device, config.max_model_len,

@@ -6,6 +6,7 @@ takes it otherwise than `--field-name VALUE`, how) from which `pyllm`'s flags ar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,12 @@ class EngineConfig:
         "mixture-of-experts models over several processes: each holds whole experts "
         "instead of a share of every expert (default: off)",
     )
+    batch_invariant: bool = option(
+        os.environ.get("PYLLM_BATCH_INVARIANT", "0") == "1",
+        "quantized weights take the same int8 products at every batch size, so a prompt's "
+        "greedy output never depends on batching, chunking or prefix-cache hits (slower "
+        "prefill in bfloat16; default: $PYLLM_BATCH_INVARIANT=1, else off)",
+    )
     distributed_timeout: float = option(
         60.0, "seconds a tensor-parallel rank may take to answer before the engine fails"
     )
@@ -176,6 +183,10 @@ class EngineConfig:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(
                 "block_size", f"must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
+            )
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(
+                "batch_invariant", f"must be True or False, got {self.batch_invariant!r}"
             )
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(

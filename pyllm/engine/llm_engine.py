@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import pyllm.ops as ops
 from pyllm.attention.backend import KVCache
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
@@ -60,6 +61,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
+        ops.set_batch_invariant(config.batch_invariant)  # process-wide: the last engine's
         self._weights_bytes, self._available = _check_memory(config)
         self.model, self.model_config, self.tokenizer = _load(config)
         self.device = config.torch_device

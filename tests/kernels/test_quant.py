@@ -285,3 +285,38 @@ def test_dequantize_rows_bad_arguments():
         ops.dequantize_rows(torch.empty(3, 64), qweight, q4)
     with pytest.raises(TypeError, match="out has dtype torch.int32"):
         ops.dequantize_rows(torch.empty(8, 64, dtype=torch.int32), qweight, q4)
+
+
+@pytest.fixture
+def batch_invariant():
+    ops.set_batch_invariant(True)
+    yield
+    ops.set_batch_invariant(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_batch_invariant_rows_do_not_depend_on_the_others(type_name, dtype, batch_invariant):
+    """64 rows (past where panels, AMX tiles or GEMMs would take over) give each row
+    bitwise what that row gives alone or in a small call."""
+    in_features, out_features = shapes(type_name)[1]
+    type_id = ops.QUANT_TYPES[type_name][0]
+    qweight, _ = random_weight(type_name, out_features, in_features)
+    x = torch.randn(64, in_features).to(dtype)
+    whole = torch.empty(64, out_features, dtype=dtype)
+    ops.quant_linear(whole, x, qweight, type_id)
+    for first, last in ((0, 1), (5, 12), (31, 64)):
+        part = torch.empty(last - first, out_features, dtype=dtype)
+        ops.quant_linear(part, x[first:last].clone(), qweight, type_id)
+        assert torch.equal(part, whole[first:last]), (first, last)
+
+
+def test_batch_invariant_switch():
+    assert ops.batch_invariant() is False
+    ops.set_batch_invariant(True)
+    try:
+        assert ops.batch_invariant() is True
+    finally:
+        ops.set_batch_invariant(False)
+    with pytest.raises(ValueError, match="on must be True or False"):
+        ops.set_batch_invariant(1)
