@@ -4,6 +4,7 @@ counts, and errors in Anthropic's shape with the SDK's exception classes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -11,6 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
+from pyllm.entrypoints.anthropic_serving import AnthropicErrors
+from pyllm.entrypoints.openai_protocol import error_body
 from tests.server.conftest import read_metrics, wait_for
 
 WEATHER = {
@@ -257,3 +260,37 @@ def test_stream_dropped_frees_the_request(raw, server):
 
     assert wait_for(idle, timeout=30)
     assert read_metrics(server.base_url)["pyllm:generation_tokens_total"] - before < 400
+
+
+def _run(app, path: str) -> tuple[dict, bytes]:
+    """(the response's start, its body) of `app` at `path`: plain ASGI, no server."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(app(scope, receive, send))
+    return sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_middleware_errors_take_anthropic_shape():
+    """Errors made outside the route (here the drain's, split in two body messages)."""
+    body = json.dumps(error_body("shutting down", "server_error", None, "x")).encode()
+
+    async def draining(scope, receive, send):
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": body[:10], "more_body": True})
+        await send({"type": "http.response.body", "body": body[10:]})
+
+    start, sent = _run(AnthropicErrors(draining), "/v1/messages")
+    assert start["status"] == 503
+    assert json.loads(sent) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "shutting down"},
+    }
+    assert dict(start["headers"])[b"content-length"] == str(len(sent)).encode()
+    assert _run(AnthropicErrors(draining), "/v1/chat/completions")[1] == body
