@@ -1,6 +1,6 @@
-"""The FastAPI app: its routes, its errors in OpenAI's shape, and the middleware every
-request passes first (outermost first: CORS, cross-site checks, body timeout, drain,
-body size, API key)."""
+"""The FastAPI app: its routes, its errors in OpenAI's shape (Anthropic's on /v1/messages),
+and the middleware every request passes first (outermost first: Anthropic's error shape,
+CORS, cross-site checks, body timeout, drain, body size, API key)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pyllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pyllm.entrypoints.anthropic_serving import AnthropicErrors, MessagesServing
 from pyllm.entrypoints.chat_ui import add_chat_ui
 from pyllm.entrypoints.connections import BodyTimeout
 from pyllm.entrypoints.lifecycle import RETRY_AFTER_S, Drain, DrainState, engine_lifespan
@@ -42,6 +43,7 @@ def create_app(
         chat=ChatServing(*shared, config.max_seqs_per_request),
         completion=CompletionServing(*shared, config.max_seqs_per_request),
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
+        messages=MessagesServing(*shared, config.max_seqs_per_request),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)
@@ -76,6 +78,8 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
+    # Outermost: the Messages routes' errors in Anthropic's shape, whoever made them.
+    app.add_middleware(AnthropicErrors)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

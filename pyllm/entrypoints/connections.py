@@ -21,6 +21,7 @@ import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.security import send_json
 from pyllm.entrypoints.server_config import ServerConfig
@@ -114,6 +115,8 @@ def _limited(app, protocol: H11Protocol):
         logger.warning("refusing a request: %d connections open (--limit-concurrency)", limit)
         message = f"the server is serving its limit of {limit} connections; retry later"
         body = error_body(message, "server_error", None, "server_busy")
+        if anthropic.is_messages_path(scope["path"]):  # its own shape, as its routes'
+            body = anthropic.error_body(503, body)
         await send_json(send, 503, body, [(b"retry-after", b"1"), _CLOSE])
 
     return limited

@@ -1,7 +1,7 @@
 """The OpenAPI document (/openapi.json): each route's request body, its 200 body (and
-stream chunks) and its errors, in OpenAI's shape. The handlers read their bodies
-themselves (bounded in size, errors in OpenAI's shape), so the document is told of them
-here rather than by FastAPI's parameters."""
+stream chunks) and its errors, in OpenAI's shape (Anthropic's on /v1/messages). The
+handlers read their bodies themselves (bounded in size, errors in the API's shape), so
+the document is told of them here rather than by FastAPI's parameters."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints import openai_protocol as api
 
 # What each error status means.
@@ -26,6 +27,11 @@ ERRORS = {
 ANY = (403, 421, 503)  # what any route may answer (security.py, the drain)
 WITH_BODY = (400, 401, 404, 408, 413, 415, *ANY)  # what a POST route may answer
 _STREAM_DOC = "With stream: true, server-sent events: 'data: <{}>' each, then 'data: [DONE]'"
+_ANTHROPIC_STREAM_DOC = (
+    "With stream: true, Anthropic's server-sent events ('event: <type>' and 'data: <JSON>'): "
+    "message_start, ping, per block content_block_start, content_block_delta (text_delta "
+    "or input_json_delta) and content_block_stop, then message_delta and message_stop"
+)
 
 
 def responses(ok: type[BaseModel], *errors: int, chunk: type[BaseModel] | None = None) -> dict:
@@ -37,6 +43,17 @@ def responses(ok: type[BaseModel], *errors: int, chunk: type[BaseModel] | None =
     documented[200] = {"model": ok, "description": "Successful Response"}
     if chunk is not None:
         schema = {"type": "string", "description": _STREAM_DOC.format(chunk.__name__)}
+        documented[200]["content"] = {"text/event-stream": {"schema": schema}}
+    return documented
+
+
+def anthropic_responses(ok: type[BaseModel], stream: bool = False) -> dict:
+    """`responses` of a Messages route: its errors in Anthropic's shape."""
+    documented = responses(ok, *WITH_BODY)
+    for status in WITH_BODY:
+        documented[status]["model"] = anthropic.ErrorResponse
+    if stream:
+        schema = {"type": "string", "description": _ANTHROPIC_STREAM_DOC}
         documented[200]["content"] = {"text/event-stream": {"schema": schema}}
     return documented
 
@@ -57,6 +74,8 @@ def add_openapi_schemas(app: FastAPI) -> None:
         (api.ChatCompletionChunk, "serialization"),
         (api.TokenizeRequest, "validation"),
         (api.DetokenizeRequest, "validation"),
+        (anthropic.MessagesRequest, "validation"),
+        (anthropic.CountTokensRequest, "validation"),
     ]
 
     def openapi() -> dict:

@@ -1,5 +1,5 @@
-"""The routes: /health and /metrics, the /v1/ API, vLLM's /tokenize, /detokenize and
-/version, each documented for /openapi.json."""
+"""The routes: /health and /metrics, the /v1/ API (Anthropic's /v1/messages too), vLLM's
+/tokenize, /detokenize and /version, each documented for /openapi.json."""
 
 from __future__ import annotations
 
@@ -7,12 +7,22 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 
 from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine
+from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints.anthropic_serving import MessagesServing
 from pyllm.entrypoints.metrics import ServerMetrics
-from pyllm.entrypoints.openapi import ANY, ERRORS, WITH_BODY, json_body, responses
+from pyllm.entrypoints.openapi import (
+    ANY,
+    ERRORS,
+    WITH_BODY,
+    anthropic_responses,
+    json_body,
+    responses,
+)
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
@@ -25,6 +35,7 @@ class Servings:
     chat: ChatServing
     completion: CompletionServing
     tokens: TokenizeServing
+    messages: MessagesServing
 
 
 def add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
@@ -46,6 +57,7 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     """The /v1/ routes and vLLM's."""
     _add_model_routes(app, servings.chat)
     _add_token_routes(app, servings.tokens)
+    _add_messages_routes(app, servings.messages)
 
     @app.post(
         "/v1/chat/completions",
@@ -62,6 +74,26 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     )
     async def completions(request: Request):
         return await servings.completion.completions(request)
+
+
+def _add_messages_routes(app: FastAPI, serving: MessagesServing) -> None:
+    """Anthropic's Messages API (anthropic_serving.py)."""
+
+    @app.post(
+        "/v1/messages",
+        openapi_extra=json_body(anthropic.MessagesRequest),
+        responses=anthropic_responses(anthropic.MessagesResponse, stream=True),
+    )
+    async def messages(request: Request):
+        return await serving.messages(request)
+
+    @app.post(
+        "/v1/messages/count_tokens",
+        openapi_extra=json_body(anthropic.CountTokensRequest),
+        responses=anthropic_responses(anthropic.CountTokensResponse),
+    )
+    async def count_tokens(request: Request):
+        return _json(await serving.count_tokens(request))
 
 
 def _add_model_routes(app: FastAPI, serving: ChatServing) -> None:
@@ -104,5 +136,5 @@ def _add_token_routes(app: FastAPI, serving: TokenizeServing) -> None:
         return api.VersionResponse(version=__version__)
 
 
-def _json(body: api.ModelList | api.ModelCard | api.TokenizeResponse | api.DetokenizeResponse):
+def _json(body: BaseModel):
     return Response(body.model_dump_json(), media_type="application/json")

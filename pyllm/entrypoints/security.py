@@ -2,7 +2,8 @@
 
     CrossSiteGuard     a web page the user visits must not drive the server
     ContentLengthLimit a declared body over the limit is refused unread (413)
-    ApiKeyAuth         with --api-key, the model's routes need `Bearer <key>` (401)
+    ApiKeyAuth         with --api-key, the model's routes need `Bearer <key>` or
+                       `x-api-key: <key>` (401)
 
 A server without an API key (the default) trusts whoever reaches it, and a browser is
 on the same machine: any page can send it requests. CrossSiteGuard closes the three
@@ -176,7 +177,8 @@ class ContentLengthLimit:
 
 class ApiKeyAuth:
     """With an API key set, every request to the model (/v1/, /tokenize, /detokenize)
-    needs `Authorization: Bearer <key>` (the scheme's case aside, as RFC 7235 says)."""
+    needs `Authorization: Bearer <key>` (the scheme's case aside, as RFC 7235 says) or
+    `x-api-key: <key>` (Anthropic's header)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -184,11 +186,20 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(API_PREFIXES):
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             # Constant time: how much of the key matched must not show in the timing.
-            matches = hmac.compare_digest(key.strip(), self.expected)
-            if scheme.lower() != b"bearer" or not matches:
-                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+            matches = scheme.lower() == b"bearer" and hmac.compare_digest(
+                key.strip(), self.expected
+            )
+            x_api_key = headers.get(b"x-api-key")
+            if x_api_key is not None:
+                matches |= hmac.compare_digest(x_api_key.strip(), self.expected)
+            if not matches:
+                message = (
+                    "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                    "or 'x-api-key: <key>'"
+                )
                 headers = [(b"www-authenticate", b"Bearer")]
                 return await send_error(send, 401, message, "invalid_api_key", headers)
         await self.app(scope, receive, send)
