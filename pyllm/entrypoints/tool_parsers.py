@@ -145,7 +145,7 @@ TOOL_PARSERS = {
     parser.name: parser
     for parser in (
         ToolParser("hermes", _hermes, ("<tool_call>",)),
-        ToolParser("llama3_json", _llama3_json, (PYTHON_TAG, "{"), special_markers=True),
+        ToolParser("llama3_json", _llama3_json, (PYTHON_TAG, "{")),
         ToolParser("mistral", _mistral, (MISTRAL_CALLS,), True, _mistral_id),
         ToolParser("qwen3_coder", _qwen3_coder, ("<tool_call>",)),
     )
