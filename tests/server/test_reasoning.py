@@ -142,3 +142,16 @@ def test_bad_chat_template_kwargs_are_400s_naming_the_field(qwen3_server, kwargs
     response = _chat(qwen3_server, chat_template_kwargs=kwargs)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_llm_chat_splits_reasoning_and_passes_template_kwargs(qwen3_dir):
+    from pyllm import LLM, SamplingParams
+
+    llm = LLM(str(qwen3_dir), dtype="float32", max_model_len=256, kv_cache_memory=0.05)
+    params = SamplingParams(max_tokens=64, structured_output={"regex": re.escape(REPLY)})
+    (output,) = llm.chat(MESSAGES, params, use_tqdm=False, reasoning_parser="qwen3")
+    completion = output.outputs[0]
+    assert (completion.reasoning_content, completion.text) == (THOUGHT, "\n\nHello there!")
+    kwargs = {"enable_thinking": False}
+    (output,) = llm.chat(MESSAGES, SamplingParams(max_tokens=1), chat_template_kwargs=kwargs)
+    assert llm.tokenizer.decode(output.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
