@@ -103,6 +103,8 @@ def _refused(argv: list[str], flag: str) -> str:
         (["serve", "--read-timeout", "0"], "--read-timeout"),
         (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory"),
         (["serve", "--port", "70000"], "--port"),
+        (["serve", "--reasoning-parser", "r1"], "--reasoning-parser"),
+        (["serve", "--tool-call-parser", "xml"], "--tool-call-parser"),
     ],
 )
 def test_bad_values_are_refused_before_the_model_loads(argv, flag):

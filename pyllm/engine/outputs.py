@@ -17,6 +17,8 @@ class CompletionOutput:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     # With finish_reason "error": why (a grammar that went past its limits mid-way).
     error: str | None = None
+    # LLM.chat with a reasoning_parser: the thinking, apart from the answer in `text`.
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:

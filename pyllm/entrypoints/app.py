@@ -19,12 +19,14 @@ from pyllm.entrypoints.lifecycle import RETRY_AFTER_S, Drain, DrainState, engine
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.openapi import add_openapi_schemas
+from pyllm.entrypoints.reasoning import reasoning_parser
 from pyllm.entrypoints.routes import Servings, add_api_routes, add_status_routes
 from pyllm.entrypoints.security import ApiKeyAuth, ContentLengthLimit, CrossSiteGuard, is_loopback
 from pyllm.entrypoints.server_config import ServerConfig
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
+from pyllm.entrypoints.tool_parsers import tool_parser
 
 logger = logging.getLogger("pyllm")
 
@@ -40,7 +42,12 @@ def create_app(
     metrics = ServerMetrics(engine, served_model_name)
     shared = (engine, served_model_name, metrics, config.max_request_bytes)
     servings = Servings(
-        chat=ChatServing(*shared, config.max_seqs_per_request),
+        chat=ChatServing(
+            *shared,
+            config.max_seqs_per_request,
+            reasoning=reasoning_parser(config.reasoning_parser),
+            tool_parser=tool_parser(config.tool_call_parser),
+        ),
         completion=CompletionServing(*shared, config.max_seqs_per_request),
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
         messages=MessagesServing(*shared, config.max_seqs_per_request),

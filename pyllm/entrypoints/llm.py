@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.llm_engine import LLMEngine
 from pyllm.engine.outputs import RequestOutput
+from pyllm.entrypoints.reasoning import ReasoningParser
+from pyllm.entrypoints.reasoning import reasoning_parser as reasoning_parser_named
 from pyllm.sampling.params import SamplingParams
 
 Message = dict[str, str]
@@ -71,14 +74,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
+        """chat_template_kwargs: extra chat template variables ({"enable_thinking":
+        False}); reasoning_parser: "deepseek_r1" or "qwen3" (as `pyllm serve`'s): each
+        output's thinking goes to its `reasoning_content`, its `text` keeps the answer."""
+        if not isinstance(chat_template_kwargs or {}, dict):
+            raise ValueError("chat_template_kwargs must be a dict of template variables")
+        parser = reasoning_parser_named(reasoning_parser)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
             for c in conversations
         ]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(None, sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            None, sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm
+        )
+        if parser is not None:
+            _split_reasoning(parser, outputs)
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -104,3 +122,9 @@ class LLM:
                     )
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _split_reasoning(parser: ReasoningParser, outputs: list[RequestOutput]) -> None:
+    for completion in (c for output in outputs for c in output.outputs):
+        reasoning, completion.text = parser.split(completion.text)
+        completion.reasoning_content = reasoning or None

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyllm.engine.config import ConfigError, check_number, option
+from pyllm.entrypoints.reasoning import REASONING_PARSERS
+from pyllm.entrypoints.tool_parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -67,6 +69,17 @@ class ServerConfig:
     limit_concurrency: int | None = option(
         512, "open connections (or requests) served at once; past it, 503"
     )
+    reasoning_parser: str | None = option(
+        None,
+        "return a reasoning model's <think>...</think> apart from its answer, as "
+        "reasoning_content: deepseek_r1 (the template opens <think>) or qwen3 (default: "
+        "none; gpt-oss's harmony channels are read apart anyway)",
+    )
+    tool_call_parser: str = option(
+        "hermes",
+        "the format the model writes its own tool calls in (tool_choice auto): hermes "
+        "(<tool_call> JSON, Qwen's too), llama3_json, mistral or qwen3_coder",
+    )
     ui: bool = option(
         True, "do not serve the chat page at / (then 404; default: served)", flag="--no-ui"
     )
@@ -77,8 +90,20 @@ class ServerConfig:
             raise ConfigError("port", f"must be in [0, 65535], got {port!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(
+                "reasoning_parser", _not_one_of(REASONING_PARSERS, self.reasoning_parser)
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                "tool_call_parser", _not_one_of(TOOL_CALL_PARSERS, self.tool_call_parser)
+            )
         check_number(self, "max_seqs_per_request", 1, integer=True)
         check_number(self, "max_request_bytes", 1, integer=True)
         check_number(self, "limit_concurrency", 1, integer=True, optional=True)
         check_number(self, "shutdown_timeout", 0)
         check_number(self, "read_timeout", 0, above=True)
+
+
+def _not_one_of(names: tuple[str, ...], value) -> str:
+    return f"must be one of {', '.join(names)}; got {value!r}"

@@ -24,6 +24,7 @@ class TokenizeServing(OpenAIServing):
                     self.tokenizer.apply_chat_template,
                     messages,
                     add_generation_prompt=body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
                 )
             except Exception as error:  # the template refused these messages
                 raise RequestError(f"messages could not be rendered: {error}", "messages") from None

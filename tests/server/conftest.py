@@ -7,6 +7,7 @@ Its log is written to a file and shown if it fails to start.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+QWEN3_TEMPLATE = REPO_ROOT / "tests" / "tokenizer" / "data" / "qwen3_chat_template.jinja"
 API_KEY = "test-key-7f3a"
 STARTUP_TIMEOUT_S = 300
 # Small enough to be light on a shared machine, large enough for 32 concurrent streams.
@@ -130,6 +132,25 @@ def client(server: Server):
     ) as c:
         yield c
     assert server.process.poll() is None, f"the server died:\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 model folder with SmolLM2's vocabulary (whose <|im_start|> and
+    <|im_end|> are Qwen's too) and Qwen3's chat template."""
+    from tests.model.conftest import make_hf_model
+    from tests.tokenizer import hf_smollm
+
+    path = tmp_path_factory.mktemp("qwen3")
+    vocabulary = hf_smollm()
+    make_hf_model(
+        "qwen3", path, vocab_size=len(vocabulary), max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    vocabulary.backend_tokenizer.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "chat_template": QWEN3_TEMPLATE.read_text()}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture(scope="session")

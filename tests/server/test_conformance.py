@@ -174,6 +174,14 @@ def _assert_error_schema(openapi: dict, response: dict) -> None:
     assert set(error["properties"]) == {"message", "type", "param", "code"}
 
 
+def test_openapi_declares_reasoning_and_template_kwargs(openapi):
+    schemas = openapi["components"]["schemas"]
+    assert "chat_template_kwargs" in schemas["ChatCompletionRequest"]["properties"]
+    assert "chat_template_kwargs" in schemas["TokenizeRequest"]["properties"]
+    for name in ("AssistantMessage", "DeltaMessage"):
+        assert "reasoning_content" in schemas[name]["properties"]
+
+
 def test_openapi_declares_the_other_routes(openapi):
     models = openapi["paths"]["/v1/models"]["get"]["responses"]
     assert models["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ModelList")

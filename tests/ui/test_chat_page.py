@@ -213,6 +213,26 @@ def test_model_output_is_text_never_html(page):
     assert page.evaluate("window.__pwned") is None
 
 
+def test_reasoning_is_folded_apart_from_the_answer(page):
+    # A canned stream as a server with --reasoning-parser sends it: reasoning deltas first.
+    deltas = [{"reasoning_content": "The user <b>greets</b>."}, {"reasoning_content": " Be brief."},
+              {"content": "Hello"}, {"content": " there!"}]  # fmt: skip
+    events = [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d}]}
+              for d in deltas]  # fmt: skip
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body),
+    )
+    reply = send(page, "Hi", max_tokens=8)
+    expect(reply.locator(".stats")).to_contain_text("tokens/s")
+    details = reply.locator("details.reasoning")
+    assert details.get_attribute("open") is None  # folded
+    assert details.locator("div").text_content() == "The user <b>greets</b>. Be brief."
+    assert reply.locator(".body").text_content() == "Hello there!"
+    assert page.locator("#conversation b").count() == 0
+
+
 def test_too_long_prompt_shows_the_server_error(page, server):
     prompt = " ".join(["hello"] * 3000)  # over 2048 tokens
     headers = {"Authorization": f"Bearer {server.api_key}"}

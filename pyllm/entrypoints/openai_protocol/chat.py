@@ -27,6 +27,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # vLLM's: extra variables for the chat template ({"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def max_tokens_field(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -47,6 +49,7 @@ class ChatCompletionRequest(SamplingRequest):
         for i, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
                 raise RequestError(f"messages[{i}].content is required", f"messages[{i}].content")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice needs tools", "tool_choice")
         names = [tool.function.name for tool in self.tools or []]
@@ -77,6 +80,10 @@ class ChatCompletionRequest(SamplingRequest):
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
+    def tool_schemas(self) -> dict[str, dict[str, Any]]:
+        """{tool name: its parameters' JSON schema}."""
+        return {tool.function.name: tool.function.parameters or {} for tool in self.tools or ()}
+
     def _structured_sources(self) -> dict[str, dict[str, Any]]:
         sources = super()._structured_sources()
         mode = self.tool_mode
@@ -106,6 +113,23 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
+
+
+# The variables the server gives a chat template itself.
+TEMPLATE_VARIABLES = (
+    "messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+    "bos_token", "eos_token", "pad_token", "unk_token",
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs may add variables, not replace the server's own."""
+    for name in kwargs or ():
+        if name in TEMPLATE_VARIABLES:
+            raise RequestError(
+                f"chat_template_kwargs may not set {name!r}: the server sets it",
+                f"chat_template_kwargs.{name}",
+            )
 
 
 # ------------------------------------------------------------------- responses

@@ -79,6 +79,20 @@ function addBubble(role) {
   return { root, body, stats };
 }
 
+// A reply's reasoning: a folded <details> above its answer, made on its first text.
+function reasoningBox(bubble) {
+  if (!bubble.reasoning) {
+    const details = document.createElement("details");
+    details.className = "reasoning";
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    bubble.reasoning = document.createElement("div");
+    details.append(summary, bubble.reasoning);
+    bubble.root.insertBefore(details, bubble.body);
+  }
+  return bubble.reasoning;
+}
+
 // Text with ``` fences as nodes: <pre><code> for the code, text nodes for the rest.
 // An unclosed fence (a reply still streaming) shows as code up to the end.
 function renderText(element, text) {
@@ -184,6 +198,7 @@ async function send() {
   const started = performance.now();
   let firstAt = null;
   let reply = "";
+  let thought = "";  // the model's reasoning (--reasoning-parser): shown folded, not sent back
   let chunks = 0;
   let usage = null;
   let stopped = false;
@@ -205,6 +220,12 @@ async function send() {
       if (event.error) throw new Error(event.error.message);
       if (event.usage) usage = event.usage;
       const delta = event.choices && event.choices[0] && event.choices[0].delta;
+      if (delta && delta.reasoning_content) {
+        if (firstAt === null) firstAt = performance.now();
+        thought += delta.reasoning_content;
+        chunks += 1;
+        follow(() => { reasoningBox(bubble).textContent = thought; });
+      }
       if (delta && delta.content) {
         if (firstAt === null) firstAt = performance.now();
         reply += delta.content;

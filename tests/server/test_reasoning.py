@@ -1,0 +1,157 @@
+"""A reasoning model's <think>...</think> apart from its answer (--reasoning-parser), and
+chat_template_kwargs: by the parser alone, and through a real server over a tiny Qwen3
+model with Qwen3's chat template, made to think by a regex."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from pyllm.engine.config import ConfigError
+from pyllm.engine.outputs import CompletionOutput
+from pyllm.entrypoints.chat_reply import ReplyReader, ReplyStream
+from pyllm.entrypoints.openai_protocol import ChatCompletionRequest
+from pyllm.entrypoints.reasoning import reasoning_parser
+from pyllm.entrypoints.server_config import ServerConfig
+from pyllm.model.tokenizer import Tokenizer
+from tests.server.conftest import start_server, stop_server
+
+DEEPSEEK, QWEN3 = reasoning_parser("deepseek_r1"), reasoning_parser("qwen3")
+THOUGHT = "\nThe user greets me.\n"
+REPLY = f"<think>{THOUGHT}</think>\n\nHello there!"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def test_split():
+    assert QWEN3.split(REPLY) == (THOUGHT, "\n\nHello there!")
+    assert QWEN3.split("no thinking") == ("", "no thinking")
+    assert QWEN3.split("<think>cut short") == ("cut short", "")
+    # deepseek_r1: the template opened <think>, so the reply begins inside it.
+    assert DEEPSEEK.split(REPLY) == (THOUGHT, "\n\nHello there!")
+    assert DEEPSEEK.split("thinking</think>answer") == ("thinking", "answer")
+    assert DEEPSEEK.split("still thinking") == ("still thinking", "")
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        reasoning_parser("r2")
+    with pytest.raises(ConfigError, match="reasoning_parser"):
+        ServerConfig(reasoning_parser="r2")
+
+
+def _streamed(parser, text: str, step: int, tools=None) -> tuple[str, str, list]:
+    """(reasoning, content, calls) sent by a ReplyStream fed `text` `step` chars at a time."""
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools)
+    stream = ReplyStream(ReplyReader(parser), body)
+    reasoning = content = ""
+    for end in [*range(0, len(text), step), len(text)]:
+        c = CompletionOutput(0, text[:end], [], "stop" if end == len(text) else None)
+        r, new, calls = stream.step(c)
+        assert not (content and r), "reasoning after content"
+        reasoning, content = reasoning + r, content + (new or "")
+    return reasoning, content, calls
+
+
+@pytest.mark.parametrize("step", [1, 3, 100])
+@pytest.mark.parametrize("parser", [DEEPSEEK, QWEN3], ids=["deepseek_r1", "qwen3"])
+def test_stream_deltas_add_up_to_the_split(parser, step):
+    assert _streamed(parser, REPLY, step)[:2] == parser.split(REPLY)
+
+
+def test_tool_calls_are_read_from_the_answer_only():
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    reasoning, content, calls = _streamed(QWEN3, f"<think>I may {call}</think>{call}", 4, tools)
+    assert (reasoning, content) == (f"I may {call}", "")
+    assert [c.name for c in calls] == ["get_time"]
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools)
+    finished = CompletionOutput(0, f"<think>{call}</think>no call", [], "stop")
+    assert ReplyReader(QWEN3).parts(body, finished) == (call, "no call", [])
+
+
+# ---------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_dir, tmp_path_factory):
+    server = start_server(
+        tmp_path_factory.mktemp("qwen3-server"),
+        ["--model", str(qwen3_dir), "--max-model-len", "512", "--reasoning-parser", "qwen3"],
+        api_key=None,
+    )
+    try:
+        yield server
+    finally:
+        stop_server(server.process)
+
+
+def _chat(server, **fields) -> dict:
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 64, **fields}
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def _stream(server, **fields) -> list[dict]:
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 64, "stream": True}
+    url = f"{server.base_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json={**body, **fields}, timeout=120) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line)["choices"][0]["delta"] for line in lines]
+
+
+def test_server_splits_reasoning_from_the_answer(qwen3_server):
+    forced = {"guided_regex": re.escape(REPLY)}
+    message = _chat(qwen3_server, **forced).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (THOUGHT, "\n\nHello there!")
+    deltas = _stream(qwen3_server, **forced)
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == (THOUGHT, "\n\nHello there!")
+    # Reasoning deltas first, then content deltas.
+    kinds = [k for d in deltas for k in ("reasoning_content", "content") if d.get(k)]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")
+    # A reply that does not think: all content, no reasoning field.
+    message = _chat(qwen3_server, guided_regex="Hello!").json()["choices"][0]["message"]
+    assert message["content"] == "Hello!" and "reasoning_content" not in message
+
+
+def test_enable_thinking_false_renders_qwen3s_no_think_prompt(qwen3_server, qwen3_dir):
+    tokenizer = Tokenizer.from_pretrained(str(qwen3_dir))
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.apply_chat_template(MESSAGES) == prompt
+    no_think = prompt + "<think>\n\n</think>\n\n"
+    assert tokenizer.apply_chat_template(MESSAGES, enable_thinking=False) == no_think
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    tokens = httpx.post(
+        f"{qwen3_server.base_url}/tokenize", json={"messages": MESSAGES, **kwargs}, timeout=60
+    ).json()["tokens"]
+    assert tokens == tokenizer.encode(no_think, add_special_tokens=False)
+    usage = _chat(qwen3_server, max_tokens=1, **kwargs).json()["usage"]
+    assert usage["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ([1, 2], "chat_template_kwargs"),
+        ("enable_thinking", "chat_template_kwargs"),
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+    ],
+)
+def test_bad_chat_template_kwargs_are_400s_naming_the_field(qwen3_server, kwargs, param):
+    response = _chat(qwen3_server, chat_template_kwargs=kwargs)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_llm_chat_splits_reasoning_and_passes_template_kwargs(qwen3_dir):
+    from pyllm import LLM, SamplingParams
+
+    llm = LLM(str(qwen3_dir), dtype="float32", max_model_len=256, kv_cache_memory=0.05)
+    params = SamplingParams(max_tokens=64, structured_output={"regex": re.escape(REPLY)})
+    (output,) = llm.chat(MESSAGES, params, use_tqdm=False, reasoning_parser="qwen3")
+    completion = output.outputs[0]
+    assert (completion.reasoning_content, completion.text) == (THOUGHT, "\n\nHello there!")
+    kwargs = {"enable_thinking": False}
+    (output,) = llm.chat(MESSAGES, SamplingParams(max_tokens=1), chat_template_kwargs=kwargs)
+    assert llm.tokenizer.decode(output.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
