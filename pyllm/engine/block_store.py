@@ -15,6 +15,7 @@ touches its file's mtime), oldest first, over every configuration's subfolder.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -167,6 +168,7 @@ class _Writer:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="prefix-cache-dir", daemon=True)
             self.thread.start()
+            atexit.register(self.close)  # a process that never closes its engine
         try:
             self.queue.put_nowait((path, block_hash, data))
         except queue.Full:
