@@ -185,7 +185,8 @@ def _bench(args: argparse.Namespace) -> int:
         _engine_config(
             args,
             tensor_parallel_size=size,
-            enable_prefix_caching=False,  # every prompt is fresh: measure compute
+            # Every prompt is fresh: measure compute, unless a prefix cache on disk is asked for.
+            enable_prefix_caching=None if args.prefix_cache_dir else False,
             max_num_seqs=max(args.max_num_seqs, most),
         )
         for size in args.tensor_parallel_size

@@ -102,6 +102,7 @@ def _refused(argv: list[str], flag: str) -> str:
         (["generate", "--max-num-seqs", "0", "x"], "--max-num-seqs"),
         (["serve", "--read-timeout", "0"], "--read-timeout"),
         (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory"),
+        (["serve", "--prefix-cache-dir-size", "-1"], "--prefix-cache-dir-size"),
         (["serve", "--port", "70000"], "--port"),
         (["serve", "--reasoning-parser", "r1"], "--reasoning-parser"),
         (["serve", "--tool-call-parser", "xml"], "--tool-call-parser"),

@@ -8,28 +8,38 @@ are free.
 
 A full block's hash covers its tokens and, through the previous block's hash, every
 token before it: two sequences share a block only if their whole prefix up to and
-including that block is the same.
+including that block is the same. It is a blake2b digest, not Python's hash(): the same
+in every process, so it also names the block's file in the prefix cache on disk
+(`disk`, a BlockStore), which a prefix missing from memory is read back from.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling.params import ParamError
+
+if TYPE_CHECKING:
+    from pyllm.engine.block_store import BlockStore
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and its KV computed
+    hash: bytes | None = None  # set once the block is full and its KV computed
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((previous, token_ids))
+def chain_hash(previous: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    digest = hashlib.blake2b(previous or b"", digest_size=16)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
 
 
 class BlockManager:
@@ -49,7 +59,8 @@ class BlockManager:
         # Free blocks in the order they were freed: allocation takes the oldest, so
         # a cached prefix survives as long as possible (LRU eviction).
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # hash -> block_id
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block_id
+        self.disk: BlockStore | None = None  # the prefix cache on disk, if any
         # Per sequence: how many of its blocks are hashed (registered in the cache).
         self._num_hashed: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens admitted with caching on
@@ -130,13 +141,9 @@ class BlockManager:
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(previous, chunk)
-            block_id = self.cached_blocks.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            block_id = self._hold_cached(h, chunk)
+            if block_id is None:
                 break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            block.ref_count += 1
             seq.block_table.append(block_id)
             previous = h
         num_hit = len(seq.block_table)
@@ -144,6 +151,32 @@ class BlockManager:
         seq.num_computed_tokens = num_hit * self.block_size
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
         self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
+
+    def _hold_cached(self, h: bytes, chunk: tuple[int, ...]) -> int | None:
+        """The block cached under h, held once more; read from disk into a free block
+        if not in memory; None where neither has it."""
+        block_id = self.cached_blocks.get(h)
+        if block_id is None:
+            return self._read_from_disk(h, chunk)
+        block = self.blocks[block_id]
+        if block.token_ids != chunk:
+            return None
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _read_from_disk(self, h: bytes, chunk: tuple[int, ...]) -> int | None:
+        if self.disk is None or not self.free_blocks or not self.disk.contains(h):
+            return None
+        block_id = self._take_free_block()
+        if not self.disk.load(h, block_id):
+            self._give_back(self.blocks[block_id])
+            return None
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, chunk
+        self.cached_blocks[h] = block_id
+        return block_id
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: make seq's newly filled blocks findable by later prompts."""
@@ -159,6 +192,8 @@ class BlockManager:
             if block.hash is None and h not in self.cached_blocks:
                 block.hash, block.token_ids = h, chunk
                 self.cached_blocks[h] = block.block_id
+                if self.disk is not None:
+                    self.disk.save(h, block.block_id)
             previous = h
         self._num_hashed[id(seq)] = max(done, full)
 
@@ -172,10 +207,14 @@ class BlockManager:
         for block_id in reversed(seq.block_table[keep:]):
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, f"block {block_id} is shared"
-            block.ref_count = 0
-            self.free_blocks[block_id] = None
-            self.free_blocks.move_to_end(block_id, last=False)
+            self._give_back(block)
         del seq.block_table[keep:]
+
+    def _give_back(self, block: Block) -> None:
+        """Frees a block that holds nothing worth keeping: it is the next one taken."""
+        block.ref_count = 0
+        self.free_blocks[block.block_id] = None
+        self.free_blocks.move_to_end(block.block_id, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks (finished, aborted or preempted)."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DEFAULT_PREFIX_CACHE_DIR_GIB = 4.0
 KV_CACHE_MODES = tuple(BACKENDS)  # the KV layouts: one attention backend each
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
@@ -101,6 +102,16 @@ class EngineConfig:
         flag="--no-prefix-caching",
         const=False,
     )
+    prefix_cache_dir: str | None = option(
+        None,
+        "folder where full KV blocks of prompts are kept, so that a later engine (or "
+        "process) reads a prompt's prefix back instead of recomputing it (paged KV cache, "
+        "one process; docs/prefix-cache.md; default: none)",
+    )
+    prefix_cache_dir_size: float = option(
+        DEFAULT_PREFIX_CACHE_DIR_GIB,
+        "GiB that --prefix-cache-dir may hold; past it the least recently used blocks are deleted",
+    )
     kv_cache: str = option(
         "paged",
         "paged: KV blocks + block tables (vLLM's PagedAttention); contiguous: one virtual "
@@ -153,6 +164,7 @@ class EngineConfig:
         self.torch_device = _resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         self._check_modes()
+        self._check_prefix_cache_dir()
         # The checked form the engine reads (None: no speculation).
         self.speculative = parse_speculative_config(self.speculative_config)
 
@@ -193,6 +205,30 @@ class EngineConfig:
                 "expert_parallel", f"must be True or False, got {self.expert_parallel!r}"
             )
 
+    def _check_prefix_cache_dir(self) -> None:
+        """prefix_cache_dir: needs the paged cache's prefix caching and one process, and
+        a folder that can be written (created here if missing)."""
+        from pyllm.engine.block_store import check_dir
+
+        path = self.prefix_cache_dir
+        if path is None:
+            return
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ConfigError("prefix_cache_dir", f"must be a folder's path, got {path!r}")
+        if self.kv_cache != "paged" or not self.enable_prefix_caching:
+            raise ConfigError(
+                "prefix_cache_dir",
+                "needs kv_cache='paged' with prefix caching on: the contiguous layout has no "
+                "prefix cache to fill from disk",
+            )
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("prefix_cache_dir", "is not supported with tensor_parallel_size > 1")
+        try:
+            check_dir(str(path))
+        except OSError as e:
+            raise ConfigError("prefix_cache_dir", f"{str(path)!r} cannot be written: {e}") from e
+        self.prefix_cache_dir = str(path)
+
     def _check_sizes(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             check_number(self, name, 1, integer=True)
@@ -200,6 +236,7 @@ class EngineConfig:
             check_number(self, name, 1, integer=True, optional=True)
         check_number(self, "distributed_timeout", 0, above=True)
         check_number(self, "kv_cache_memory", 0, above=True, optional=True)
+        check_number(self, "prefix_cache_dir_size", 0, above=True)
         check_number(self, "gpu_memory_utilization", 0, above=True)
         if self.gpu_memory_utilization > 1:
             raise ConfigError(

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import pyllm.ops as ops
 from pyllm.attention.backend import KVCache
-from pyllm.engine.config import EngineConfig
+from pyllm.engine.block_store import BlockStore, store_identity
+from pyllm.engine.config import ConfigError, EngineConfig
 from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
 from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
@@ -67,6 +68,7 @@ class LLMEngine:
         self.device = config.torch_device
         self.max_model_len = self.model.max_model_len
         self.kv_cache, self.kv_manager = self._allocate_kv_cache()
+        self.block_store = self._block_store()
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
@@ -120,6 +122,22 @@ class LLMEngine:
             cfg.enable_prefix_caching,
         )
 
+    def _block_store(self) -> BlockStore | None:
+        """The prefix cache on disk, filling the paged cache's prefix cache."""
+        cfg = self.config
+        if cfg.prefix_cache_dir is None:
+            return None
+        identity = store_identity(
+            cfg.model_path, cfg.torch_dtype, cfg.quantization, self.kv_cache, cfg.block_size
+        )
+        max_bytes = int(cfg.prefix_cache_dir_size * 2**30)
+        try:
+            store = BlockStore(cfg.prefix_cache_dir, max_bytes, identity, self.kv_cache)
+        except OSError as e:
+            raise ConfigError("prefix_cache_dir", f"cannot be written: {e}") from e
+        self.kv_manager.disk = store
+        return store
+
     def _speculator(self) -> Speculator | None:
         spec = self.config.speculative
         if spec is None:
@@ -140,7 +158,10 @@ class LLMEngine:
         return Speculator(spec, self.max_model_len, target)
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks, if any (also done at exit)."""
+        """Stops the other tensor-parallel ranks, if any (also done at exit), and writes
+        the blocks queued for the prefix cache on disk."""
+        if self.block_store is not None:
+            self.block_store.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
@@ -379,6 +400,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
 
+    def _disk_stats(self) -> dict[str, int]:
+        store = self.block_store
+        if store is None:
+            return {}
+        return dict(
+            prefix_cache_disk_hits=store.blocks_read * self.config.block_size,
+            prefix_cache_disk_writes=store.blocks_written,
+            prefix_cache_disk_damaged=store.blocks_damaged,
+        )
+
     def kv_cache_usage(self) -> float:
         """Paged: share of blocks in use; contiguous: share of the budget committed."""
         return self.kv_manager.usage()
@@ -411,6 +442,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            **self._disk_stats(),
             spec_decode_num_drafts=counters.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=counters.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=counters.spec_decode_num_accepted_tokens,

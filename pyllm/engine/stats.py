@@ -55,6 +55,11 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens served from it
+    # The prefix cache on disk (0 without prefix_cache_dir): tokens read from it (they
+    # count as prefix_cache_hits too), blocks written to it, files refused as damaged.
+    prefix_cache_disk_hits: int = 0
+    prefix_cache_disk_writes: int = 0
+    prefix_cache_disk_damaged: int = 0
     # Speculative decoding (all 0 without it): drafts verified, tokens proposed,
     # accepted, and emitted by drafted sequences in those steps.
     spec_decode_num_drafts: int = 0
