@@ -149,6 +149,14 @@ def valid_packed_linear_vectorized():
     return dict(dtype=torch.bfloat16)
 
 
+def valid_batch_invariant():
+    return {}
+
+
+def valid_set_batch_invariant():
+    return dict(on=False)  # the default: leaves the process as it was
+
+
 Q4_K = ops.QUANT_TYPES["Q4_K"][0]
 
 
@@ -266,6 +274,8 @@ VALID = {
     "dequantize_rows": valid_dequantize_rows,
     "apply_token_bitmask": valid_apply_token_bitmask,
     "quant_row_bytes": valid_quant_row_bytes,
+    "batch_invariant": valid_batch_invariant,
+    "set_batch_invariant": valid_set_batch_invariant,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
     "contiguous_attention_prefill": valid_contiguous_attention_prefill,
@@ -1019,6 +1029,7 @@ CASES += [
         ("expert_start_negative", {"expert_start": -1}, ValueError, "expert_start"),
         ("weights_on_meta", {"w_gate": lambda a: on_meta(a["w_gate"])}, ValueError, "w_gate"),
     ),
+    *cases_for("set_batch_invariant", ("on_not_bool", {"on": 1}, ValueError, "on")),
     *cases_for(
         "quant_row_bytes",
         ("qtype_unknown", {"qtype": 1}, ValueError, "qtype"),
