@@ -110,7 +110,8 @@ def test_stream_matches_create(claude, server):
 
 
 def test_stream_events_in_order(raw, server):
-    body = {"model": server.model, "max_tokens": 5, "messages": QUESTION, "stream": True}
+    body = {"model": server.model, "max_tokens": 5, "messages": QUESTION, "stream": True,
+            "temperature": 0}  # fmt: skip
     with raw.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line]
