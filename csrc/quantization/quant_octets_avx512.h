@@ -206,6 +206,17 @@ inline constexpr bool kScalefOctets =
     false;
 #endif
 
+// start + the octet's four 64-byte products with rearranged input q, in two chains of
+// two: one chain of four vpdpbusd waited on each one's latency (SmolLM2 Q4_1, 8 rows,
+// 1 thread: 19.0 -> 17.2 ms). Integer sums, so exact in any order.
+inline __m512i octet_dot(__m512i start, const __m512i* wv, const uint8_t* q) {
+  __m512i even = _mm512_dpbusd_epi32(start, wv[0], _mm512_load_si512(q));
+  __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_load_si512(q + 64));
+  even = _mm512_dpbusd_epi32(even, wv[2], _mm512_load_si512(q + 128));
+  odd = _mm512_dpbusd_epi32(odd, wv[3], _mm512_load_si512(q + 192));
+  return _mm512_add_epi32(even, odd);
+}
+
 template <int64_t T, int R>
 void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
@@ -230,15 +241,9 @@ void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
         octet_weights<T>(blk, wv, a16, min16);
       }
       for (int r = 0; r < R; ++r) {
-        const uint8_t* q = xr.vectors(r, o);
-        // Two chains of two: a chain of four vpdpbusd waited on each one's latency
-        // (SmolLM2 Q4_1, 8 rows, 1 thread: 19.0 -> 17.2 ms). Integer sums: exact.
-        __m512i even = T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
-        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_load_si512(q + 64));
-        even = _mm512_dpbusd_epi32(even, wv[0], _mm512_load_si512(q));
-        even = _mm512_dpbusd_epi32(even, wv[2], _mm512_load_si512(q + 128));
-        odd = _mm512_dpbusd_epi32(odd, wv[3], _mm512_load_si512(q + 192));
-        const __m512i sum = _mm512_add_epi32(even, odd);
+        const __m512i start =
+            T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
+        const __m512i sum = octet_dot(start, wv, xr.vectors(r, o));
         const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[(m0 + r) * blocks + 8 * o]));
         const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
         const __m512 scale =
@@ -303,12 +308,7 @@ void q4k_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64
       float d;
       q4k_weights(blk, wv, sc16, min16, d);
       for (int r = 0; r < R; ++r) {
-        const uint8_t* q = xr.vectors(r, b);
-        __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_load_si512(q));
-        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_load_si512(q + 64));
-        even = _mm512_dpbusd_epi32(even, wv[2], _mm512_load_si512(q + 128));
-        odd = _mm512_dpbusd_epi32(odd, wv[3], _mm512_load_si512(q + 192));
-        const __m512i sum = _mm512_add_epi32(even, odd);  // two chains, as octet_rows
+        const __m512i sum = octet_dot(_mm512_setzero_si512(), wv, xr.vectors(r, b));
         const float dx = x.d[(m0 + r) * blocks + b];
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc16)),
                                  _mm512_set1_ps(d * dx), acc[r]);

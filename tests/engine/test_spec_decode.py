@@ -254,12 +254,16 @@ def test_sampling_keeps_the_plain_distribution(tiny_model_dir, looping_prompt, b
         monkeypatch.setattr(sampler_module, "accepted_sampled", lambda probs, _: len(probs))
     expected = _joint(_llm(tiny_model_dir, None), looping_prompt, k=4, depth=3)
     spec = {**NGRAM, "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    llm = _llm(tiny_model_dir, spec)
+    assert_draws_follow(_llm(tiny_model_dir, spec), looping_prompt, expected, broken)
+
+
+def assert_draws_follow(llm: LLM, prompt, expected: dict, broken: bool, draws: int = 2000):
+    """draws samples of 3 tokens from llm (proposals accepted) fit `expected`, the plain
+    engine's joint probabilities, by a chi-square test; unless `broken`, which must fail."""
     engine = llm.engine  # a fixed seed for the draws: the test's outcome is stable
     engine.sampler = Sampler(engine.model_config.vocab_size, engine.eos_token_ids, seed=0)
-    draws = 2000
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    counts = collections.Counter(map(tuple, _tokens(llm, [looping_prompt] * draws, params)))
+    counts = collections.Counter(map(tuple, _tokens(llm, [prompt] * draws, params)))
     assert _accepted(llm) > 50
     assert set(counts) <= set(expected)
     # Outcomes expected fewer than 5 times are pooled, as the test requires.

@@ -9,7 +9,6 @@ weights plus noise (some proposals accepted, some rejected)."""
 
 from __future__ import annotations
 
-import collections
 import json
 import shutil
 
@@ -20,16 +19,15 @@ from pyllm import LLM, SamplingParams
 from pyllm.cli import _engine_config, build_parser, main
 from pyllm.model.memory import InsufficientMemoryError, available_memory_bytes
 from pyllm.sampling import sampler as sampler_module
-from pyllm.sampling.sampler import Sampler
 from tests.engine.test_engine import _assert_all_blocks_free, _write_byte_tokenizer
 from tests.engine.test_spec_decode import (
     GREEDY,
     _accepted,
-    _chi_square_bound,
     _joint,
     _prompts,
     _runs,
     _tokens,
+    assert_draws_follow,
 )
 from tests.model.conftest import make_hf_model
 
@@ -202,19 +200,7 @@ def test_sampling_keeps_the_plain_distribution(
         kv_cache_memory=0.05,
         speculative_config=_spec(noisy_draft_dir, num_speculative_tokens=2),
     )
-    engine = llm.engine  # a fixed seed for the draws: the test's outcome is stable
-    engine.sampler = Sampler(engine.model_config.vocab_size, engine.eos_token_ids, seed=0)
-    draws = 2000
-    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    counts = collections.Counter(map(tuple, _tokens(llm, [prompt] * draws, params)))
-    assert _accepted(llm) > 50
-    assert set(counts) <= set(expected)
-    small = [o for o, p in expected.items() if p * draws < 5]
-    cells = [([o], p) for o, p in expected.items() if p * draws >= 5]
-    if small:
-        cells.append((small, sum(expected[o] for o in small)))
-    chi2 = sum((sum(counts[o] for o in os) - p * draws) ** 2 / (p * draws) for os, p in cells)
-    assert (chi2 > _chi_square_bound(len(cells) - 1)) == broken, chi2
+    assert_draws_follow(llm, prompt, expected, broken)
 
 
 # ------------------------------------------------------------------- refusals
