@@ -103,8 +103,18 @@ class _EngineCollector(Collector):
             "Prompt tokens served from the prefix cache",
             stats.prefix_cache_hits,
         )
+        yield from self._prefix_cache_disk_counters(stats)
         yield self._counter("pyllm:engine_steps", "Engine steps run", stats.steps)
         yield from self._spec_decode_counters(stats)
+
+    def _prefix_cache_disk_counters(self, stats: EngineStats):
+        for name, doc in (
+            ("hits", "Prompt tokens read from the prefix cache on disk (prefix_cache_dir)"),
+            ("writes", "KV blocks written to the prefix cache on disk"),
+            ("damaged", "Prefix-cache files refused as damaged and recomputed"),
+        ):
+            value = getattr(stats, f"prefix_cache_disk_{name}")
+            yield self._counter(f"pyllm:prefix_cache_disk_{name}", doc, value)
 
     def _spec_decode_counters(self, stats: EngineStats):
         for name, doc in (
