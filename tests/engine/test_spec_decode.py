@@ -154,10 +154,23 @@ def _runs(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
 
 def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir):
     prompt = _prompts(1, seed=7)[0]
-    plain = _llm(tiny_model_dir, None)
+    llm, inside, got, tokens = stops_inside_accepted_runs(
+        _llm(tiny_model_dir, None), lambda: _llm(tiny_model_dir), prompt, stop_tokens=True
+    )
+    for p, out in zip(inside, got, strict=False):  # each stopped right at its run's token
+        assert out.outputs[0].token_ids == tokens[: p + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    _assert_all_blocks_free(llm)
+
+
+def stops_inside_accepted_runs(plain: LLM, speculative, prompt, stop_tokens: bool):
+    """Stop strings ending at each output position a step emitted with more tokens after
+    it, (with stop_tokens) each output token as a stop token, and every max_tokens up
+    to 32: the speculative engine's outputs equal the plain engine's, and it accepted
+    proposals. Returns (that engine, those positions, its outputs, the full output)."""
     full = plain.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)
     tokens = full[0].outputs[0].token_ids
-    lengths = _runs(_llm(tiny_model_dir), prompt, GREEDY)
+    lengths = _runs(speculative(), prompt, GREEDY)
     # Output positions a step emitted with more tokens after them in the same step.
     pairs = zip([0, *lengths[:-1]], lengths, strict=True)
     inside = sorted({p for a, b in pairs for p in range(a, b - 1)})
@@ -167,23 +180,21 @@ def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir):
     text = full[0].outputs[0].text
     params = [
         *(SamplingParams(temperature=0.0, max_tokens=32, stop=[text[:end]]) for end in ends),
-        *(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[t]) for t in tokens),
+        *(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[t])
+          for t in (tokens if stop_tokens else [])),
         *(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(1, 33)),
-    ]
+    ]  # fmt: skip
     prompts = [prompt] * len(params)
     expected = plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    llm = _llm(tiny_model_dir)
+    llm = speculative()
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for want, out in zip(expected, got, strict=True):
         want, out = want.outputs[0], out.outputs[0]
         assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
             want.token_ids, want.text, want.finish_reason, want.stop_reason,
         )  # fmt: skip
-    for p, out in zip(inside, got, strict=False):  # each stopped right at its run's token
-        assert out.outputs[0].token_ids == tokens[: p + 1]
-        assert out.outputs[0].finish_reason == "stop"
     assert _accepted(llm) > 0
-    _assert_all_blocks_free(llm)
+    return llm, inside, got, tokens
 
 
 def test_logprobs_are_the_plain_engines(tiny_model_dir):

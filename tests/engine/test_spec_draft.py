@@ -25,9 +25,9 @@ from tests.engine.test_spec_decode import (
     _accepted,
     _joint,
     _prompts,
-    _runs,
     _tokens,
     assert_draws_follow,
+    stops_inside_accepted_runs,
 )
 from tests.model.conftest import make_hf_model
 
@@ -137,29 +137,12 @@ def test_n_samples_each_have_their_own_draft(tiny_model_dir, noisy_draft_dir):
 
 def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir):
     prompt = _prompts(3, seed=7)[2]  # a random prompt: proposals come from the draft
-    plain = _llm(tiny_model_dir, None)
-    full = plain.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)
-    tokens = full[0].outputs[0].token_ids
-    lengths = _runs(_llm(tiny_model_dir, tiny_model_dir), prompt, GREEDY)
-    pairs = zip([0, *lengths[:-1]], lengths, strict=True)
-    inside = sorted({p for a, b in pairs for p in range(a, b - 1)})
-    assert inside, "no accepted run to stop inside"
-    ends = [len(plain.tokenizer.decode(tokens[: p + 1])) for p in inside]
-    text = full[0].outputs[0].text
-    params = [
-        *(SamplingParams(temperature=0.0, max_tokens=32, stop=[text[:end]]) for end in ends),
-        *(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(1, 33)),
-    ]
-    prompts = [prompt] * len(params)
-    expected = plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    llm = _llm(tiny_model_dir, tiny_model_dir)
-    got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    for want, out in zip(expected, got, strict=True):
-        want, out = want.outputs[0], out.outputs[0]
-        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
-            want.token_ids, want.text, want.finish_reason, want.stop_reason,
-        )  # fmt: skip
-    assert _accepted(llm) > 0
+    llm, *_ = stops_inside_accepted_runs(
+        _llm(tiny_model_dir, None),
+        lambda: _llm(tiny_model_dir, tiny_model_dir),
+        prompt,
+        stop_tokens=False,
+    )
     _assert_draft_free(llm)
 
 
