@@ -104,6 +104,18 @@ def send(page, prompt: str, max_tokens: int | str = "", temperature: float = 0.0
     return page.locator("#conversation .assistant").last
 
 
+def canned_stream(page, deltas: list[dict]) -> None:
+    """Answers the page's next chat requests with these deltas, streamed in the server's
+    format, instead of the server."""
+    events = [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d}]}
+              for d in deltas]  # fmt: skip
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body),
+    )
+
+
 def wait_for_reply_text(page, chars: int) -> None:
     page.wait_for_function(
         """(chars) => {
@@ -194,15 +206,7 @@ def test_model_output_is_text_never_html(page):
         '```html\n<img src=x onerror="window.__pwned=3">\n```\n'
     )
     chunks = [payload[i : i + 7] for i in range(0, len(payload), 7)]  # split inside tags
-    events = [
-        {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": c}}]}
-        for c in chunks
-    ]
-    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-    page.route(
-        "**/v1/chat/completions",
-        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body),
-    )
+    canned_stream(page, [{"content": c} for c in chunks])
     reply = send(page, "Say something", max_tokens=8)
     expect(reply.locator(".stats")).to_contain_text("tokens/s")
     text = reply.locator(".body").text_content()
@@ -217,13 +221,7 @@ def test_reasoning_is_folded_apart_from_the_answer(page):
     # A canned stream as a server with --reasoning-parser sends it: reasoning deltas first.
     deltas = [{"reasoning_content": "The user <b>greets</b>."}, {"reasoning_content": " Be brief."},
               {"content": "Hello"}, {"content": " there!"}]  # fmt: skip
-    events = [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d}]}
-              for d in deltas]  # fmt: skip
-    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-    page.route(
-        "**/v1/chat/completions",
-        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body),
-    )
+    canned_stream(page, deltas)
     reply = send(page, "Hi", max_tokens=8)
     expect(reply.locator(".stats")).to_contain_text("tokens/s")
     details = reply.locator("details.reasoning")
