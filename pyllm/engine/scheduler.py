@@ -55,6 +55,16 @@ class ScheduledBatch:
     def all(self) -> list[tuple[Sequence, int]]:
         return self.prefills + self.decodes
 
+    def add(self, seq: Sequence, num_new: int) -> None:
+        """num_new of seq's pending tokens. One output token after the computed ones is
+        a decode; anything else (a prompt, a chunk, even of one prompt token, a
+        recomputation) runs through the prefill kernel, so a prompt token meets the
+        same kernel however the prompt was chunked (the two kernels round differently)."""
+        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.decodes.append((seq, num_new))
+        else:
+            self.prefills.append((seq, num_new))
+
 
 def _order(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.arrival)
@@ -151,7 +161,7 @@ class Scheduler:
                 budget -= self._grant(seq, budget, grants, batch, preempt=False)
         for seq in prompts:
             if seq.status is SequenceStatus.RUNNING and grants.get(id(seq)):
-                self._add_to_batch(batch, seq, grants[id(seq)])
+                batch.add(seq, grants[id(seq)])
         return batch
 
     def _rebalance(self, batch: ScheduledBatch) -> None:
@@ -178,7 +188,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and _is_decode(seq):
                 n = self._decode_tokens(seq, budget)
                 if self._grant(seq, n, grants, batch, preempt=True):
-                    self._add_to_batch(batch, seq, n)
+                    batch.add(seq, n)
                     budget -= n
         return budget
 
@@ -231,17 +241,6 @@ class Scheduler:
         self.kv_manager.append_slots(seq, num_new)
         grants[id(seq)] = num_new
         return seq
-
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        # One output token after the computed ones is a decode; anything else (a prompt,
-        # a chunk, even of one prompt token, a recomputation) runs through the prefill
-        # kernel, so a prompt token meets the same kernel however the prompt was chunked
-        # (the two kernels round differently).
-        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-            batch.decodes.append((seq, num_new))
-        else:
-            batch.prefills.append((seq, num_new))
 
     def _preempt(self, seq: Sequence) -> None:
         self._leave_running(seq)

@@ -11,7 +11,7 @@ import pytest
 
 import pyllm.ops as ops
 from pyllm import LLM, SamplingParams
-from pyllm.engine.scheduler import ScheduledBatch, Scheduler
+from pyllm.engine.scheduler import ScheduledBatch
 
 WORDS = "the a cat dog runs over under house river tree blue green quickly slowly and then"
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -59,11 +59,10 @@ def test_one_prompt_token_in_a_step_runs_as_a_prefill():
     engine = llm.engine
     engine.add_request("r", "one two three four five six", PARAMS)
     seq = engine.requests["r"].seqs[0]
-    scheduler: Scheduler = engine.scheduler
     batch = ScheduledBatch()
     seq.num_computed_tokens = 2
-    scheduler._add_to_batch(batch, seq, 1)
+    batch.add(seq, 1)
     assert batch.prefills == [(seq, 1)] and not batch.decodes
     seq.num_computed_tokens = seq.num_prompt_tokens
-    scheduler._add_to_batch(batch, seq, 1)
+    batch.add(seq, 1)
     assert batch.decodes == [(seq, 1)]

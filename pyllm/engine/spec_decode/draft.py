@@ -111,9 +111,8 @@ class DraftProposer:
         if not chunk:
             return []
         batch = ScheduledBatch()
-        for draft, n in chunk:  # the scheduler's rule: one token after cached ones decodes
-            decode = n == 1 and draft.num_computed_tokens > 0
-            (batch.decodes if decode else batch.prefills).append((draft, n))
+        for draft, n in chunk:
+            batch.add(draft, n)
         logits, sampled, _ = self.runner.run(batch)
         for draft, n in batch.all():
             draft.num_computed_tokens += n
