@@ -1,17 +1,27 @@
 """A chat reply's parts out of its text: reasoning (--reasoning-parser), content and tool
 calls (tool_choice, --tool-call-parser), for the whole reply or step by step as it
-streams. Tool calls are read only from the answer, after the reasoning. (gpt-oss's
-harmony replies: harmony.py.)"""
+streams. Tool calls are read only from the answer, after the reasoning; streamed, a
+call's name is sent once it is certain, then its arguments as they are written
+(tool_stream.py). (gpt-oss's harmony replies: harmony.py.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyllm.engine.outputs import CompletionOutput
 from pyllm.entrypoints.openai_protocol import ChatCompletionRequest
 from pyllm.entrypoints.reasoning import ReasoningParser, settled
-from pyllm.entrypoints.tool_calls import Call, parse_named, parse_required
+from pyllm.entrypoints.tool_calls import parse_named, parse_required
 from pyllm.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
+from pyllm.entrypoints.tool_stream import (
+    CallDelta,
+    CallSoFar,
+    CallStream,
+    json_calls_so_far,
+    model_arguments,
+    skip_space,
+    value_end,
+)
 
 
 @dataclass(frozen=True)
@@ -54,41 +64,89 @@ class ReplyReader:
         mode, calls = body.tool_mode, None
         if mode == "required" and c.finish_reason == "stop":
             calls = parse_required(answer)
+            calls = calls and model_arguments(calls, self.so_far(body, answer))
         elif mode == "named" and c.finish_reason == "stop":
             calls = parse_named(body.tool_choice.function.name, answer)
         elif mode == "auto":
             return self.tools.parse(answer, body.tool_schemas())
         return (None, calls) if calls else (answer, [])
 
+    def so_far(self, body: ChatCompletionRequest, answer: str) -> list[CallSoFar]:
+        """The calls so far of a streamed answer, as its tool_choice reads it."""
+        mode = body.tool_mode
+        if mode == "named":  # the output is the arguments
+            name = body.tool_choice.function.name
+            return [CallSoFar(name, answer, value_end(answer, 0) is not None)]
+        if mode == "required":  # the output is a JSON list of calls
+            at = skip_space(answer, 0)
+            if not answer.startswith("[", at):
+                return []
+            return json_calls_so_far(answer, at, body.tool_schemas(), ("arguments",))
+        return self.tools.so_far(answer, body.tool_schemas())
+
+
+@dataclass
+class ReplyDelta:
+    """What one step of a streamed reply adds."""
+
+    reasoning: str = ""
+    content: str | None = None  # None: nothing to send (held back, or calls)
+    calls: list[CallDelta] = field(default_factory=list)
+    made_calls: bool = False  # the finished reply is calls: finish_reason tool_calls
+
 
 @dataclass
 class ReplyStream:
-    """One streamed choice: what it has sent of its reasoning and answer. Its answer is
-    held back while it may be a tool call, and sent whole once it is plain content."""
+    """One streamed choice: what it has sent of its reasoning, content and calls. Where
+    tools are offered, text that may begin a call is held back until it is content or a
+    call's name is certain; a call's arguments are sent as they are written."""
 
     reader: ReplyReader
     body: ChatCompletionRequest
     reasoning_sent: int = 0
-    answer_sent: int = 0
-    plain: bool = False  # sending content although tools were offered
+    content_sent: int = 0  # characters of the answer sent as content
+    calls: CallStream = field(default_factory=CallStream)
 
-    def step(self, c: CompletionOutput) -> tuple[str, str | None, list[Call]]:
-        """(new reasoning, new content or None while held back, the calls once the
-        reply is over and was calls)."""
+    def step(self, c: CompletionOutput) -> ReplyDelta:
         final = c.finish_reason is not None
         text = self.reader.text(self.body, c)
         if self.reader.reasoning is not None and not final:
             text = settled(text)
         reasoning, answer = self.reader.split(self.body, text)
-        new_reasoning = reasoning[self.reasoning_sent :]
+        delta = ReplyDelta(reasoning[self.reasoning_sent :])
         self.reasoning_sent = len(reasoning)
         mode = self.body.tool_mode
-        if mode != "none" and not self.plain:
-            if not final and (mode != "auto" or self.reader.tools.may_be_call(answer)):
-                return new_reasoning, None, []
-            if final and (calls := self.reader.calls(self.body, c, answer)[1]):
-                return new_reasoning, None, calls
-            self.plain = True
-        new_answer = answer[self.answer_sent :]
-        self.answer_sent = len(answer)
-        return new_reasoning, new_answer, []
+        if mode == "none":
+            delta.content = self._content(answer, len(answer)) or ""
+        elif final:
+            self._finish(c, answer, delta)
+        elif mode == "auto":
+            content_end, calls_at = self.reader.tools.calls_begin(answer)
+            if calls_at is None and not self.calls.sent:
+                delta.content = self._content(answer, content_end)
+            delta.calls = self.calls.step(self.reader.so_far(self.body, answer))
+        else:  # required or named: the output is calls
+            delta.calls = self.calls.step(self.reader.so_far(self.body, answer))
+        return delta
+
+    def _content(self, answer: str, end: int) -> str | None:
+        if end <= self.content_sent:
+            return None
+        new, self.content_sent = answer[self.content_sent : end], end
+        return new
+
+    def _finish(self, c: CompletionOutput, answer: str, delta: ReplyDelta) -> None:
+        """The last step: the whole answer's calls (what is left of them), or the rest
+        of its text as content."""
+        content, calls = self.reader.calls(self.body, c, answer)
+        if calls:
+            delta.calls = self.calls.step(
+                [CallSoFar(call.name, call.arguments, True) for call in calls]
+            )
+            delta.made_calls = True
+            if content and not self.content_sent:
+                delta.content = content
+        elif self.calls.sent:  # calls cut short or broken: sent as far as they go
+            delta.calls = self.calls.step(self.reader.so_far(self.body, answer))
+        else:
+            delta.content = self._content(answer, len(answer)) or ""

@@ -20,6 +20,7 @@ from pyllm.entrypoints.reasoning import ReasoningParser
 from pyllm.entrypoints.serving import Job, OpenAIServing, Progress
 from pyllm.entrypoints.tool_calls import Call
 from pyllm.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
+from pyllm.entrypoints.tool_stream import CallDelta
 
 
 class ChatServing(OpenAIServing):
@@ -112,20 +113,21 @@ class ChatServing(OpenAIServing):
                 stream = channels.setdefault(c.index, HarmonyStream())
                 return self._harmony_chunk(body, c, stream.delta(c.text))
             reply = replies.setdefault(c.index, ReplyStream(self.reader, body))
-            reasoning, content, calls = reply.step(c)
-            if calls:
-                return self._calls_chunk(c, calls, reasoning)
-            if self.reader.reasoning is not None:
-                content = content or None  # a step of reasoning alone: no content field
-                if not (reasoning or content or c.finished or body.logprobs):
+            step = reply.step(c)
+            content = step.content
+            if self.reader.reasoning is not None or body.tool_mode != "none":
+                content = content or None  # a step of reasoning or calls alone: no content
+                if not (step.reasoning or content or step.calls or c.finished or body.logprobs):
                     return None
-            elif content is None:
-                return None  # held back while it may be a tool call, sent whole at the end
             return api.ChatChunkChoice(
                 index=c.index,
-                delta=api.DeltaMessage(content=content, reasoning_content=reasoning or None),
+                delta=api.DeltaMessage(
+                    content=content,
+                    reasoning_content=step.reasoning or None,
+                    tool_calls=[self._delta_call(call) for call in step.calls] or None,
+                ),
                 logprobs=self.tokens.chat_logprobs(token_ids, logprobs) if body.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason="tool_calls" if step.made_calls else c.finish_reason,
             )
 
         opening = (
@@ -141,12 +143,13 @@ class ChatServing(OpenAIServing):
         )
         return self._stream(body, jobs, progress, chunk, opening, choice)
 
-    def _calls_chunk(self, c: CompletionOutput, calls: list[Call], reasoning: str = ""):
-        delta = [self._api_call(call, i) for i, call in enumerate(calls)]
-        return api.ChatChunkChoice(
-            index=c.index,
-            delta=api.DeltaMessage(tool_calls=delta, reasoning_content=reasoning or None),
-            finish_reason="tool_calls",
+    def _delta_call(self, call: CallDelta) -> api.DeltaToolCall:
+        """A call's first delta carries its id and name, the others argument text."""
+        function = api.DeltaFunctionCall(name=call.name, arguments=call.arguments)
+        if call.name is None:
+            return api.DeltaToolCall(index=call.index, function=function)
+        return api.DeltaToolCall(
+            index=call.index, id=self.reader.tools.new_id(), type="function", function=function
         )
 
     def _harmony_parts(self, body: api.ChatCompletionRequest, c: CompletionOutput):
@@ -174,13 +177,15 @@ class ChatServing(OpenAIServing):
         message = api.DeltaMessage(
             content=content or None,
             reasoning_content=reasoning or None,
-            tool_calls=[self._api_call(call, i) for i, call in enumerate(calls)] or None,
+            tool_calls=[
+                self._delta_call(CallDelta(i, call.name, call.arguments))
+                for i, call in enumerate(calls)
+            ]
+            or None,
         )
         reason = "tool_calls" if calls else c.finish_reason
         return api.ChatChunkChoice(index=c.index, delta=message, finish_reason=reason)
 
-    def _api_call(self, call: Call, index: int | None = None) -> api.ToolCall:
+    def _api_call(self, call: Call) -> api.ToolCall:
         function = api.FunctionCall(name=call.name, arguments=call.arguments)
-        if index is None:
-            return api.ToolCall(id=self.reader.tools.new_id(), function=function)
-        return api.DeltaToolCall(index=index, id=self.reader.tools.new_id(), function=function)
+        return api.ToolCall(id=self.reader.tools.new_id(), function=function)

@@ -44,12 +44,15 @@ def _streamed(parser, text: str, step: int, tools=None) -> tuple[str, str, list]
     body = ChatCompletionRequest(messages=MESSAGES, tools=tools)
     stream = ReplyStream(ReplyReader(parser), body)
     reasoning = content = ""
+    calls = {}
     for end in [*range(0, len(text), step), len(text)]:
         c = CompletionOutput(0, text[:end], [], "stop" if end == len(text) else None)
-        r, new, calls = stream.step(c)
-        assert not (content and r), "reasoning after content"
-        reasoning, content = reasoning + r, content + (new or "")
-    return reasoning, content, calls
+        delta = stream.step(c)
+        assert not (content and delta.reasoning), "reasoning after content"
+        reasoning, content = reasoning + delta.reasoning, content + (delta.content or "")
+        for call in delta.calls:
+            calls.setdefault(call.index, call.name)
+    return reasoning, content, [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("step", [1, 3, 100])
@@ -63,7 +66,7 @@ def test_tool_calls_are_read_from_the_answer_only():
     call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     reasoning, content, calls = _streamed(QWEN3, f"<think>I may {call}</think>{call}", 4, tools)
     assert (reasoning, content) == (f"I may {call}", "")
-    assert [c.name for c in calls] == ["get_time"]
+    assert calls == ["get_time"]
     body = ChatCompletionRequest(messages=MESSAGES, tools=tools)
     finished = CompletionOutput(0, f"<think>{call}</think>no call", [], "stop")
     assert ReplyReader(QWEN3).parts(body, finished) == (call, "no call", [])

@@ -156,10 +156,24 @@ def test_named_tool_choice_streams_one_call(client, server):
         temperature=1.0, seed=3, max_tokens=100, stream=True,
     )  # fmt: skip
     chunks = list(stream)
-    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    deltas = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1  # the name first, then the arguments as they are made
+    ((name, arguments),) = _accumulated(deltas)
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _accumulated(deltas) -> list[tuple[str, str]]:
+    """(name, arguments) of each streamed call: its first delta names it, the others
+    add argument text."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        if delta.function.name is not None:
+            assert delta.index not in calls and delta.id and delta.type == "function"
+            calls[delta.index] = [delta.function.name, ""]
+        calls[delta.index][1] += delta.function.arguments or ""
+    return [tuple(calls[i]) for i in range(len(calls))]
 
 
 def test_tool_choice_none_answers_in_text(client, server):
@@ -257,15 +271,16 @@ def test_auto_reads_the_models_own_tool_calls(client, server, stream):
         chunks = list(response)
         deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
         assert not "".join(d.content or "" for d in deltas)  # held back, never sent as text
-        calls = [c for d in deltas for c in d.tool_calls or []]
+        calls = _accumulated([c for d in deltas for c in d.tool_calls or []])
         finish = chunks[-1].choices[0].finish_reason
     else:
         message = response.choices[0].message
         assert message.content is None
-        calls, finish = message.tool_calls, response.choices[0].finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+        finish = response.choices[0].finish_reason
     assert finish == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name == "get_weather"
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+    assert calls[0][0] == "get_weather"
+    assert json.loads(calls[0][1]) == {"city": "Paris", "unit": "c"}
 
 
 def test_auto_streams_plain_answers_as_text(client, server):

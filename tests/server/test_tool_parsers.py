@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
+import openai
 import pytest
 
+from pyllm.engine.outputs import CompletionOutput
+from pyllm.entrypoints.chat_reply import ReplyReader, ReplyStream
+from pyllm.entrypoints.openai_protocol import ChatCompletionRequest
 from pyllm.entrypoints.tool_parsers import TOOL_PARSERS, tool_parser
 from tests.server.conftest import start_server, stop_server
 
@@ -126,13 +129,86 @@ def test_mistral_call_ids_are_nine_letters_or_digits():
         tool_parser("xml")
 
 
+def _streamed(name: str, text: str, tools=None) -> tuple[str, dict[int, list], int]:
+    """(content, {index: [name, arguments]}, deltas) a ReplyStream sends when `text`
+    arrives a character at a time."""
+    tools = tools or API_TOOLS
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], tools=tools)
+    stream = ReplyStream(ReplyReader(None, TOOL_PARSERS[name]), body)
+    content, calls, deltas = "", {}, 0
+    for end in range(1, len(text) + 1):
+        step = stream.step(
+            CompletionOutput(0, text[:end], [], "stop" if end == len(text) else None)
+        )
+        content += step.content or ""
+        for call in step.calls:
+            deltas += 1
+            if call.name is not None:
+                assert call.index not in calls, "a call named twice"
+                calls[call.index] = [call.name, ""]
+            calls[call.index][1] += call.arguments
+    return content, calls, deltas
+
+
+STREAMED = {**{name: cases[0][0] for name, cases in GOOD.items()}, "mistral": GOOD["mistral"][3][0]}
+STREAMED["hermes"] = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris",'
+    '  "days": 2}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_streamed_calls_add_up_to_the_whole_replys(name):
+    text = STREAMED[name]
+    content, calls, deltas = _streamed(name, text)
+    whole_content, whole = TOOL_PARSERS[name].parse(text, TOOLS)
+    assert [calls[i] for i in range(len(calls))] == [[c.name, c.arguments] for c in whole]
+    assert content == (whole_content or "")
+    assert deltas > 2 * len(whole)  # arguments in several fragments
+
+
+def test_streamed_arguments_are_the_models_own_text():
+    # As written (no space after the colon), streamed and whole alike.
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city":"Oslo"}}</tool_call>'
+    assert _streamed("hermes", text)[1] == {0: ["get_weather", '{"city":"Oslo"}']}
+    assert parse("hermes", text)[1] == [("get_weather", {"city": "Oslo"})]
+    assert TOOL_PARSERS["hermes"].parse(text, TOOLS)[1][0].arguments == '{"city":"Oslo"}'
+
+
+def test_streamed_text_that_is_not_a_call_is_content():
+    for name, text in [
+        ("hermes", "<tool_call>not json</tool_call>"),
+        ("hermes", 'I would use <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),
+        ("qwen3_coder", "a <b>bold</b> <tool_call><function=rm_rf></function></tool_call>"),
+        ("mistral", "[TOOL_CALLS]rm_rf[ARGS]{}"),
+        ("llama3_json", "plain answer {}"),
+    ]:
+        assert _streamed(name, text) == (text, {}, 0), (name, text)
+
+
+def test_streamed_calls_cut_short_or_broken_stay_as_sent():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    assert _streamed("hermes", text)[:2] == ("", {0: ["get_weather", '{"city": "Par']})
+    # Arguments stop at the first character that cannot be JSON.
+    text = "[TOOL_CALLS]get_weather[ARGS]{\"city\": 'Paris'}"
+    assert _streamed("mistral", text)[:2] == ("", {0: ["get_weather", '{"city": ']})
+
+
 # ---------------------------------------------------------------- the server
 
+# Two calls each, the first with an argument long enough to stream in several fragments.
+CITY = "Paris, the capital and most populous city of France"
 FORCED = {
-    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
-    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
-    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    "hermes": f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{CITY}", '
+    '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    "</tool_call>",
+    "llama3_json": f'{{"name": "get_weather", "parameters": {{"city": "{CITY}", "days": 2}}}}; '
+    '{"name": "get_time", "parameters": {}}',
+    "mistral": f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "{CITY}", '
+    '"days": 2}}, {"name": "get_time", "arguments": {}}]',
+    "qwen3_coder": f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{CITY}\n"
+    "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
 }
 API_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -140,23 +216,15 @@ API_TOOLS = [
 ]
 
 
-def _calls(server, stream: bool, regex: str) -> tuple[str, list[dict], str | None]:
-    """(finish_reason, tool calls, content) of a reply forced to be `regex`."""
-    body = {
-        "model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
-        "tools": API_TOOLS, "max_tokens": 96, "guided_regex": regex, "stream": stream,
-    }  # fmt: skip
-    url = f"{server.base_url}/v1/chat/completions"
-    if not stream:
-        choice = httpx.post(url, json=body, timeout=120).json()["choices"][0]
-        message = choice["message"]
-        return choice["finish_reason"], message.get("tool_calls") or [], message["content"]
-    with httpx.stream("POST", url, json=body, timeout=120) as response:
-        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
-    choices = [json.loads(line)["choices"][0] for line in lines]
-    calls = [call for c in choices for call in c["delta"].get("tool_calls") or []]
-    content = "".join(c["delta"].get("content") or "" for c in choices)
-    return choices[-1]["finish_reason"], calls, content or None
+def _ask(client, model: str, regex: str, stream: bool):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=API_TOOLS,
+        max_tokens=160,
+        stream=stream,
+        extra_body={"guided_regex": regex},
+    )
 
 
 @pytest.mark.parametrize("name", list(FORCED))
@@ -167,14 +235,56 @@ def test_server_reads_each_format(name, qwen3_dir, tmp_path):
         api_key=None,
     )
     try:
-        for stream in (False, True):
-            finish, calls, content = _calls(server, stream, re.escape(FORCED[name]))
-            assert (finish, content) == ("tool_calls", None), (stream, calls, content)
-            (call,) = calls
-            assert call["function"]["name"] == "get_weather"
-            assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
-        # Not a call after all: content, never an error.
-        finish, calls, content = _calls(server, False, re.escape(FORCED[name][:30]))
-        assert (finish, calls, content) == ("stop", [], FORCED[name][:30])
+        with openai.OpenAI(
+            base_url=f"{server.base_url}/v1", api_key="none", max_retries=0
+        ) as client:
+            _check_format(client, server.model, FORCED[name])
     finally:
         stop_server(server.process)
+
+
+def _check_format(client, model: str, forced: str) -> None:
+    whole = _ask(client, model, re.escape(forced), stream=False).choices[0]
+    assert (whole.finish_reason, whole.message.content) == ("tool_calls", None)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert calls == [("get_weather", {"city": CITY, "days": 2}), ("get_time", {})]
+
+    chunks = list(_ask(client, model, re.escape(forced), stream=True))
+    deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    # Each call's first delta: index, id, type and name; then argument fragments only.
+    firsts = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.type, d.function.name) for d in firsts] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
+    assert len({d.id for d in firsts}) == 2
+    for d in deltas:
+        assert (d.id is None) == (d.function.name is None) == (d not in firsts)
+    fragments = [d for d in deltas if d.index == 0 and d.function.arguments]
+    assert len(fragments) > 3 and not firsts[0].function.arguments.endswith("}")
+    streamed = {}
+    for d in deltas:
+        streamed[d.index] = streamed.get(d.index, "") + d.function.arguments
+    assert [streamed[0], streamed[1]] == [c.function.arguments for c in whole.message.tool_calls]
+
+    # The SDK's own accumulation of the stream: the same calls as the whole reply.
+    with client.chat.completions.stream(
+        model=model,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=API_TOOLS,
+        max_tokens=160,
+        extra_body={"guided_regex": re.escape(forced)},
+    ) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert [(c.type, c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.type, c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
+    # Not a call after all: content, never an error.
+    cut = _ask(client, model, re.escape(forced[:30]), stream=False).choices[0]
+    assert (cut.finish_reason, cut.message.tool_calls, cut.message.content) == (
+        "stop",
+        None,
+        forced[:30],
+    )

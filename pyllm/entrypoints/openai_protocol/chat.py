@@ -161,10 +161,26 @@ class ToolCall(ResponseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A whole call in one stream chunk (OpenAI may split arguments over several)."""
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None  # on a call's first delta only
+    arguments: str = ""  # the next fragment of the arguments' JSON text
+
+
+class DeltaToolCall(ResponseModel):
+    """One streamed step of a call, as OpenAI sends them: its first delta has the id,
+    type and name; the next ones only argument text."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        body = handler(self)
+        if body["function"]["name"] is None:
+            del body["function"]["name"]
+        return {k: v for k, v in body.items() if v is not None}
 
 
 class AssistantMessage(ResponseModel):
