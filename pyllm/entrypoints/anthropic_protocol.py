@@ -4,8 +4,10 @@ request and response bodies, and a request turned into the chat request it means
 A Messages request is served as the equivalent `ChatCompletionRequest` (system prompt
 first, an assistant's `tool_use` blocks as its tool calls, a user's `tool_result` blocks
 as tool messages, `tool_choice` any/tool as required/named), so the chat route's checks,
-template, sampling and forced tool calls apply unchanged. Requests are parsed strictly,
-as the OpenAI routes' are; unknown fields are ignored.
+template, sampling and forced tool calls apply unchanged. `thinking` sets the chat
+template's `enable_thinking` (as chat_template_kwargs does); with a reasoning parser the
+reply's thinking comes back as a thinking block. Requests are parsed strictly, as the
+OpenAI routes' are; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -125,6 +127,33 @@ class ToolChoice(StrictRequest):
     disable_parallel_tool_use: bool | None = None
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
+class ThinkingConfig(StrictRequest):
+    """Whether the model thinks first. The budget is checked as Anthropic checks it, not
+    enforced: thinking and answer share max_tokens."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None  # enabled: required
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking text left out
+
+    def check(self) -> None:
+        if self.type != "enabled":
+            return
+        if self.budget_tokens is None:
+            raise RequestError(
+                "thinking.budget_tokens is required when thinking is enabled",
+                "thinking.budget_tokens",
+            )
+        if self.budget_tokens < MIN_THINKING_BUDGET:
+            raise RequestError(
+                f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET}, "
+                f"got {self.budget_tokens}",
+                "thinking.budget_tokens",
+            )
+
+
 class CountTokensRequest(StrictRequest):
     """POST /v1/messages/count_tokens; what POST /v1/messages adds is below."""
 
@@ -133,6 +162,7 @@ class CountTokensRequest(StrictRequest):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
     _chat: ChatCompletionRequest | None = PrivateAttr(None)
 
     def chat(self) -> ChatCompletionRequest:
@@ -159,6 +189,8 @@ class CountTokensRequest(StrictRequest):
             raise RequestError(
                 f"tool_choice names tool {choice.name!r}, which is not in tools", "tool_choice.name"
             )
+        if self.thinking is not None:
+            self.thinking.check()
 
     def _chat_fields(self) -> dict[str, Any]:
         messages = [] if self.system is None else [{"role": "system", "content": _system(self)}]
@@ -169,7 +201,23 @@ class CountTokensRequest(StrictRequest):
             fields["tools"] = [_chat_tool(tool) for tool in self.tools]
         if self.tool_choice is not None:
             fields.update(_chat_tool_choice(self.tool_choice))
+        if self.thinking is not None:
+            enable = self.thinking.type != "disabled"
+            fields["chat_template_kwargs"] = {"enable_thinking": enable}
         return fields
+
+    def shows_thinking(self) -> bool:
+        """Whether thinking blocks carry the thinking's text."""
+        return self.thinking is None or self.thinking.display != "omitted"
+
+
+STRUCTURED_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -180,6 +228,12 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None  # accepted, not used
+    # pyllm's extension, the chat route's structured output (vLLM's fields).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _check(self) -> None:
         if self.max_tokens < 1:
@@ -187,6 +241,13 @@ class MessagesRequest(CountTokensRequest):
                 f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
             )
         super()._check()
+        budget = self.thinking and self.thinking.type == "enabled" and self.thinking.budget_tokens
+        if budget and budget >= self.max_tokens:
+            raise RequestError(
+                f"thinking.budget_tokens must be less than max_tokens ({self.max_tokens}), "
+                f"got {budget}",
+                "thinking.budget_tokens",
+            )
 
     def _chat_fields(self) -> dict[str, Any]:
         fields = super()._chat_fields()
@@ -197,6 +258,7 @@ class MessagesRequest(CountTokensRequest):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stream": self.stream,
+            **{name: getattr(self, name) for name in STRUCTURED_FIELDS},
         }
         fields.update({k: v for k, v in sampling.items() if v is not None})
         return fields
@@ -351,6 +413,12 @@ class TextContent(ResponseModel):
     text: str
 
 
+class ThinkingContent(ResponseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Anthropic's proof of origin: none here
+
+
 class ToolUseContent(ResponseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -371,7 +439,7 @@ class MessagesResponse(ResponseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage

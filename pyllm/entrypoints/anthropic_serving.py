@@ -1,6 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, served as
 the chat route serves its equivalent chat request (anthropic_protocol.py), replies as
-text and tool_use blocks, whole or as Anthropic's stream of events; and
+thinking, text and tool_use blocks, whole or as Anthropic's stream of events; and
 AnthropicErrors, which gives every error of these routes (the middleware's included)
 Anthropic's shape."""
 
@@ -19,11 +19,11 @@ from pyllm.engine.async_engine import EngineDeadError
 from pyllm.engine.outputs import CompletionOutput
 from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints.anthropic_protocol import anthropic_fields
+from pyllm.entrypoints.chat_reply import ReplyDelta, ReplyStream
 from pyllm.entrypoints.openai_protocol import RequestError
 from pyllm.entrypoints.request_io import read_request
 from pyllm.entrypoints.serving import Job, Progress, _raise_failed
 from pyllm.entrypoints.serving_chat import ChatServing
-from pyllm.entrypoints.tool_calls import may_be_hermes
 
 logger = logging.getLogger("pyllm")
 
@@ -46,10 +46,11 @@ class MessagesServing(ChatServing):
 
     async def _prompt_ids(self, chat) -> list[int]:
         messages, tools = chat.template_messages(), chat.template_tools()
+        variables = chat.chat_template_kwargs or {}
 
         def tokenize() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tools=tools
+                messages, add_generation_prompt=True, tools=tools, **variables
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -70,7 +71,7 @@ class MessagesServing(ChatServing):
     ) -> anthropic.MessagesResponse:
         c = progress.finals[0].outputs[0]
         content = self._content(body, c)
-        stop_reason, stop_sequence = _stop_reason(body, c, content)
+        stop_reason, stop_sequence = _stop_reason(body, c, _has_calls(content))
         return anthropic.MessagesResponse(
             id=jobs[0].request_id,
             model=self.model_name,
@@ -81,10 +82,13 @@ class MessagesServing(ChatServing):
         )
 
     def _content(self, body: anthropic.MessagesRequest, c: CompletionOutput) -> list:
-        """A finished reply's blocks: its text, then its tool calls (as the chat route
-        reads them out of the text, under its tool_choice)."""
+        """A finished reply's blocks: its thinking, its text, then its tool calls (as the
+        chat route reads them out of the text, under its tool_choice)."""
         message = self._choice(body.chat(), c).message
         content: list = []
+        if message.reasoning_content:
+            thinking = message.reasoning_content if body.shows_thinking() else ""
+            content.append(anthropic.ThinkingContent(thinking=thinking))
         if message.content:
             content.append(anthropic.TextContent(text=message.content))
         for call in message.tool_calls or ():
@@ -93,7 +97,7 @@ class MessagesServing(ChatServing):
                 arguments = {"value": arguments}
             content.append(
                 anthropic.ToolUseContent(
-                    id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.function.name, input=arguments
+                    id=_tool_use_id(), name=call.function.name, input=arguments
                 )
             )
         return content
@@ -109,8 +113,9 @@ class MessagesServing(ChatServing):
         self, body: anthropic.MessagesRequest, jobs: list[Job], progress: Progress
     ) -> AsyncIterator[str]:
         """message_start, ping, each block's start, deltas and stop, message_delta,
-        message_stop. Text streams as it comes; a reply that may be a tool call (tools
-        offered) is held back and sent whole at its end, as on the chat route."""
+        message_stop. Thinking and text stream as they come, a tool call once its name
+        is certain, then its input as it is written (as on the chat route); a harmony
+        reply is sent whole at its end."""
         chat = body.chat()
         self.metrics.prompt_tokens.inc(len(jobs[0].prompt_token_ids))
         start = {
@@ -125,29 +130,32 @@ class MessagesServing(ChatServing):
         }
         yield event("message_start", {"message": start})
         yield event("ping", {})
-        blocks = _Blocks(live=chat.tool_mode == "none" and not self.harmony)
+        blocks = _Blocks(body.shows_thinking())
+        reply = None if self.harmony else ReplyStream(self.reader, chat)
         async for index, output in self._outputs(jobs):
             self._track(progress, index, output)
             _raise_failed(chat, output)
             c = output.outputs[0]
-            if not blocks.live and chat.tool_mode == "auto" and not self.harmony:
-                blocks.live = not may_be_hermes(c.text)
-            for sent in blocks.text_so_far(c) if blocks.live else ():
-                yield sent
+            if reply is not None:
+                step = reply.step(c)
+                for sent in blocks.step(step):
+                    yield sent
+                blocks.made_calls |= step.made_calls
             if c.finish_reason is not None:
-                for sent in self._ending(body, jobs, c, blocks):
+                for sent in self._ending(body, c, blocks):
                     yield sent
         self._observe(progress)
 
-    def _ending(self, body, jobs: list[Job], c: CompletionOutput, blocks: _Blocks) -> list[str]:
-        """The events after a reply's last output: what was held back, then the end."""
-        if blocks.live:
-            content = [anthropic.TextContent(text=c.text)] if c.text else []
-            events = blocks.close()
-        else:
+    def _ending(self, body, c: CompletionOutput, blocks: _Blocks) -> list[str]:
+        """The events after a reply's last output: a harmony reply's blocks, then the
+        end."""
+        if self.harmony:
             content = self._content(body, c)
+            blocks.made_calls = _has_calls(content)
             events = [e for block in content for e in blocks.whole(block)]
-        stop_reason, stop_sequence = _stop_reason(body, c, content)
+        else:
+            events = blocks.close()
+        stop_reason, stop_sequence = _stop_reason(body, c, blocks.made_calls)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         usage = {"output_tokens": len(c.token_ids)}
         events.append(event("message_delta", {"delta": delta, "usage": usage}))
@@ -156,50 +164,81 @@ class MessagesServing(ChatServing):
 
 
 class _Blocks:
-    """The content blocks a stream has sent: their count, and an open text block."""
+    """The content blocks a stream has sent: their count, and the open one's kind (and
+    call index, for a tool_use block)."""
 
-    def __init__(self, live: bool):
-        self.live = live  # text is sent as it comes
+    def __init__(self, show_thinking: bool):
+        self.show_thinking = show_thinking
         self.count = 0
-        self.text_open = False
-        self.sent = 0  # characters of text sent
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
+        self.call = -1  # the open tool_use block's call
+        self.made_calls = False
 
-    def text_so_far(self, c: CompletionOutput) -> list[str]:
-        text = c.text[self.sent :]
-        if not text:
-            return []
-        self.sent = max(self.sent, len(c.text))
+    def step(self, delta: ReplyDelta) -> list[str]:
+        """The events of one step of the reply: thinking, text, then tool calls."""
         events = []
-        if not self.text_open:
-            events.append(self._start({"type": "text", "text": ""}))
-            self.text_open = True
-        events.append(self._delta({"type": "text_delta", "text": text}))
+        if delta.reasoning:
+            events += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if self.show_thinking:
+                events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            events += self._open({"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.calls:
+            if call.name is not None:
+                block = {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": {}}
+                events += self._open(block, new=True)
+                self.call = call.index
+            if call.arguments and call.index == self.call:
+                partial = {"type": "input_json_delta", "partial_json": call.arguments}
+                events.append(self._delta(partial))
         return events
 
     def close(self) -> list[str]:
-        if not self.text_open:
+        if self.open is None:
             return []
-        self.text_open = False
+        events = []
+        if self.open == "thinking":  # the SDK's thinking block ends with its signature
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        self.open = None
         self.count += 1
-        return [event("content_block_stop", {"index": self.count - 1})]
+        return [*events, event("content_block_stop", {"index": self.count - 1})]
 
     def whole(self, block) -> list[str]:
         """A block's events, all of it in one delta."""
-        if isinstance(block, anthropic.TextContent):
-            events = [self._start({"type": "text", "text": ""})]
+        if isinstance(block, anthropic.ThinkingContent):
+            events = self._open({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": block.thinking}))
+        elif isinstance(block, anthropic.TextContent):
+            events = self._open({"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": block.text}))
         else:
-            events = [self._start({**block.model_dump(), "input": {}})]
+            events = self._open({**block.model_dump(), "input": {}})
             partial = json.dumps(block.input, ensure_ascii=False)
             events.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
-        self.text_open = True  # open, whichever kind: close() ends it
         return events + self.close()
 
-    def _start(self, block: dict) -> str:
-        return event("content_block_start", {"index": self.count, "content_block": block})
+    def _open(self, block: dict, new: bool = False) -> list[str]:
+        """Starts a block of this kind unless one is open (`new`: a block anyway)."""
+        if self.open == block["type"] and not new:
+            return []
+        events = self.close()
+        self.open = block["type"]
+        return [
+            *events,
+            event("content_block_start", {"index": self.count, "content_block": block}),
+        ]
 
     def _delta(self, delta: dict) -> str:
         return event("content_block_delta", {"index": self.count, "delta": delta})
+
+
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _has_calls(content: list) -> bool:
+    return any(isinstance(block, anthropic.ToolUseContent) for block in content)
 
 
 def event(kind: str, data: dict[str, Any]) -> str:
@@ -231,8 +270,8 @@ def _error_of(error: Exception) -> tuple[int, str]:
     return 500, f"internal error: {type(error).__name__}"
 
 
-def _stop_reason(body, c: CompletionOutput, content: list) -> tuple[str, str | None]:
-    if any(isinstance(block, anthropic.ToolUseContent) for block in content):
+def _stop_reason(body, c: CompletionOutput, made_calls: bool) -> tuple[str, str | None]:
+    if made_calls:
         return "tool_use", None
     if c.finish_reason == "length":
         return "max_tokens", None

@@ -41,16 +41,16 @@ def create_app(
     app = FastAPI(title="pyllm", lifespan=engine_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
     shared = (engine, served_model_name, metrics, config.max_request_bytes)
+    # Chat and Messages read replies alike: thinking, content and tool calls.
+    readers = {
+        "reasoning": reasoning_parser(config.reasoning_parser),
+        "tool_parser": tool_parser(config.tool_call_parser),
+    }
     servings = Servings(
-        chat=ChatServing(
-            *shared,
-            config.max_seqs_per_request,
-            reasoning=reasoning_parser(config.reasoning_parser),
-            tool_parser=tool_parser(config.tool_call_parser),
-        ),
+        chat=ChatServing(*shared, config.max_seqs_per_request, **readers),
         completion=CompletionServing(*shared, config.max_seqs_per_request),
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
-        messages=MessagesServing(*shared, config.max_seqs_per_request),
+        messages=MessagesServing(*shared, config.max_seqs_per_request, **readers),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)

@@ -91,10 +91,3 @@ def read_blocks(text: str, pattern: re.Pattern, read) -> tuple[str | None, list[
         return text, []
     content = ("".join(kept) + text[last:]).strip()
     return content or None, calls
-
-
-def may_be_hermes(text: str) -> bool:
-    """Whether a streamed output so far may turn out to be a tool call (so it is held
-    back rather than sent as content)."""
-    start = text.lstrip()
-    return start.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(start)

@@ -1,6 +1,7 @@
 """Anthropic's Messages API (/v1/messages) on a real `pyllm serve`, driven by the official
 `anthropic` SDK: replies whole and streamed, forced tool calls, tool results, token
-counts, and errors in Anthropic's shape with the SDK's exception classes."""
+counts, and errors in Anthropic's shape with the SDK's exception classes. (Thinking
+blocks and streamed tool_use input, on a reasoning server: test_reasoning.py.)"""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """A reasoning model's <think>...</think> apart from its answer (--reasoning-parser), and
 chat_template_kwargs: by the parser alone, and through a real server over a tiny Qwen3
-model with Qwen3's chat template, made to think by a regex."""
+model with Qwen3's chat template, made to think by a regex; on /v1/messages, Anthropic's
+thinking blocks and `thinking` field, with the anthropic SDK."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import anthropic
 import httpx
 import pytest
 
@@ -158,3 +160,136 @@ def test_llm_chat_splits_reasoning_and_passes_template_kwargs(qwen3_dir):
     kwargs = {"enable_thinking": False}
     (output,) = llm.chat(MESSAGES, SamplingParams(max_tokens=1), chat_template_kwargs=kwargs)
     assert llm.tokenizer.decode(output.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
+
+
+# ------------------------------------------------- Anthropic's thinking blocks
+
+
+@pytest.fixture
+def claude(qwen3_server):
+    with anthropic.Anthropic(
+        base_url=qwen3_server.base_url, api_key="none", max_retries=0, timeout=120
+    ) as c:
+        yield c
+
+
+def _message_args(server, regex: str, **fields) -> dict:
+    """A /v1/messages request whose output is forced to match `regex`."""
+    return dict(
+        model=server.model,
+        max_tokens=200,
+        messages=MESSAGES,
+        extra_body={"guided_regex": regex},
+        **fields,
+    )
+
+
+def _events(server, **body) -> list[dict]:
+    """The data of each event of a streamed /v1/messages reply."""
+    body = {"model": server.model, "max_tokens": 200, "messages": MESSAGES, **body}
+    url = f"{server.base_url}/v1/messages"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines]
+
+
+def _blocks(message) -> list[tuple]:
+    """Each block's type and what it says (whole or the SDK's stream accumulated)."""
+    fields = ("thinking", "signature", "text", "name", "input")
+    return [(b.type, *(getattr(b, f, None) for f in fields)) for b in message.content]
+
+
+def test_messages_thinking_block_before_the_text(claude, qwen3_server):
+    args = _message_args(qwen3_server, re.escape(REPLY))
+    message = claude.messages.create(**args)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[0].signature) == (THOUGHT, "")
+    assert message.content[1].text == "\n\nHello there!"
+    with claude.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final) == _blocks(message) and final.stop_reason == "end_turn"
+    # The events: the thinking block (ended by its signature), then the text block.
+    events = _events(qwen3_server, guided_regex=re.escape(REPLY))
+    blocks = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert blocks == ["thinking", "text"]
+    deltas = [
+        (e["index"], e["delta"]["type"]) for e in events if e["type"] == "content_block_delta"
+    ]
+    indexes = [index for index, _ in deltas]
+    assert indexes == sorted(indexes) and indexes[-1] == 1
+    thinking = [kind for index, kind in deltas if index == 0]
+    assert thinking[-1] == "signature_delta" and set(thinking[:-1]) == {"thinking_delta"}
+    # display "omitted": the block without its text.
+    omitted = claude.messages.create(**args, thinking={"type": "adaptive", "display": "omitted"})
+    assert omitted.content[0].type == "thinking" and omitted.content[0].thinking == ""
+
+
+def test_messages_thinking_disabled_renders_the_no_think_prompt(claude, qwen3_server, qwen3_dir):
+    tokenizer = Tokenizer.from_pretrained(str(qwen3_dir))
+    prompt = tokenizer.apply_chat_template(MESSAGES)
+    no_think = tokenizer.apply_chat_template(MESSAGES, enable_thinking=False)
+    assert no_think == prompt + "<think>\n\n</think>\n\n"
+
+    def counted(**fields) -> int:
+        args = dict(model=qwen3_server.model, messages=MESSAGES, **fields)
+        return claude.messages.count_tokens(**args).input_tokens
+
+    assert counted(thinking={"type": "disabled"}) == len(tokenizer.encode(no_think)) > counted()
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    assert counted(thinking=enabled) == len(tokenizer.encode(prompt))
+    message = claude.messages.create(
+        **_message_args(qwen3_server, "Hello!"), thinking={"type": "disabled"}
+    )
+    assert message.usage.input_tokens == counted(thinking={"type": "disabled"})
+    assert [block.type for block in message.content] == ["text"]
+
+
+@pytest.mark.parametrize(
+    "thinking, max_tokens, says",
+    [
+        ({"type": "enabled"}, 2000, "budget_tokens is required"),
+        ({"type": "enabled", "budget_tokens": 1023}, 2000, "at least 1024"),
+        ({"type": "enabled", "budget_tokens": 2000}, 2000, "less than max_tokens (2000)"),
+        ({"type": "sometimes"}, 2000, "thinking.type"),
+    ],
+)
+def test_messages_bad_thinking_is_a_400_naming_the_field(
+    claude, qwen3_server, thinking, max_tokens, says
+):
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(
+            model=qwen3_server.model, max_tokens=max_tokens, messages=MESSAGES, thinking=thinking
+        )
+    error = raised.value.body["error"]
+    assert error["type"] == "invalid_request_error" and "thinking" in error["message"]
+    assert says in error["message"]
+
+
+CITY = "Paris, the capital and most populous city of France"
+CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{CITY}"}}}}\n</tool_call>'
+WEATHER = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def test_messages_tool_use_streams_its_input(claude, qwen3_server):
+    regex = re.escape(f"<think>{THOUGHT}</think>\n\n{CALL}")
+    args = _message_args(qwen3_server, regex, tools=[WEATHER])
+    message = claude.messages.create(**args)
+    assert [block.type for block in message.content] == ["thinking", "tool_use"]
+    assert message.content[1].input == {"city": CITY} and message.stop_reason == "tool_use"
+    with claude.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final) == _blocks(message)
+    assert final.stop_reason == "tool_use"
+    events = _events(qwen3_server, tools=[WEATHER], guided_regex=regex)
+    (start,) = [e for e in events if e.get("content_block", {}).get("type") == "tool_use"]
+    assert start["content_block"]["name"] == "get_weather" and start["content_block"]["input"] == {}
+    fragments = [
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["index"] == start["index"]
+    ]
+    assert len(fragments) > 3 and json.loads("".join(fragments)) == {"city": CITY}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pyllm.entrypoints.tool_calls import may_be_hermes, parse_hermes, parse_named, parse_required
+from pyllm.entrypoints.tool_calls import parse_hermes, parse_named, parse_required
 
 NAMES = {"get_weather", "get_time"}
 
@@ -44,8 +44,3 @@ def test_constrained_outputs():
     assert parse_required('[{"name": "get_ti') is None  # cut by max_tokens
     assert parse_named("get_time", '{"zone": "UTC"}')[0].arguments == '{"zone": "UTC"}'
     assert parse_named("get_time", '{"zone": ') is None
-
-
-def test_may_be_hermes():
-    assert may_be_hermes("") and may_be_hermes("  <tool") and may_be_hermes("<tool_call>{")
-    assert not may_be_hermes("Hello") and not may_be_hermes("<b>")
