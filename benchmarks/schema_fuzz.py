@@ -3,6 +3,7 @@
     python benchmarks/schema_fuzz.py                       # starts a small server itself
     python benchmarks/schema_fuzz.py --url http://127.0.0.1:8000 --api-key KEY
     python benchmarks/schema_fuzz.py --max-examples 40 --mutations 3000 --seed 1
+    python benchmarks/schema_fuzz.py --paths /v1/messages /v1/messages/count_tokens
 
 Two stages, one report:
 1. schemathesis against the server's own /openapi.json, positive and negative data
@@ -14,7 +15,8 @@ Two stages, one report:
    then one to three of its fields, top-level or nested (messages[0].tool_calls,
    tools[0].function.parameters, response_format.json_schema.schema, ...), replaced by
    any JSON value (deep, huge, empty, of the wrong type) or by a JSON string of one.
-   Checks: no 5xx, and every 4xx in OpenAI's error shape.
+   Checks: no 5xx, and every 4xx in the API's error shape (OpenAI's, or Anthropic's on
+   /v1/messages).
 
 The started server keeps generated requests cheap: a short context and few sequences per
 request. Prints the cases and server errors of each stage and in all; exits 1 if any
@@ -84,13 +86,50 @@ BASES = {
     ),
     "/detokenize": ({"tokens": [1, 2, 3]}, ["tokens", "tokens.0", "model"]),
 }  # fmt: skip
+# Anthropic's Messages API: a conversation with thinking, a tool call and its result.
+CLAUDE_MESSAGES = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Hm.", "signature": "s"},
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "2"}]},
+        {"type": "text", "text": "So?"}]},
+]  # fmt: skip
+CLAUDE_TOOL = {"name": "f", "description": "d", "input_schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}  # fmt: skip
+CLAUDE_PATHS = [
+    "messages", "messages.0", "messages.0.role", "messages.0.content", "messages.1.content",
+    "messages.1.content.0", "messages.1.content.0.type", "messages.1.content.1",
+    "messages.1.content.2", "messages.1.content.2.input", "messages.1.content.2.name",
+    "messages.1.content.2.id", "messages.2.content", "messages.2.content.0",
+    "messages.2.content.0.content", "messages.2.content.0.content.0",
+    "messages.2.content.0.tool_use_id", "messages.2.content.0.is_error", "system", "tools",
+    "tools.0", "tools.0.name", "tools.0.input_schema", "tools.0.type", "tool_choice",
+    "thinking", "thinking.type", "thinking.budget_tokens", "model",
+]  # fmt: skip
+BASES["/v1/messages"] = (
+    {"messages": CLAUDE_MESSAGES, "max_tokens": 2, "system": "Be brief.",
+     "tools": [CLAUDE_TOOL], "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
+     "stop_sequences": ["x"], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stream": False,
+     "metadata": {"user_id": "u"}},
+    [*CLAUDE_PATHS, "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+     "metadata", "guided_regex", "guided_json", "tool_choice.type", "tool_choice.name"],
+)  # fmt: skip
+BASES["/v1/messages/count_tokens"] = (
+    {"messages": CLAUDE_MESSAGES, "system": [{"type": "text", "text": "Be brief."}],
+     "tools": [CLAUDE_TOOL], "thinking": {"type": "enabled", "budget_tokens": 1024}},
+    CLAUDE_PATHS,
+)  # fmt: skip
 
 
 def run_schemathesis(url: str, args) -> tuple[int, int, int]:
     """(cases, cases failing a check, server errors) of one schemathesis run."""
     with tempfile.TemporaryDirectory() as reports:
+        paths = [option for path in args.paths or () for option in ("--include-path", path)]
         command = [
-            "schemathesis", "run", f"{url}/openapi.json",
+            "schemathesis", "run", f"{url}/openapi.json", *paths,
             "--mode", "all",
             "--phases", "examples,coverage,fuzzing",
             "--checks", ",".join(CHECKS),
@@ -185,7 +224,7 @@ def run_mutations(url: str, model: str, args) -> tuple[int, int, int]:
 
     totals = {"cases": 0, "failing": 0, "server_errors": 0, "2xx": 0}
     headers = {"Authorization": f"Bearer {args.api_key}"}
-    routes = sorted(BASES)
+    routes = sorted(args.paths or BASES)
 
     @st.composite
     def requests(draw):
@@ -220,7 +259,7 @@ def run_mutations(url: str, model: str, args) -> tuple[int, int, int]:
         except httpx.HTTPError as error:
             problem = f"no response: {error!r}"
         else:
-            problem = _problem(response)
+            problem = _problem(response, path)
             totals["2xx"] += response.is_success
         if problem:
             totals["failing"] += 1
@@ -233,19 +272,26 @@ def run_mutations(url: str, model: str, args) -> tuple[int, int, int]:
     return totals["cases"], totals["failing"], totals["server_errors"]
 
 
-def _problem(response: httpx.Response) -> str | None:
+def _problem(response: httpx.Response, path: str) -> str | None:
+    claude = path.startswith("/v1/messages")
     if response.status_code >= 500:
         return f"{response.status_code}: {response.text[:300]}"
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         for line in response.text.splitlines():
-            if line.startswith("data: {") and '"server_error"' in line:
+            if line.startswith("data: {") and ('"server_error"' in line or '"api_error"' in line):
                 return f"500 in the stream: {line[:300]}"  # counted as a server error
     if response.status_code >= 400:
         try:
-            error = response.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            body = response.json()
+            error = body["error"]
+            if claude:
+                assert body["type"] == "error" and set(error) == {"type", "message"}
+            else:
+                assert set(error) == {"message", "type", "param", "code"}
+            assert error["message"]
         except (ValueError, KeyError, TypeError, AssertionError):
-            return f"{response.status_code} not in OpenAI's error shape: {response.text[:300]}"
+            shape = "Anthropic's" if claude else "OpenAI's"
+            return f"{response.status_code} not in {shape} error shape: {response.text[:300]}"
     return None
 
 
@@ -256,6 +302,9 @@ def main() -> int:
     parser.add_argument("--max-examples", type=int, default=20, help="schemathesis, per operation")
     parser.add_argument("--mutations", type=int, default=1500, help="mutated requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--paths", nargs="+", choices=sorted(BASES), help="only these routes (default: all)"
+    )
     args = parser.parse_args()
     if shutil.which("schemathesis") is None:
         print("schemathesis is not installed: pip install schemathesis", file=sys.stderr)
