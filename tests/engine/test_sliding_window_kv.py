@@ -1,0 +1,157 @@
+"""Sliding-window layers on a block pool of their own (HybridBlockManager): a tiny random
+Gemma 3 (two window layers of 16 tokens, one global layer) generates the same greedy
+tokens as with every layer keeping every token (disable_hybrid_kv_cache_manager),
+while its window layers hold only their window."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pyllm import LLM, SamplingParams
+from pyllm.attention.paged import window_blocks
+from pyllm.engine.config import ConfigError
+from pyllm.engine.hybrid_block_manager import NULL_BLOCK, HybridBlockManager
+from tests.engine.test_engine import _write_byte_tokenizer
+from tests.model.conftest import make_hf_model
+
+WINDOW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    make_hf_model("gemma3", path, max_position_embeddings=1024, num_hidden_layers=3,
+                  sliding_window=WINDOW, layer_types=LAYERS)  # fmt: skip
+    _write_byte_tokenizer(path, vocab_size=512)
+    return str(path)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """Mixed lengths: shorter than the window, a block, and many windows long."""
+    rng = random.Random(seed)
+    return [[rng.randint(2, 511) for _ in range(n)] for n in (1, 15, 16, 17, 40, 100, 170, 300)]
+
+
+def _generate(llm: LLM, prompts) -> list[list[int]]:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _engine(gemma_dir, **options) -> LLM:
+    options.setdefault("kv_cache_memory", 0.02)
+    return LLM(gemma_dir, dtype="float32", **options)
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_dir):
+    """Every layer keeps every token (one pool)."""
+    llm = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True)
+    assert not isinstance(llm.engine.kv_manager, HybridBlockManager)
+    return _generate(llm, _prompts())
+
+
+def _assert_all_free(llm: LLM) -> None:
+    manager = llm.engine.kv_manager
+    full, window = manager.full, manager.window
+    assert full.num_free_blocks == full.num_blocks
+    assert window.num_free_blocks == window.num_blocks - 1  # all but the null block
+    assert all(b.ref_count == 0 for b in full.blocks)
+    assert [b.block_id for b in window.blocks if b.ref_count] == [NULL_BLOCK]
+    assert not llm.engine.scheduler.has_unfinished
+
+
+def _run_watching_windows(llm: LLM, prompts) -> tuple[list[list[int]], int]:
+    """Steps the engine by hand; returns the outputs and the most window blocks any
+    sequence held after a step."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
+    outputs: dict[str, list[int]] = {}
+    most = 0
+    while engine.scheduler.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            held = [b for b in seq.window_block_table if b != NULL_BLOCK]
+            most = max(most, len(held))
+            assert len(seq.window_block_table) == len(seq.block_table)
+    return [outputs[str(i)] for i in range(len(prompts))], most
+
+
+@pytest.mark.parametrize("budget", [7, 32, 512])
+def test_window_layers_keep_only_their_window(gemma_dir, reference, budget):
+    """Chunked prefill (chunks shorter and longer than the window), a batch of mixed
+    lengths: the same tokens, each sequence holding at most its chunk and window."""
+    llm = _engine(gemma_dir, max_num_batched_tokens=budget)
+    manager = llm.engine.kv_manager
+    assert isinstance(manager, HybridBlockManager)
+    assert llm.engine.kv_cache.window_layers == (0, 1)
+    outputs, most = _run_watching_windows(llm, _prompts())
+    assert outputs == reference
+    # After a step a sequence keeps the window before its next token, and a decode's
+    # own block: never the 300-token prompt's 19 blocks.
+    assert most <= window_blocks(WINDOW, 1, 16)
+    _assert_all_free(llm)
+
+
+def test_preemption_recomputes_exactly(gemma_dir, reference):
+    """Pools of 26 global blocks and 6 window blocks (one 64-token chunk with its window)
+    for 8 prompts of up to 324 tokens: the engine preempts and recomputes."""
+    global_block = 2 * 2 * 64 * 16 * 4  # one layer, 2 kv heads of 64, float32
+    llm = _engine(gemma_dir, kv_cache_memory=40 * global_block / 2**30, max_num_batched_tokens=64)
+    manager = llm.engine.kv_manager
+    assert (manager.full.num_blocks, manager.num_window_blocks) == (26, 6)
+    assert _generate(llm, _prompts()) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_all_free(llm)
+
+
+def test_prefix_hit_needs_the_window_before_it(gemma_dir):
+    """A hit is taken whole while the window pool still holds the blocks of the window
+    before it; once other prompts have cycled those out, it is shortened (here to
+    nothing) and the prompt recomputed: the same tokens either way."""
+    rng = random.Random(1)
+    prefix = [rng.randint(2, 511) for _ in range(160)]
+    first, second = prefix + [3, 4, 5], prefix + [6, 7]
+    plain = _engine(gemma_dir, enable_prefix_caching=False)
+    expected = _generate(plain, [second])[0]
+
+    llm = _engine(gemma_dir)
+    manager = llm.engine.kv_manager
+    _generate(llm, [first])
+    out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 160
+    assert out.outputs[0].token_ids == expected
+
+    # Other prompts take every window block since (the global pool keeps the prefix).
+    window_tokens = manager.num_window_blocks * 16
+    _generate(llm, [[rng.randint(2, 511) for _ in range(300)] for _ in range(window_tokens // 250)])
+    assert all(manager.full.cached_blocks.get(b.hash) == b.block_id
+               for b in manager.full.blocks if b.hash is not None)  # fmt: skip
+    out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens < 160
+    assert out.outputs[0].token_ids == expected
+    _assert_all_free(llm)
+
+
+def test_pools_count_what_each_group_holds(gemma_dir):
+    """The same budget holds more tokens of context when window layers keep only their
+    window: the global pool gets most of it."""
+    plain = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True).engine.kv_manager
+    hybrid = _engine(gemma_dir).engine.kv_manager
+    assert hybrid.full.num_blocks > 2 * plain.num_blocks
+    assert plain.committed_bytes() <= hybrid.committed_bytes() <= 0.02 * 2**30
+    assert "window kv_blocks=" in hybrid.describe()
+
+
+def test_prefix_cache_dir_is_refused_with_windows(gemma_dir, tmp_path):
+    with pytest.raises(ConfigError, match="disable_hybrid_kv_cache_manager"):
+        _engine(gemma_dir, prefix_cache_dir=str(tmp_path / "kv"))
+    llm = _engine(gemma_dir, prefix_cache_dir=str(tmp_path / "kv"),
+                  disable_hybrid_kv_cache_manager=True)  # fmt: skip
+    llm.engine.close()
