@@ -193,11 +193,11 @@ class PagedBackend(AttentionBackend):
         """(count, window_count) for a cache whose sliding-window layers hold only their
         window, in budget_bytes; None where the model has no such layers, or only such.
 
-        The window pool first gets one step's worst case (a chunk of
-        max_num_batched_tokens and the window before it) and the null block; the rest
-        is split so both pools hold as many sequences of max_model_len tokens (a window
-        layer keeps window_blocks(window, 1) of each), the window pool never more than
-        max_num_seqs such sequences take."""
+        The window pool gets what it can use: one step's worst case (a chunk of
+        max_num_batched_tokens and the window before it) and the null block, plus
+        max_num_seqs windows; never more than the blocks one pool for every layer would
+        have (so neither group holds fewer tokens than it did there). The global pool
+        gets the rest: the fewer sequences at once, the longer their context."""
         windows = [w for w in spec.layer_windows if w]
         if not windows or len(windows) == spec.num_layers:
             return None
@@ -206,12 +206,9 @@ class PagedBackend(AttentionBackend):
         full_block = token * (spec.num_layers - len(windows)) * bs
         window_block = token * len(windows) * bs
         reserve = window_blocks(window, max_num_batched_tokens, bs) + 1
-        per_seq = window_blocks(window, 1, bs)
-        rest = budget_bytes - reserve * window_block
-        full_blocks_per_seq = -(-spec.max_model_len // bs)
-        share = per_seq * window_block / (per_seq * window_block + full_blocks_per_seq * full_block)
-        extra = min(int(max(rest, 0) * share) // window_block, per_seq * max_num_seqs)
-        window_count = reserve + extra
+        usable = reserve + window_blocks(window, 1, bs) * max_num_seqs
+        one_pool = budget_bytes // (full_block + window_block)
+        window_count = max(reserve, min(usable, one_pool))
         count = int((budget_bytes - window_count * window_block) // full_block)
         if count < 1:
             raise ValueError(

@@ -55,7 +55,7 @@ class BlockManager:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.table = table  # the Sequence field holding this cache's block table
         self.block_size = block_size
-        self.block_bytes = block_bytes  # KV memory of one block, all layers
+        self.block_bytes = block_bytes  # KV memory of one block, all layers of this pool
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in the order they were freed: allocation takes the oldest, so

@@ -100,12 +100,14 @@ def test_window_layers_keep_only_their_window(gemma_dir, reference, budget):
 
 
 def test_preemption_recomputes_exactly(gemma_dir, reference):
-    """Pools of 26 global blocks and 6 window blocks (one 64-token chunk with its window)
-    for 8 prompts of up to 324 tokens: the engine preempts and recomputes."""
+    """Pools of 26 global blocks and 14 window blocks (a 64-token chunk with its window,
+    and 4 sequences' windows) for 8 prompts of up to 324 tokens, 4 at once: the engine
+    preempts and recomputes."""
     global_block = 2 * 2 * 64 * 16 * 4  # one layer, 2 kv heads of 64, float32
-    llm = _engine(gemma_dir, kv_cache_memory=40 * global_block / 2**30, max_num_batched_tokens=64)
+    llm = _engine(gemma_dir, kv_cache_memory=56 * global_block / 2**30, max_num_seqs=4,
+                  max_num_batched_tokens=64)  # fmt: skip
     manager = llm.engine.kv_manager
-    assert (manager.full.num_blocks, manager.num_window_blocks) == (26, 6)
+    assert (manager.full.num_blocks, manager.num_window_blocks) == (26, 14)
     assert _generate(llm, _prompts()) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_free(llm)
@@ -121,7 +123,7 @@ def test_prefix_hit_needs_the_window_before_it(gemma_dir):
     plain = _engine(gemma_dir, enable_prefix_caching=False)
     expected = _generate(plain, [second])[0]
 
-    llm = _engine(gemma_dir)
+    llm = _engine(gemma_dir, max_num_seqs=4)  # a window pool of 4 windows and a chunk
     manager = llm.engine.kv_manager
     _generate(llm, [first])
     out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
@@ -139,12 +141,17 @@ def test_prefix_hit_needs_the_window_before_it(gemma_dir):
     _assert_all_free(llm)
 
 
-def test_pools_count_what_each_group_holds(gemma_dir):
-    """The same budget holds more tokens of context when window layers keep only their
-    window: the global pool gets most of it."""
+@pytest.mark.parametrize("max_num_seqs", [1, 8, 256])
+def test_pools_count_what_each_group_holds(gemma_dir, max_num_seqs):
+    """Neither group holds fewer tokens than one pool for every layer would; what the
+    window layers cannot use (max_num_seqs windows and a chunk) goes to the global pool."""
     plain = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True).engine.kv_manager
-    hybrid = _engine(gemma_dir).engine.kv_manager
-    assert hybrid.full.num_blocks > 2 * plain.num_blocks
+    hybrid = _engine(gemma_dir, max_num_seqs=max_num_seqs).engine.kv_manager
+    assert hybrid.full.num_blocks >= plain.num_blocks
+    usable = window_blocks(WINDOW, 512, 16) + 1 + window_blocks(WINDOW, 1, 16) * max_num_seqs
+    assert hybrid.window.num_blocks == min(usable, plain.num_blocks)
+    if usable < plain.num_blocks:
+        assert hybrid.full.num_blocks > 2 * plain.num_blocks
     assert plain.committed_bytes() <= hybrid.committed_bytes() <= 0.02 * 2**30
     assert "window kv_blocks=" in hybrid.describe()
 
