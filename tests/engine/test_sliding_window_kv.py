@@ -11,9 +11,13 @@ import pytest
 
 from pyllm import LLM, SamplingParams
 from pyllm.attention.paged import window_blocks
+from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.config import ConfigError
 from pyllm.engine.hybrid_block_manager import NULL_BLOCK, HybridBlockManager
+from pyllm.engine.sequence import Sequence
 from tests.engine.test_engine import _write_byte_tokenizer
+from tests.engine.test_spec_decode import NGRAM
+from tests.engine.test_spec_decode import _prompts as spec_prompts
 from tests.model.conftest import make_hf_model
 
 WINDOW = 16
@@ -162,3 +166,40 @@ def test_prefix_cache_dir_is_refused_with_windows(gemma_dir, tmp_path):
     llm = _engine(gemma_dir, prefix_cache_dir=str(tmp_path / "kv"),
                   disable_hybrid_kv_cache_manager=True)  # fmt: skip
     llm.engine.close()
+
+
+def test_speculative_decoding_matches_one_pool(gemma_dir):
+    """Prompt lookup's proposals are verified as prefill chunks over both pools: the
+    same tokens as with one pool, and every block back."""
+    prompts = spec_prompts(6, seed=5)
+    options = {"speculative_config": NGRAM, "max_num_batched_tokens": 32}
+    plain = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True, **options)
+    llm = _engine(gemma_dir, **options)
+    assert _generate(llm, prompts) == _generate(plain, prompts)
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    _assert_all_free(llm)
+
+
+def test_trim_and_release_in_both_pools():
+    """The bookkeeping alone: a window of 16 in blocks of 16. Blocks behind the window
+    leave the window table after a step; rejected proposals' blocks leave both."""
+    full = BlockManager(64, 16)
+    window = BlockManager(16, 16, table="window_block_table")
+    manager = HybridBlockManager(full, window, sliding_window=16)
+    seq = Sequence("s", list(range(2, 102)), SamplingParams(max_tokens=40))
+    manager.match_prefix(seq)
+    manager.append_slots(seq, 100)  # the prompt in one chunk: 7 blocks in each pool
+    assert (len(seq.block_table), window.num_free_blocks) == (7, 15 - 7)
+    seq.num_computed_tokens = 100
+    manager.register_computed_blocks(seq)  # the next query (100) sees keys 85..100
+    assert seq.window_block_table[:5] == [NULL_BLOCK] * 5
+    assert window.num_free_blocks == 15 - 2
+    seq.token_ids.append(7)
+    manager.append_slots(seq, 1 + 30)  # a decode with 30 proposed tokens
+    assert len(seq.block_table) == len(seq.window_block_table) == 9
+    seq.num_computed_tokens = 102  # one accepted: the rest rolled back
+    manager.trim(seq)
+    assert len(seq.block_table) == len(seq.window_block_table) == 7
+    assert (full.num_free_blocks, window.num_free_blocks) == (64 - 7, 15 - 2)
+    manager.free(seq)
+    assert (full.num_free_blocks, window.num_free_blocks) == (64, 15)
