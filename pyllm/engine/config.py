@@ -122,7 +122,7 @@ class EngineConfig:
         False,
         "keep every token's KV in sliding-window layers too, one block pool for all layers "
         "(default: with kv_cache paged, a model's window layers hold only their window, in "
-        "a pool of their own; docs/sliding-window-kv.md)",
+        "a pool of their own beside global layers; docs/sliding-window-kv.md)",
     )
     quantization: str | None = option(
         "auto",

@@ -11,7 +11,9 @@ the null block keeps the table's entries valid block numbers all the same.
 
 Both tables have one entry per block of the sequence, so a token's block index is the
 same in both. A prompt chunk of n tokens needs its window's blocks plus its own while
-it runs: at most ceil((window - 1 + n) / block_size) + 1 window blocks.
+it runs: at most ceil((window - 1 + n) / block_size) + 1 window blocks. A model whose
+every layer has a window has no global pool (`full` None): the window pool is its one
+pool, and its table seq.block_table.
 
 Prefix caching: window blocks keep their hashes while free (least recently freed
 evicted first, as in BlockManager). A prefix hit of h blocks needs, in the window
@@ -28,11 +30,15 @@ NULL_BLOCK = 0  # window pool block 0: zeros, never handed out
 
 
 class HybridBlockManager:
-    def __init__(self, full: BlockManager, window: BlockManager, sliding_window: int):
-        assert window.table == "window_block_table" and window.block_size == full.block_size
+    def __init__(self, full: BlockManager | None, window: BlockManager, sliding_window: int):
+        """full None: every layer has a window (Mistral-style); the one pool is the
+        window pool, and its table is seq.block_table."""
+        if full is not None:
+            assert window.table == "window_block_table" and window.block_size == full.block_size
         self.full, self.window = full, window
+        self.pools = [p for p in (full, window) if p is not None]
         self.sliding_window = sliding_window
-        self.block_size = full.block_size
+        self.block_size = window.block_size
         del window.free_blocks[NULL_BLOCK]
         window.blocks[NULL_BLOCK].ref_count = 1  # held for good
         self._num_released: dict[int, int] = {}  # per sequence: leading entries nulled
@@ -41,11 +47,11 @@ class HybridBlockManager:
 
     @property
     def prefix_cache_queries(self) -> int:
-        return self.full.prefix_cache_queries
+        return self.pools[0].prefix_cache_queries
 
     @property
     def prefix_cache_hits(self) -> int:
-        return self.full.prefix_cache_hits
+        return self.pools[0].prefix_cache_hits
 
     @property
     def num_window_blocks(self) -> int:
@@ -54,31 +60,36 @@ class HybridBlockManager:
 
     def describe(self) -> str:
         bs, full = self.block_size, self.full
+        size = f"{self.committed_bytes() / 2**30:.2f} GiB"
+        window = (
+            f"kv_blocks={self.num_window_blocks} ({self.num_window_blocks * bs} tokens "
+            f"of window {self.sliding_window}"
+        )
+        if full is None:
+            return f"kv_cache=paged block_size={bs} window {window}, every layer), {size}"
         return (
             f"kv_cache=paged block_size={bs} kv_blocks={full.num_blocks} "
-            f"({full.num_blocks * bs} tokens) + window kv_blocks={self.num_window_blocks} "
-            f"({self.num_window_blocks * bs} tokens of window {self.sliding_window}), "
-            f"{self.committed_bytes() / 2**30:.2f} GiB"
+            f"({full.num_blocks * bs} tokens) + window {window}), {size}"
         )
 
     def usage(self) -> float:
         """The fuller pool's share in use: either running out stops admission."""
         window_used = 1.0 - self.window.num_free_blocks / self.num_window_blocks
-        return max(self.full.usage(), window_used)
+        return max(window_used, self.full.usage() if self.full else 0.0)
 
     def committed_bytes(self) -> int:
-        return self.full.committed_bytes() + self.window.committed_bytes()
+        return sum(p.committed_bytes() for p in self.pools)
 
     def block_counts(self) -> tuple[int, int]:
-        """(free, total) over both pools."""
-        return (
-            self.full.num_free_blocks + self.window.num_free_blocks,
-            self.full.num_blocks + self.num_window_blocks,
-        )
+        """(free, total) over the pools (the null block left out)."""
+        free = sum(p.num_free_blocks for p in self.pools)
+        return free, sum(p.num_blocks for p in self.pools) - 1
 
     def check_fits(self, num_tokens: int) -> None:
-        # The window pool holds a step's chunk and its window (PagedBackend.window_cache_size).
-        self.full.check_fits(num_tokens)
+        # The window pool holds a step's chunk and its window whatever the length
+        # (checked when it is sized); the global pool holds every token.
+        if self.full is not None:
+            self.full.check_fits(num_tokens)
 
     # ---------------------------------------------------------------- blocks
 
@@ -87,28 +98,30 @@ class HybridBlockManager:
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.full.can_append(seq, num_new_tokens) and self.window.can_append(
-            seq, num_new_tokens
-        )
+        return all(p.can_append(seq, num_new_tokens) for p in self.pools)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.full.append_slots(seq, num_new_tokens)
-        self.window.append_slots(seq, num_new_tokens)
+        for pool in self.pools:
+            pool.append_slots(seq, num_new_tokens)
 
     def match_prefix(self, seq: Sequence) -> None:
-        """The global group's hit, shortened to where the window group still holds the
-        blocks of the window before it."""
-        self.full.match_prefix(seq)
+        """The global group's hit (every full prompt block where there is none),
+        shortened to where the window group still holds the blocks of the window
+        before it."""
         window, bs = self.window, self.block_size
-        hit = len(seq.block_table)
-        blocks = list(prefix_hashes(seq.token_ids, bs))[:hit]
+        blocks = list(prefix_hashes(seq.token_ids, bs))
+        if self.full is not None:
+            self.full.match_prefix(seq)
+            blocks = blocks[: len(seq.block_table)]
+        hit = len(blocks)
         cached = [window.cached_blocks.get(h) is not None for h, _ in blocks]
         while hit and not all(cached[self.first_needed(hit * bs) : hit]):
             hit -= 1
-        if hit < len(seq.block_table):
+        if self.full is not None and hit < len(seq.block_table):
             self.full.drop_hits(seq, hit)
         start = self.first_needed(hit * bs)
-        table = seq.window_block_table
+        table = window.block_table(seq)
+        assert not table
         table.extend([NULL_BLOCK] * start)
         for h, chunk in blocks[start:hit]:
             block_id = window._hold_cached(h, chunk)
@@ -116,13 +129,17 @@ class HybridBlockManager:
             table.append(block_id)
         window._num_hashed[id(seq)] = (hit, blocks[hit - 1][0] if hit else None)
         self._num_released[id(seq)] = start
+        if self.full is None:
+            seq.num_computed_tokens = seq.num_cached_prompt_tokens = hit * bs
+            if window.enable_prefix_caching:
+                window._uncounted[id(seq)] = (seq.num_tokens, hit * bs)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: offers the new full blocks of both groups to later prompts,
         then gives back the window blocks no later query of seq can see."""
-        self.full.register_computed_blocks(seq)
-        self.window.register_computed_blocks(seq)
-        table = seq.window_block_table
+        for pool in self.pools:
+            pool.register_computed_blocks(seq)
+        table = self.window.block_table(seq)
         released = self._num_released.get(id(seq), 0)
         first = self.first_needed(seq.num_computed_tokens)
         for i in range(released, first):
@@ -132,11 +149,12 @@ class HybridBlockManager:
 
     def trim(self, seq: Sequence) -> None:
         # Only blocks past the computed tokens go: never before the window.
-        self.full.trim(seq)
-        self.window.trim(seq)
+        for pool in self.pools:
+            pool.trim(seq)
 
     def free(self, seq: Sequence) -> None:
-        seq.window_block_table = [b for b in seq.window_block_table if b != NULL_BLOCK]
-        self.window.free(seq)
-        self.full.free(seq)
+        table = self.window.block_table(seq)
+        table[:] = [b for b in table if b != NULL_BLOCK]
+        for pool in reversed(self.pools):
+            pool.free(seq)
         self._num_released.pop(id(seq), None)

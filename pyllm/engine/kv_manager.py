@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pyllm.attention.backend import KVCache
+from pyllm.attention.paged import window_blocks
 from pyllm.attention.registry import get_backend
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.hybrid_block_manager import HybridBlockManager
@@ -85,6 +86,7 @@ def allocate_kv_cache(
     most max_num_seqs). max_num_batched_tokens > 0 (the paged layout): sliding-window
     layers hold only their window, in a pool of their own (HybridBlockManager)."""
     backend = get_backend(layout)
+    windows = model.cache_spec.layer_windows
     if max_num_batched_tokens:
         sizes = backend.window_cache_size(
             model.cache_spec, budget, block_size, max_num_seqs, max_num_batched_tokens
@@ -92,6 +94,9 @@ def allocate_kv_cache(
         if sizes is not None:
             return _hybrid_cache(model, backend, sizes, block_size, prefix_caching)
     count = backend.cache_size(model.cache_spec, budget, block_size, max_num_seqs)
+    if max_num_batched_tokens and backend.addressing == "blocks" and windows and all(windows):
+        return _windowed_cache(model, backend, count, block_size, prefix_caching,
+                               max_num_batched_tokens)  # fmt: skip
     cache = model.allocate_kv_cache(backend, count, block_size)
     if backend.addressing == "slots":
         # Virtual room for count sequences; only `budget` bytes of it are ever
@@ -99,6 +104,21 @@ def allocate_kv_cache(
         return cache, SlotManager(cache.memory, budget)
     block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
     return cache, BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)
+
+
+def _windowed_cache(model, backend, count, block_size, prefix_caching, max_num_batched_tokens):
+    """Every layer has a window (Mistral-style): one pool, blocks behind the window freed."""
+    window = max(model.cache_spec.layer_windows)
+    need = window_blocks(window, max_num_batched_tokens, block_size) + 1  # and the null block
+    if count < need:
+        raise ValueError(
+            f"kv_cache_memory holds {count} KV blocks; one step of max_num_batched_tokens="
+            f"{max_num_batched_tokens} with its window of {window} needs {need}"
+        )
+    cache = model.allocate_kv_cache(backend, count, block_size)
+    block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
+    pool = BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)
+    return cache, HybridBlockManager(None, pool, window)
 
 
 def _hybrid_cache(model, backend, sizes: tuple[int, int], block_size: int, prefix_caching: bool):

@@ -21,6 +21,7 @@ import pyllm.ops as ops
 from pyllm.attention.backend import KVCache
 from pyllm.engine.block_store import BlockStore, store_identity
 from pyllm.engine.config import ConfigError, EngineConfig
+from pyllm.engine.hybrid_block_manager import HybridBlockManager
 from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
 from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
@@ -123,7 +124,7 @@ class LLMEngine:
             cfg.enable_prefix_caching,
             cfg.max_num_batched_tokens if windowed else 0,
         )
-        if cache.window_layers and cfg.prefix_cache_dir is not None:
+        if isinstance(manager, HybridBlockManager) and cfg.prefix_cache_dir is not None:
             raise ConfigError(
                 "prefix_cache_dir",
                 "stores every layer's KV of a block, but this model's sliding-window layers "

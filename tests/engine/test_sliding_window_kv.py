@@ -68,7 +68,9 @@ def _assert_all_free(llm: LLM) -> None:
     assert not llm.engine.scheduler.has_unfinished
 
 
-def _run_watching_windows(llm: LLM, prompts) -> tuple[list[list[int]], int]:
+def _run_watching_windows(
+    llm: LLM, prompts, table: str = "window_block_table"
+) -> tuple[list[list[int]], int]:
     """Steps the engine by hand; returns the outputs and the most window blocks any
     sequence held after a step."""
     engine = llm.engine
@@ -81,9 +83,9 @@ def _run_watching_windows(llm: LLM, prompts) -> tuple[list[list[int]], int]:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         for seq in engine.scheduler.running:
-            held = [b for b in seq.window_block_table if b != NULL_BLOCK]
+            held = [b for b in getattr(seq, table) if b != NULL_BLOCK]
             most = max(most, len(held))
-            assert len(seq.window_block_table) == len(seq.block_table)
+            assert len(getattr(seq, table)) == -(-seq.num_computed_tokens // 16)
     return [outputs[str(i)] for i in range(len(prompts))], most
 
 
@@ -203,3 +205,42 @@ def test_trim_and_release_in_both_pools():
     assert (full.num_free_blocks, window.num_free_blocks) == (64 - 7, 15 - 2)
     manager.free(seq)
     assert (full.num_free_blocks, window.num_free_blocks) == (64, 15)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    """Every layer with a window (Mistral v0.1's kind): one pool, freed behind it."""
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    make_hf_model("mistral", path, max_position_embeddings=1024, sliding_window=WINDOW)
+    _write_byte_tokenizer(path, vocab_size=512)
+    return str(path)
+
+
+@pytest.mark.parametrize("budget", [7, 512])
+def test_every_layer_windowed_keeps_one_window(mistral_dir, budget):
+    plain = _engine(mistral_dir, disable_hybrid_kv_cache_manager=True)
+    expected = _generate(plain, _prompts())
+    llm = _engine(mistral_dir, max_num_batched_tokens=budget)
+    manager = llm.engine.kv_manager
+    assert manager.full is None and "every layer" in manager.describe()
+    outputs, most = _run_watching_windows(llm, _prompts(), table="block_table")
+    assert outputs == expected
+    assert most <= window_blocks(WINDOW, 1, 16)
+    window = manager.window
+    assert window.num_free_blocks == window.num_blocks - 1
+    assert [b.block_id for b in window.blocks if b.ref_count] == [NULL_BLOCK]
+
+
+def test_every_layer_windowed_prefix_hit_needs_only_the_window(mistral_dir):
+    """With no global layer, a hit needs only the window's blocks before it."""
+    rng = random.Random(3)
+    prefix = [rng.randint(2, 511) for _ in range(160)]
+    plain = _engine(mistral_dir, enable_prefix_caching=False)
+    expected = _generate(plain, [prefix + [6, 7]])[0]
+    llm = _engine(mistral_dir)
+    _generate(llm, [prefix + [3, 4, 5]])
+    out = llm.generate(prompt_token_ids=[prefix + [6, 7]], sampling_params=GREEDY,
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.num_cached_tokens == 160
+    assert out.outputs[0].token_ids == expected
+    assert llm.engine.kv_manager.prefix_cache_hits == 160
