@@ -244,3 +244,19 @@ def test_every_layer_windowed_prefix_hit_needs_only_the_window(mistral_dir):
     assert out.num_cached_tokens == 160
     assert out.outputs[0].token_ids == expected
     assert llm.engine.kv_manager.prefix_cache_hits == 160
+
+
+def test_samples_share_the_prompts_window_blocks(gemma_dir):
+    """n=3 seeded samples: the siblings take the first one's prompt blocks from the
+    prefix cache (window blocks held by several sequences, released by each)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    prompts = _prompts()[5:]
+
+    def samples(llm: LLM) -> list[list[list[int]]]:
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outputs]
+
+    llm = _engine(gemma_dir)
+    assert samples(llm) == samples(_engine(gemma_dir, disable_hybrid_kv_cache_manager=True))
+    assert llm.engine.kv_manager.prefix_cache_hits > 0
+    _assert_all_free(llm)
