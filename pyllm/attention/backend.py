@@ -28,6 +28,7 @@ class ScheduledSequence(Protocol):
 
     num_computed_tokens: int
     block_table: list[int]
+    window_block_table: list[int]
     kv_slot: int | None
 
 
@@ -50,18 +51,23 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); () all 0
 
 
 @dataclass
 class KVCache:
     """One allocated cache: every layer's (key_cache, value_cache) in its backend's
     layout, what holds their memory where the backend tracks it (the contiguous
-    layout's KVArena), and which of its caller's caches it is."""
+    layout's KVArena), and which of its caller's caches it is. window_layers: the
+    sliding-window layers whose cache is a pool of its own (window_blocks blocks,
+    addressed by the metadata's `window` part); () where every layer's is alike."""
 
     backend: AttentionBackend
     layers: list[KVPair]
     memory: Any = None
     cache_id: int = MAIN_CACHE
+    window_layers: tuple[int, ...] = ()
+    window_blocks: int = 0
 
 
 class AttentionBackend(ABC):
@@ -79,8 +85,10 @@ class AttentionBackend(ABC):
         decodes: list[tuple[ScheduledSequence, int]],
         block_size: int,
         device: torch.device,
+        windowed: bool = False,
     ) -> AttentionMetadata:
-        """The metadata of a step of (sequence, tokens) prefill chunks, then decodes."""
+        """The metadata of a step of (sequence, tokens) prefill chunks, then decodes
+        (windowed: for a cache with window_layers)."""
         slot_mapping = []
         for seq, n in prefills + decodes:
             slot_mapping.extend(self.token_slots(seq, n, block_size))
@@ -110,6 +118,11 @@ class AttentionBackend(ABC):
     def validate(self, meta: AttentionMetadata, kv_cache: KVPair, device: torch.device) -> None:
         """Checks meta's shapes, dtypes and index ranges against one layer's cache (every
         layer's is alike); raises ValueError naming the field."""
+
+    def validate_cache(self, meta: AttentionMetadata, cache: KVCache, device) -> None:
+        """validate against the cache's layers (a layout with window_layers checks both
+        kinds)."""
+        self.validate(meta, cache.layers[0], device)
 
     # -------------------------------------------------------------- attention
 
@@ -145,11 +158,26 @@ class AttentionBackend(ABC):
         """allocate's count for a cache of budget_bytes (or, for a cache that commits
         memory as it goes, of room for max_num_seqs sequences)."""
 
+    def window_cache_size(
+        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> tuple[int, int] | None:  # fmt: skip
+        """(count, window_count) where this layout gives sliding-window layers a pool of
+        their own (allocate's window_count); None: every layer alike."""
+        return None
+
     @abstractmethod
     def allocate(
-        self, spec: CacheSpec, count: int, block_size: int, cache_id: int = MAIN_CACHE
+        self,
+        spec: CacheSpec,
+        count: int,
+        block_size: int,
+        cache_id: int = MAIN_CACHE,
+        window_count: int = 0,
     ) -> KVCache:
-        """A cache of count units: blocks of block_size tokens, or sequence slots."""
+        """A cache of count units: blocks of block_size tokens, or sequence slots;
+        window_count > 0 (a layout that supports it): the sliding-window layers get a
+        pool of that many blocks of their own."""
 
     # ---------------------------------------------------- tensor-parallel step
 

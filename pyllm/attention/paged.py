@@ -8,6 +8,7 @@ tokens and paged_attention_v1/v2 decode tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,13 @@ CUDA_V2_MAX_SEQ_HEADS = 512
 class PagedMetadata(AttentionMetadata):
     """slot_mapping: slot = block_number * block_size + offset (-1 skips).
     prefill_block_tables [P, B] int32 and decode_block_tables [D, B'] int32: each
-    sequence's blocks, padded (only the entries that cover cached tokens are read)."""
+    sequence's blocks, padded (only the entries that cover cached tokens are read).
+    window: for a cache whose sliding-window layers have a pool of their own, the same
+    step in that pool (its slot_mapping and block tables; the rest shared)."""
 
     prefill_block_tables: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
+    window: PagedMetadata | None = None
 
     @property
     def backend(self) -> PagedBackend:
@@ -61,10 +65,14 @@ def use_v2(meta: AttentionMetadata, num_heads: int, device: torch.device) -> boo
     return device.type == "cuda" and few_pairs
 
 
-def _padded_block_tables(seqs: list[ScheduledSequence], device: torch.device) -> torch.Tensor:
-    width = max((len(s.block_table) for s in seqs), default=0)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
+def _padded_block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(tables), width)
+
+
+def _token_slots(table: list[int], start: int, n: int, bs: int) -> list[int]:
+    return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
 
 class PagedBackend(AttentionBackend):
@@ -74,14 +82,19 @@ class PagedBackend(AttentionBackend):
 
     # ---------------------------------------------------------- step metadata
 
+    def build(self, prefills, decodes, block_size, device, windowed=False) -> PagedMetadata:
+        meta = super().build(prefills, decodes, block_size, device)
+        if windowed:
+            meta.window = _window_metadata(meta, prefills + decodes, block_size, device)
+        return meta
+
     def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:
-        table, bs, start = seq.block_table, block_size, seq.num_computed_tokens
-        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return _token_slots(seq.block_table, seq.num_computed_tokens, n, block_size)
 
     def sequence_fields(self, prefills, decodes, device) -> dict:
         return {
-            "prefill_block_tables": _padded_block_tables(prefills, device),
-            "decode_block_tables": _padded_block_tables(decodes, device),
+            "prefill_block_tables": _padded_block_tables([s.block_table for s in prefills], device),
+            "decode_block_tables": _padded_block_tables([s.block_table for s in decodes], device),
         }
 
     def cache_heads(self, kv_cache: KVPair) -> tuple[int, int]:
@@ -128,7 +141,20 @@ class PagedBackend(AttentionBackend):
             torch.empty((*shape, head_size), dtype=dtype, device=device),
         )
 
+    def validate_cache(self, meta: PagedMetadata, cache: KVCache, device) -> None:
+        """Global layers against the step's tables; window layers against its window part."""
+        if not cache.window_layers:
+            self.validate(meta, cache.layers[0], device)
+            return
+        if meta.window is None:
+            raise ValueError("the cache has window layers: the metadata needs its window part")
+        full = next(i for i in range(len(cache.layers)) if i not in cache.window_layers)
+        self.validate(meta, cache.layers[full], device)
+        self.validate(meta.window, cache.layers[cache.window_layers[0]], device)
+
     def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
+        if layer.sliding_window and meta.window is not None:
+            meta = meta.window  # the layer's cache is the window pool
         key_cache, value_cache = kv_cache
         _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
         block_size = value_cache.shape[3]
@@ -160,31 +186,102 @@ class PagedBackend(AttentionBackend):
             )
         return num_blocks
 
-    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE) -> KVCache:
-        """count blocks of block_size tokens in every layer."""
-        layers = [
-            allocate_kv_cache(
-                count, spec.num_kv_heads, spec.head_size, block_size, spec.dtype, spec.device
+    def window_cache_size(
+        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> tuple[int, int] | None:  # fmt: skip
+        """(count, window_count) for a cache whose sliding-window layers hold only their
+        window, in budget_bytes; None where the model has no such layers, or only such.
+
+        The window pool gets what it can use: one step's worst case (a chunk of
+        max_num_batched_tokens and the window before it) and the null block, plus
+        max_num_seqs windows; never more than the blocks one pool for every layer would
+        have (so neither group holds fewer tokens than it did there). The global pool
+        gets the rest: the fewer sequences at once, the longer their context."""
+        windows = [w for w in spec.layer_windows if w]
+        if not windows or len(windows) == spec.num_layers:
+            return None
+        window, bs = max(windows), block_size
+        token = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+        full_block = token * (spec.num_layers - len(windows)) * bs
+        window_block = token * len(windows) * bs
+        reserve = window_blocks(window, max_num_batched_tokens, bs) + 1
+        usable = reserve + window_blocks(window, 1, bs) * max_num_seqs
+        one_pool = budget_bytes // (full_block + window_block)
+        window_count = max(reserve, min(usable, one_pool))
+        count = int((budget_bytes - window_count * window_block) // full_block)
+        if count < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget_bytes / 2**30:.3f} GiB holds no global block "
+                f"after the sliding-window layers' {window_count} blocks (one step of "
+                f"max_num_batched_tokens={max_num_batched_tokens} with its window)"
             )
-            for _ in range(spec.num_layers)
+        return count, window_count
+
+    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, window_count=0) -> KVCache:
+        """count blocks of block_size tokens in every layer; with window_count, that many
+        in each sliding-window layer instead."""
+        windows = spec.layer_windows if window_count else ()
+        window_layers = tuple(i for i, w in enumerate(windows) if w)
+        shape = (spec.num_kv_heads, spec.head_size, block_size, spec.dtype, spec.device)
+        layers = [
+            allocate_kv_cache(window_count if i in window_layers else count, *shape)
+            for i in range(spec.num_layers)
         ]
-        return KVCache(self, layers, cache_id=cache_id)
+        return KVCache(self, layers, cache_id=cache_id, window_layers=window_layers,
+                       window_blocks=window_count if window_layers else 0)  # fmt: skip
 
     # ---------------------------------------------------- tensor-parallel step
 
     def pack(self, meta: PagedMetadata, cache: KVCache):
         """The block tables, flattened; their widths go in the header."""
-        tables = (meta.prefill_block_tables, meta.decode_block_tables)
-        return (tables[0].shape[1], tables[1].shape[1]), [t.reshape(-1) for t in tables]
+        tables = [meta.prefill_block_tables, meta.decode_block_tables]
+        sizes = (tables[0].shape[1], tables[1].shape[1])
+        if not cache.window_layers:
+            return sizes, [t.reshape(-1) for t in tables]
+        # The window part's tables are as wide as the step's: one entry per block.
+        window = meta.window
+        tables += [window.slot_mapping, window.prefill_block_tables, window.decode_block_tables]
+        return sizes, [t.reshape(-1) for t in tables]
 
     def unpack(self, fields, sizes, take, cache) -> PagedMetadata:
         (nP,), (nD,) = fields["prefill_seq_lens"].shape, fields["decode_seq_lens"].shape
         prefill_width, decode_width = sizes
-        return PagedMetadata(
+        meta = PagedMetadata(
             **fields,
             prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
             decode_block_tables=take(nD * decode_width).view(nD, decode_width),
         )
+        if cache.window_layers:
+            meta.window = dataclasses.replace(
+                meta,
+                slot_mapping=take(meta.num_tokens, torch.int64),
+                prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
+                decode_block_tables=take(nD * decode_width).view(nD, decode_width),
+            )
+        return meta
+
+
+def window_blocks(sliding_window: int, num_tokens: int, block_size: int) -> int:
+    """Blocks a window layer holds for one sequence while num_tokens of it run in a
+    step: theirs and the window before them, at any alignment."""
+    return -(-(sliding_window - 1 + num_tokens) // block_size) + 1
+
+
+def _window_metadata(meta: PagedMetadata, seqs, block_size: int, device) -> PagedMetadata:
+    """meta's step in the window pool: the same tokens and lengths, the sequences'
+    window_block_table (prefill sequences first, as in meta)."""
+    slots: list[int] = []
+    num_prefills = meta.prefill_seq_lens.shape[0]
+    for seq, n in seqs:
+        slots += _token_slots(seq.window_block_table, seq.num_computed_tokens, n, block_size)
+    tables = [seq.window_block_table for seq, _ in seqs]
+    return dataclasses.replace(
+        meta,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        prefill_block_tables=_padded_block_tables(tables[:num_prefills], device),
+        decode_block_tables=_padded_block_tables(tables[num_prefills:], device),
+    )
 
 
 def _decode(layer, out, q, kv_cache: KVPair, meta: PagedMetadata, workspace) -> None:

@@ -49,11 +49,13 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         block_bytes: int = 0,
+        table: str = "block_table",
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.table = table  # the Sequence field holding this cache's block table
         self.block_size = block_size
-        self.block_bytes = block_bytes  # KV memory of one block, all layers
+        self.block_bytes = block_bytes  # KV memory of one block, all layers of this pool
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in the order they were freed: allocation takes the oldest, so
@@ -61,8 +63,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}  # hash -> block_id
         self.disk: BlockStore | None = None  # the prefix cache on disk, if any
-        # Per sequence: how many of its blocks are hashed (registered in the cache).
-        self._num_hashed: dict[int, int] = {}
+        # Per sequence: how many of its blocks are hashed (registered in the cache), and
+        # the last one's hash (its block may have left a sliding window's table since).
+        self._num_hashed: dict[int, tuple[int, bytes | None]] = {}
         self.prefix_cache_queries = 0  # prompt tokens admitted with caching on
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
         # Per sequence matched but not yet admitted: (prompt tokens, cache hits). A prompt
@@ -108,7 +111,7 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so the cache can hold `num_new_tokens` more of seq's tokens."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, -(-total // self.block_size) - len(self.block_table(seq)))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
@@ -118,12 +121,16 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free_blocks} free")
+        table = self.block_table(seq)
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            table.append(self._take_free_block())
         counted = self._uncounted.pop(id(seq), None)
         if counted is not None:
             self.prefix_cache_queries += counted[0]
             self.prefix_cache_hits += counted[1]
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return getattr(seq, self.table)
 
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
@@ -131,25 +138,34 @@ class BlockManager:
         Only full blocks are shared, and at least one prompt token is always left to
         compute, since the model needs the last token's logits.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        self._num_hashed[id(seq)] = 0
+        table = self.block_table(seq)
+        assert not table and seq.num_computed_tokens == 0
+        self._num_hashed[id(seq)] = (0, None)
         if not self.enable_prefix_caching:
             return
-        tokens = seq.token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
         previous = None
-        for i in range(max_blocks):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = chain_hash(previous, chunk)
+        for h, chunk in prefix_hashes(seq.token_ids, self.block_size):
             block_id = self._hold_cached(h, chunk)
             if block_id is None:
                 break
-            seq.block_table.append(block_id)
+            table.append(block_id)
             previous = h
-        num_hit = len(seq.block_table)
-        self._num_hashed[id(seq)] = num_hit
+        num_hit = len(table)
+        self._num_hashed[id(seq)] = (num_hit, previous)
         seq.num_computed_tokens = num_hit * self.block_size
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
+
+    def drop_hits(self, seq: Sequence, keep: int) -> None:
+        """Gives back seq's prefix-cache hits past its first `keep` blocks (just matched,
+        so they stay cached, as free ones)."""
+        table = self.block_table(seq)
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+        h = self.blocks[table[keep - 1]].hash if keep else None
+        self._num_hashed[id(seq)] = (keep, h)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = keep * self.block_size
         self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
 
     def _hold_cached(self, h: bytes, chunk: tuple[int, ...]) -> int | None:
@@ -182,11 +198,11 @@ class BlockManager:
         """After a step: make seq's newly filled blocks findable by later prompts."""
         if not self.enable_prefix_caching:
             return
-        done = self._num_hashed.get(id(seq), 0)
+        done, previous = self._num_hashed.get(id(seq), (0, None))
         full = seq.num_computed_tokens // self.block_size
-        previous = self.blocks[seq.block_table[done - 1]].hash if done else None
+        table = self.block_table(seq)
         for i in range(done, full):
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[table[i]]
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(previous, chunk)
             if block.hash is None and h not in self.cached_blocks:
@@ -195,7 +211,8 @@ class BlockManager:
                 if self.disk is not None:
                     self.disk.save(h, block.block_id)
             previous = h
-        self._num_hashed[id(seq)] = max(done, full)
+        if full > done:
+            self._num_hashed[id(seq)] = (full, previous)
 
     def trim(self, seq: Sequence) -> None:
         """Frees seq's blocks past its computed tokens (those only rejected proposals
@@ -204,11 +221,12 @@ class BlockManager:
         rejected KV past the computed tokens; it is not full, so not hashed, and those
         positions are written again before it fills."""
         keep = -(-seq.num_computed_tokens // self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
+        table = self.block_table(seq)
+        for block_id in reversed(table[keep:]):
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, f"block {block_id} is shared"
             self._give_back(block)
-        del seq.block_table[keep:]
+        del table[keep:]
 
     def _give_back(self, block: Block) -> None:
         """Frees a block that holds nothing worth keeping: it is the next one taken."""
@@ -220,16 +238,20 @@ class BlockManager:
         """Releases seq's blocks (finished, aborted or preempted)."""
         # Tail blocks first: they are the least likely to be shared, so they should
         # be evicted before the prefix blocks they follow.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-        seq.block_table = []
+        for block_id in reversed(self.block_table(seq)):
+            self._release(block_id)
+        setattr(seq, self.table, [])
         seq.num_computed_tokens = 0
         self._num_hashed.pop(id(seq), None)
         self._uncounted.pop(id(seq), None)
+
+    def _release(self, block_id: int) -> None:
+        """One holder less; a block nobody holds is free, keeping its cached prefix."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
@@ -240,3 +262,13 @@ class BlockManager:
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
+
+
+def prefix_hashes(token_ids: list[int], block_size: int):
+    """(hash, tokens) of each full block a prompt may take from the prefix cache: at
+    least one token is left to compute, since the model needs the last token's logits."""
+    previous = None
+    for i in range((len(token_ids) - 1) // block_size):
+        chunk = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        previous = chain_hash(previous, chunk)
+        yield previous, chunk

@@ -118,6 +118,12 @@ class EngineConfig:
         "range per sequence slot, memory mapped as it grows (dAttention)",
         choices=KV_CACHE_MODES,
     )
+    disable_hybrid_kv_cache_manager: bool = option(
+        False,
+        "keep every token's KV in sliding-window layers too, one block pool for all layers "
+        "(default: with kv_cache paged, a model's window layers hold only their window, in "
+        "a pool of their own beside global layers; docs/sliding-window-kv.md)",
+    )
     quantization: str | None = option(
         "auto",
         "auto (a GGUF file's quantized weights stay quantized), none (widen every weight "
@@ -199,6 +205,11 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(
                 "batch_invariant", f"must be True or False, got {self.batch_invariant!r}"
+            )
+        if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
+            raise ConfigError(
+                "disable_hybrid_kv_cache_manager",
+                f"must be True or False, got {self.disable_hybrid_kv_cache_manager!r}",
             )
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(

@@ -21,6 +21,7 @@ import pyllm.ops as ops
 from pyllm.attention.backend import KVCache
 from pyllm.engine.block_store import BlockStore, store_identity
 from pyllm.engine.config import ConfigError, EngineConfig
+from pyllm.engine.hybrid_block_manager import HybridBlockManager
 from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
 from pyllm.engine.model_runner import ModelRunner, PromptLogits
 from pyllm.engine.outputs import CompletionOutput, RequestOutput
@@ -113,14 +114,23 @@ class LLMEngine:
         cfg = self.config
         budget = cfg.kv_cache_budget_bytes(self.device, self._weights_bytes, self._available)
         self._kv_budget = budget // cfg.tensor_parallel_size  # each rank's share
-        return allocate_kv_cache(
+        windowed = not cfg.disable_hybrid_kv_cache_manager
+        cache, manager = allocate_kv_cache(
             self.model,
             cfg.kv_cache,
             self._kv_budget,
             cfg.block_size,
             cfg.max_num_seqs,
             cfg.enable_prefix_caching,
+            cfg.max_num_batched_tokens if windowed else 0,
         )
+        if isinstance(manager, HybridBlockManager) and cfg.prefix_cache_dir is not None:
+            raise ConfigError(
+                "prefix_cache_dir",
+                "stores every layer's KV of a block, but this model's sliding-window layers "
+                "keep only their window: set disable_hybrid_kv_cache_manager=True to use it",
+            )
+        return cache, manager
 
     def _block_store(self) -> BlockStore | None:
         """The prefix cache on disk, filling the paged cache's prefix cache."""

@@ -88,7 +88,10 @@ class ModelRunner:
         prompt positions whose logits the sequence's prompt logprobs need."""
         flat = _flatten(batch)
         backend = self.kv_cache.backend
-        metadata = backend.build(batch.prefills, batch.decodes, self.block_size, self.device)
+        windowed = bool(self.kv_cache.window_layers)
+        metadata = backend.build(
+            batch.prefills, batch.decodes, self.block_size, self.device, windowed
+        )
         device = self.device
         return (
             torch.tensor(flat.input_ids, dtype=torch.int64, device=device),

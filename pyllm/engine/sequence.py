@@ -25,10 +25,11 @@ class Sequence:
     """A prompt and the tokens generated after it.
 
     `num_computed_tokens` tokens have their keys/values in the cache (in the blocks of
-    `block_table`, or in arena slot `kv_slot` with the contiguous cache); the rest are
-    pending. A decode step has one pending token (the last
-    one sampled); a prompt has all its tokens pending and may be fed over several steps
-    (chunked prefill). After preemption everything is pending again and recomputed.
+    `block_table`, sliding-window layers' window in `window_block_table` where they
+    have their own blocks, or in arena slot `kv_slot` with the contiguous cache); the
+    rest are pending. A decode step has one pending token (the last one sampled); a
+    prompt has all its tokens pending and may be fed over several steps (chunked
+    prefill). After preemption everything is pending again and recomputed.
 
     With speculative decoding a decode may also carry `spec_token_ids`: tokens proposed
     to follow, not yet part of the sequence. The step computes them after its pending
@@ -50,6 +51,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # served from the prefix cache on first schedule
     block_table: list[int] = field(default_factory=list)
+    # With sliding-window layers on their own blocks (HybridBlockManager): theirs.
+    window_block_table: list[int] = field(default_factory=list)
     kv_slot: int | None = None  # contiguous KV cache only
     spec_token_ids: list[int] = field(default_factory=list)  # proposed, for this step only
     finish_reason: str | None = None

@@ -313,7 +313,7 @@ class LlamaForCausalLM(Module):
                 f"input_ids must lie in [0, {vocab_size}), got "
                 f"{int(input_ids.min())}..{int(input_ids.max())}"
             )
-        backend.validate(attn_metadata, layers[0], self.device)
+        backend.validate_cache(attn_metadata, kv_cache, self.device)
 
     def _check_cache(self, backend: AttentionBackend, layers: list) -> None:
         """Every layer's cache: this model's layer count, kv heads, head size and dtype."""
@@ -329,23 +329,28 @@ class LlamaForCausalLM(Module):
                 f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
                 f"{config.num_key_value_heads} of size {config.head_dim}"
             )
+        # Sliding-window layers may hold a pool of their own: the count of blocks may differ.
         for i, (k, v) in enumerate(layers):
-            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != self.dtype:
-                raise ValueError(f"kv_caches[{i}] differs in shape or dtype from kv_caches[0]")
+            if k.shape[1:] != key_cache.shape[1:] or v.shape[1:] != value_cache.shape[1:]:
+                raise ValueError(f"kv_caches[{i}] differs in shape from kv_caches[0]")
+            if k.dtype != self.dtype:
+                raise ValueError(f"kv_caches[{i}] holds {k.dtype}, the model {self.dtype}")
 
     @property
     def cache_spec(self) -> CacheSpec:
         """This rank's KV cache geometry."""
         config = self.local_config
+        windows = tuple(config.layer_window(i) or 0 for i in range(config.num_hidden_layers))
         return CacheSpec(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-            self.dtype, self.device, self.max_model_len,
+            self.dtype, self.device, self.max_model_len, windows,
         )  # fmt: skip
 
     def allocate_kv_cache(
         self, backend: AttentionBackend, count: int, block_size: int = 16,
-        cache_id: int = MAIN_CACHE,
+        cache_id: int = MAIN_CACHE, window_count: int = 0,
     ) -> KVCache:  # fmt: skip
         """A KV cache in backend's layout of count units (blocks of block_size tokens, or
-        sequence slots), in the model's dtype and device."""
-        return backend.allocate(self.cache_spec, count, block_size, cache_id)
+        sequence slots), in the model's dtype and device; window_count > 0: the
+        sliding-window layers' own pool of that many blocks."""
+        return backend.allocate(self.cache_spec, count, block_size, cache_id, window_count)
