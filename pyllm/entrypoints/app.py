@@ -20,6 +20,7 @@ from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.openapi import add_openapi_schemas
 from pyllm.entrypoints.reasoning import reasoning_parser
+from pyllm.entrypoints.responses_serving import ResponsesServing
 from pyllm.entrypoints.routes import Servings, add_api_routes, add_status_routes
 from pyllm.entrypoints.security import ApiKeyAuth, ContentLengthLimit, CrossSiteGuard, is_loopback
 from pyllm.entrypoints.server_config import ServerConfig
@@ -41,16 +42,16 @@ def create_app(
     app = FastAPI(title="pyllm", lifespan=engine_lifespan(engine), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
     shared = (engine, served_model_name, metrics, config.max_request_bytes)
+    parsers = dict(
+        reasoning=reasoning_parser(config.reasoning_parser),
+        tool_parser=tool_parser(config.tool_call_parser),
+    )
     servings = Servings(
-        chat=ChatServing(
-            *shared,
-            config.max_seqs_per_request,
-            reasoning=reasoning_parser(config.reasoning_parser),
-            tool_parser=tool_parser(config.tool_call_parser),
-        ),
+        chat=ChatServing(*shared, config.max_seqs_per_request, **parsers),
         completion=CompletionServing(*shared, config.max_seqs_per_request),
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
         messages=MessagesServing(*shared, config.max_seqs_per_request),
+        responses=ResponsesServing(*shared, config.max_seqs_per_request, **parsers),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)
