@@ -222,6 +222,15 @@ def test_bad_fields_are_400s_naming_them(client, server, fields, param):
     assert error.body["message"]
 
 
+def test_harmless_unknown_fields_are_ignored(client, server):
+    extra = {"service_tier": "auto", "truncation": "auto", "prompt_cache_key": "k",
+             "include": ["reasoning.encrypted_content"], "safety_identifier": "u1",
+             "reasoning": {"effort": "low"}}  # fmt: skip
+    response = _create(client, server, extra_body=extra)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.reasoning.effort == "low"
+
+
 def test_unknown_previous_response_and_model_are_404s(client, server):
     error = _error(client, server, previous_response_id="resp_unknown")
     assert isinstance(error, openai.NotFoundError)
