@@ -105,7 +105,7 @@ def _item(item: Any, where: str):
             f"{where} has type {kind!r}; this server takes message, function_call, "
             "function_call_output and reasoning items"
         )
-    content = item.get("content")
+    content = item.get("content") if kind in (None, "message") else None
     for j, part in enumerate(content if isinstance(content, list) else ()):
         part_kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part_kind, str) and part_kind not in _PART_TYPES:

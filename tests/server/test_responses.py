@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from pyllm.entrypoints.responses_protocol import ResponsesRequest
 from pyllm.entrypoints.responses_store import ResponseStore
 
 WEATHER = {
@@ -259,6 +260,30 @@ def test_openapi_declares_the_route(server):
     ok = operation["responses"]["200"]["content"]
     assert ok["application/json"]["schema"]["$ref"].endswith("/ResponseObject")
     assert ok["text/event-stream"]["schema"]["required"] == ["data"]
+
+
+def test_output_items_sent_back_are_taken():
+    """A client may send a whole earlier output back as input: the reasoning item is
+    left out of the prompt, the message and the call become the assistant's turn."""
+    output = [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+         "content": [{"type": "reasoning_text", "text": "Think."}], "encrypted_content": None},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": [],
+                      "logprobs": None}], "phase": None},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f",
+         "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+    ]  # fmt: skip
+    request = ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": "Hi"}, *output]}
+    )
+    assert request.input_messages() == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]  # fmt: skip
 
 
 def test_store_is_bounded():
