@@ -20,6 +20,7 @@ from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openai_protocol import RequestError, error_body
 from pyllm.entrypoints.openapi import add_openapi_schemas
 from pyllm.entrypoints.reasoning import reasoning_parser
+from pyllm.entrypoints.responses_serving import ResponsesServing
 from pyllm.entrypoints.routes import Servings, add_api_routes, add_status_routes
 from pyllm.entrypoints.security import ApiKeyAuth, ContentLengthLimit, CrossSiteGuard, is_loopback
 from pyllm.entrypoints.server_config import ServerConfig
@@ -51,6 +52,7 @@ def create_app(
         completion=CompletionServing(*shared, config.max_seqs_per_request),
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
         messages=MessagesServing(*shared, config.max_seqs_per_request, **readers),
+        responses=ResponsesServing(*shared, config.max_seqs_per_request, **readers),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)

@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints import responses_protocol
 
 # What each error status means.
 ERRORS = {
@@ -31,6 +32,14 @@ _ANTHROPIC_STREAM_DOC = (
     "With stream: true, Anthropic's server-sent events ('event: <type>' and 'data: <JSON>'): "
     "message_start, ping, per block content_block_start, content_block_delta (text_delta "
     "or input_json_delta) and content_block_stop, then message_delta and message_stop"
+)
+_RESPONSES_STREAM_DOC = (
+    "With stream: true, the Responses API's server-sent events ('event: <type>' and "
+    "'data: <JSON>' with type and sequence_number): response.created, response.in_progress, "
+    "per output item response.output_item.added, its content part's added, delta and done "
+    "events (response.output_text.*, response.reasoning_text.*) or a function call's "
+    "response.function_call_arguments.delta and .done, response.output_item.done; then "
+    "response.completed (or response.incomplete)"
 )
 
 
@@ -58,6 +67,25 @@ def anthropic_responses(ok: type[BaseModel], stream: bool = False) -> dict:
     return documented
 
 
+def responses_api_responses(ok: type[BaseModel]) -> dict:
+    """`responses` of /v1/responses: the 200 body, or its typed events when streamed."""
+    documented = responses(ok, *WITH_BODY)
+    documented[200]["content"] = {"text/event-stream": {"schema": _EVENT}}
+    return documented
+
+
+# One server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event).
+_EVENT = {
+    "type": "object",
+    "description": _RESPONSES_STREAM_DOC,
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+    },
+    "required": ["data"],
+}
+
+
 def json_body(model: type[BaseModel]) -> dict:
     """`openapi_extra` declaring a JSON request body that the handler reads itself."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -76,6 +104,7 @@ def add_openapi_schemas(app: FastAPI) -> None:
         (api.DetokenizeRequest, "validation"),
         (anthropic.MessagesRequest, "validation"),
         (anthropic.CountTokensRequest, "validation"),
+        (responses_protocol.ResponsesRequest, "validation"),
     ]
 
     def openapi() -> dict:

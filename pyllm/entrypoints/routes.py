@@ -1,4 +1,5 @@
-"""The routes: /health and /metrics, the /v1/ API (Anthropic's /v1/messages too), vLLM's
+"""The routes: /health and /metrics, the /v1/ API (OpenAI's /v1/responses and Anthropic's
+/v1/messages too), vLLM's
 /tokenize, /detokenize and /version, each documented for /openapi.json."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pyllm import __version__
 from pyllm.engine.async_engine import AsyncEngine
 from pyllm.entrypoints import anthropic_protocol as anthropic
 from pyllm.entrypoints import openai_protocol as api
+from pyllm.entrypoints import responses_protocol
 from pyllm.entrypoints.anthropic_serving import MessagesServing
 from pyllm.entrypoints.metrics import ServerMetrics
 from pyllm.entrypoints.openapi import (
@@ -22,7 +24,9 @@ from pyllm.entrypoints.openapi import (
     anthropic_responses,
     json_body,
     responses,
+    responses_api_responses,
 )
+from pyllm.entrypoints.responses_serving import ResponsesServing
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
@@ -36,6 +40,7 @@ class Servings:
     completion: CompletionServing
     tokens: TokenizeServing
     messages: MessagesServing
+    responses: ResponsesServing
 
 
 def add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
@@ -58,6 +63,14 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     _add_model_routes(app, servings.chat)
     _add_token_routes(app, servings.tokens)
     _add_messages_routes(app, servings.messages)
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=json_body(responses_protocol.ResponsesRequest),
+        responses=responses_api_responses(responses_protocol.ResponseObject),
+    )
+    async def create_response(request: Request):
+        return await servings.responses.responses(request)
 
     @app.post(
         "/v1/chat/completions",

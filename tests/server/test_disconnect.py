@@ -95,3 +95,28 @@ def test_non_streaming_client_disconnects(server):
         )
         assert started, "the request never started generating"
     _assert_abandoned_request_cleaned_up(server, before)
+
+
+def test_responses_stream_dropped_after_3_events(server):
+    """/v1/responses: a JSON schema of 1000 items keeps the reply going past MAX_TOKENS
+    unless the request is aborted."""
+    assert _idle(server.base_url)
+    before = _generated(server.base_url)
+    long = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}
+    body = {
+        "model": server.model,
+        "input": "Count.",
+        "max_output_tokens": MAX_TOKENS,
+        "text": {"format": {"type": "json_schema", "name": "long", "schema": long}},
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept referenced, as above
+            deltas = 0
+            while deltas < 3:
+                deltas += next(lines) == "event: response.output_text.delta"
+            assert read_metrics(server.base_url)["pyllm:num_requests_running"] == 1
+    _assert_abandoned_request_cleaned_up(server, before)

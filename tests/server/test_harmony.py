@@ -133,5 +133,27 @@ def test_server_returns_reasoning_apart_from_the_answer(gpt_oss_gguf, tmp_path):
         (called,) = choice["message"]["tool_calls"]
         assert called["function"]["name"] == "get_weather"
         assert json.loads(called["function"]["arguments"]) == {"city": "Paris"}
+        _check_responses_route(server)
     finally:
         stop_server(server.process)
+
+
+def _check_responses_route(server) -> None:
+    """/v1/responses over a harmony model (unforced: the Responses API has no grammar
+    field): the streamed deltas add up to what the same greedy request returns whole."""
+    body = {"model": server.model, "input": "Hi", "max_output_tokens": 40, "temperature": 0}
+    url = f"{server.base_url}/v1/responses"
+    whole = httpx.post(url, json=body, timeout=120).json()
+    texts = {"reasoning": "", "message": ""}
+    for item in whole["output"]:
+        if item["type"] in texts:
+            texts[item["type"]] += "".join(part["text"] for part in item["content"])
+    streamed = {"reasoning": "", "message": ""}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line[:6] == "data: "]
+    for event in events:
+        if event["type"] == "response.reasoning_text.delta":
+            streamed["reasoning"] += event["delta"]
+        elif event["type"] == "response.output_text.delta":
+            streamed["message"] += event["delta"]
+    assert streamed == texts and events[-1]["type"] == f"response.{whole['status']}"

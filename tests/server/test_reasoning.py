@@ -119,6 +119,31 @@ def test_server_splits_reasoning_from_the_answer(qwen3_server):
     assert message["content"] == "Hello!" and "reasoning_content" not in message
 
 
+def test_responses_give_reasoning_its_own_item(qwen3_server):
+    """/v1/responses: the thinking is a reasoning item ahead of the message (here made by
+    a JSON schema whose one value holds the tags: the Responses API has no regex)."""
+    fmt = {"type": "json_schema", "name": "r", "schema": {"const": "<think>I greet.</think>Hi"}}
+    body = {"model": qwen3_server.model, "input": "Hi", "max_output_tokens": 64,
+            "text": {"format": fmt}}  # fmt: skip
+    url = f"{qwen3_server.base_url}/v1/responses"
+    response = httpx.post(url, json=body, timeout=120).json()
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["status"] == "completed"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "I greet."}]
+    assert message["content"][0]["text"] == '"Hi"'  # the JSON string's quotes
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as streamed:
+        lines = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line) for line in lines]
+    deltas = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in events:
+        if event["type"] in deltas:
+            deltas[event["type"]] += event["delta"]
+    assert list(deltas.values()) == ["I greet.", '"Hi"']
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]].count("reasoning") == 1
+
+
 def test_enable_thinking_false_renders_qwen3s_no_think_prompt(qwen3_server, qwen3_dir):
     tokenizer = Tokenizer.from_pretrained(str(qwen3_dir))
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
