@@ -16,12 +16,13 @@ from fastapi.responses import Response
 from pyllm.engine.outputs import CompletionOutput
 from pyllm.entrypoints import openai_protocol as api
 from pyllm.entrypoints import responses_protocol as protocol
-from pyllm.entrypoints.chat_reply import ReplyStream
+from pyllm.entrypoints.chat_reply import ReplyDelta, ReplyStream
 from pyllm.entrypoints.harmony import HarmonyStream
 from pyllm.entrypoints.responses_protocol import ResponsesRequest, responses_fields
 from pyllm.entrypoints.responses_store import ResponseStore
 from pyllm.entrypoints.serving import Job, Progress, _raise_failed
 from pyllm.entrypoints.serving_chat import ChatServing
+from pyllm.entrypoints.tool_stream import CallDelta
 
 
 def _id(prefix: str) -> str:
@@ -115,11 +116,11 @@ class ResponsesServing(ChatServing):
         self, body: ResponsesRequest, jobs: list[Job], created: int, progress: Progress
     ) -> AsyncIterator[str]:
         """response.created and .in_progress; per output item its added, content part,
-        deltas and done events (a function call's arguments whole in one delta, once the
-        reply is over); then response.completed (or .incomplete)."""
+        deltas and done events (a function call's name first, then its arguments as they
+        are written); then response.completed (or .incomplete)."""
         chat = body.chat()
         self.metrics.prompt_tokens.inc(len(jobs[0].prompt_token_ids))
-        events = _Events()
+        events = _Events(self.reader.tools.new_id)
         snapshot = self._reply(body, jobs, created, progress, "in_progress", [])
         yield events.event("response.created", response=snapshot.model_dump())
         yield events.event("response.in_progress", response=snapshot.model_dump())
@@ -128,32 +129,38 @@ class ResponsesServing(ChatServing):
             self._track(progress, index, output)
             _raise_failed(body, output)
             c = output.outputs[0]
-            reasoning, content, calls = self._step(chat, reply, c)
-            for sent in events.text("reasoning", reasoning) + events.text("message", content):
-                yield sent
+            step = self._step(chat, reply, c)
+            sent = events.text("reasoning", step.reasoning)
+            sent += events.text("message", step.content or "")
+            for call in step.calls:
+                sent += events.call(call)
             if c.finish_reason is not None:
-                for sent in self._ending(body, jobs, created, progress, events, c, calls):
-                    yield sent
+                sent += self._ending(body, jobs, created, progress, events, c, step.made_calls)
+            for event in sent:
+                yield event
         self._observe(progress)
 
-    def _step(self, chat, reply, c: CompletionOutput) -> tuple[str, str, list[api.ToolCall]]:
-        """(new reasoning, new content, the calls once the reply is over and was calls)."""
+    def _step(self, chat, reply, c: CompletionOutput) -> ReplyDelta:
+        """What this step adds: reasoning, content, call deltas (a harmony reply's calls
+        come whole at its end)."""
         if not self.harmony:
-            reasoning, content, calls = reply.step(c)
-        else:
-            reasoning, content = reply.delta(c.text)
-            calls = self._harmony_parts(chat, c)[2] if c.finish_reason is not None else []
-        return reasoning, content or "", [self._api_call(call) for call in calls]
+            return reply.step(c)
+        reasoning, content = reply.delta(c.text)
+        delta = ReplyDelta(reasoning, content)
+        if c.finish_reason is not None:
+            calls = self._harmony_parts(chat, c)[2]
+            delta.calls = [CallDelta(i, call.name, call.arguments) for i, call in enumerate(calls)]
+            delta.made_calls = bool(calls)
+        return delta
 
-    def _ending(self, body, jobs, created, progress, events: _Events, c, calls) -> list[str]:
+    def _ending(self, body, jobs, created, progress, events: _Events, c, made_calls) -> list[str]:
+        calls = made_calls or bool(events.calls)
         status = "incomplete" if c.finish_reason == "length" and not calls else "completed"
         if not calls and not events.items:
             sent = events.open_item("message")  # an empty reply is an empty message
         else:
             sent = []
-        sent += events.close(status)
-        for call in calls:
-            sent += events.call(call)
+        sent += events.close(status) + events.close_calls()
         response = self._reply(body, jobs, created, progress, status, events.items)
         self._remember(body, response)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -169,7 +176,9 @@ class _Events:
         "reasoning": ("reasoning_text", protocol.ReasoningText),
     }
 
-    def __init__(self):
+    def __init__(self, new_call_id):
+        self.new_call_id = new_call_id
+        self.calls: dict[int, protocol.OutputFunctionCall] = {}  # by the call's index
         self.sequence_number = 0
         self.items: list = []
         self.open: Any = None  # the item whose text is streaming
@@ -221,19 +230,40 @@ class _Events:
             self._item_event("response.output_item.done", item),
         ]
 
-    def call(self, call: api.ToolCall) -> list[str]:
-        """A function call's events, its arguments in one delta."""
-        item = _function_call(call, "in_progress")
-        arguments, item.arguments = item.arguments, ""
-        self.items.append(item)
-        sent = [self._item_event("response.output_item.added", item)]
-        where = {"item_id": item.id, "output_index": len(self.items) - 1}
-        sent.append(self.event("response.function_call_arguments.delta", **where, delta=arguments))
-        sent.append(
-            self.event("response.function_call_arguments.done", **where, arguments=arguments)
-        )
-        item.arguments, item.status = arguments, "completed"
-        return sent + [self._item_event("response.output_item.done", item)]
+    def call(self, call: CallDelta) -> list[str]:
+        """A call's delta: its first opens a function_call item, the others add arguments."""
+        sent = []
+        if call.name is not None:
+            sent = self.close("completed")
+            item = protocol.OutputFunctionCall(
+                id=_id("fc"), call_id=self.new_call_id(), name=call.name, arguments="",
+                status="in_progress",
+            )  # fmt: skip
+            self.items.append(item)
+            self.calls[call.index] = item
+            sent.append(self._item_event("response.output_item.added", item))
+        item = self.calls[call.index]
+        if call.arguments:
+            item.arguments += call.arguments
+            where = {"item_id": item.id, "output_index": self.items.index(item)}
+            sent.append(
+                self.event("response.function_call_arguments.delta", **where, delta=call.arguments)
+            )
+        return sent
+
+    def close_calls(self) -> list[str]:
+        """Every call's done events, once the reply is over."""
+        sent = []
+        for item in self.calls.values():
+            where = {"item_id": item.id, "output_index": self.items.index(item)}
+            sent.append(
+                self.event(
+                    "response.function_call_arguments.done", **where, arguments=item.arguments
+                )
+            )
+            item.status = "completed"
+            sent.append(self._item_event("response.output_item.done", item))
+        return sent
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open.id, "output_index": len(self.items) - 1, "content_index": 0}
