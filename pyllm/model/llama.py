@@ -114,6 +114,8 @@ class LlamaForCausalLM(Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = resolve_max_model_len(config, max_model_len)
+        # The KV cache's element type (KV_CACHE_DTYPES); the engine sets it after loading.
+        self.kv_cache_dtype = "auto"
         self.tp = tp
         self.shard = tp.shard if tp is not None else Shard()
         # Attention and MLP shapes of this rank (the whole model's without tp).
@@ -322,16 +324,21 @@ class LlamaForCausalLM(Module):
             raise ValueError(
                 f"kv_caches has {len(layers)} layers, the model {config.num_hidden_layers}"
             )
-        key_cache, value_cache = layers[0]
+        key_cache, value_cache = layers[0][:2]
         num_kv_heads, head_size = backend.cache_heads(layers[0])
         if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
             raise ValueError(
                 f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
                 f"{config.num_key_value_heads} of size {config.head_dim}"
             )
-        for i, (k, v) in enumerate(layers):
-            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != self.dtype:
+        dtype, scales = self.cache_spec.cache_dtype, 2 if self.kv_cache_dtype == "int8" else 0
+        for i, (k, v, *rest) in enumerate(layers):
+            if k.shape != key_cache.shape or v.shape != value_cache.shape or k.dtype != dtype:
                 raise ValueError(f"kv_caches[{i}] differs in shape or dtype from kv_caches[0]")
+            if len(rest) != scales:
+                raise ValueError(
+                    f"kv_caches[{i}] must hold {2 + scales} tensors, got {2 + len(rest)}"
+                )
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -339,7 +346,7 @@ class LlamaForCausalLM(Module):
         config = self.local_config
         return CacheSpec(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-            self.dtype, self.device, self.max_model_len,
+            self.dtype, self.device, self.max_model_len, self.kv_cache_dtype,
         )  # fmt: skip
 
     def allocate_kv_cache(
