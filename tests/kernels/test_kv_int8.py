@@ -326,3 +326,20 @@ def test_cuda_refuses_an_int8_cache(device):
                               q8.k_scale, q8.v_scale)  # fmt: skip
     with pytest.raises(NotImplementedError, match="int8 KV cache.*CPU only"):
         run_decode(1, query, q8, 2, 0.125)
+
+
+def test_block_copies_move_int8_blocks_and_their_scales():
+    """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float32)
+    move with swap_blocks like any cache."""
+    q8 = make_int8_kv([40], 2, 64, 16, "cpu", extra_blocks=4)
+    kv = q8.kv
+    source, owned = int(kv.block_tables[0, 1]), set(kv.block_tables[0].tolist())
+    free = min(set(range(kv.key_cache.shape[0])) - owned)  # holds other random bytes
+    mapping = torch.tensor([[source, free]])
+    ops.copy_blocks([kv.key_cache], [kv.value_cache], mapping)
+    for scales in (q8.k_scale, q8.v_scale):
+        moved = torch.zeros_like(scales)
+        ops.swap_blocks(scales, moved, mapping)
+        assert torch.equal(moved[free], scales[source]) and not moved[free].isnan().any()
+    assert torch.equal(kv.key_cache[free], kv.key_cache[source])
+    assert torch.equal(kv.value_cache[free], kv.value_cache[source])
