@@ -629,14 +629,18 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
   auto key_block = [&](int tok) {
     return cache.key_cache + cache.block_offset(seq, kv_head, tok / bs);
   };
-  auto value_block = [&](int tok) {
-    return cache.value_cache + cache.block_offset(seq, kv_head, tok / bs);
-  };
   auto key_scales = [&](int tok) -> const float* {
     if constexpr (PagedCache<scalar_t>::kQuantized) {
       return cache.key_scale + cache.scale_offset(seq, kv_head, tok / bs) + tok % bs;
     }
     return nullptr;
+  };
+  // int8: a block's scales travel with it (a line per 16 tokens, a miss each if not).
+  auto prefetch = [&](const scalar_t* block, const float* scales, int tok, bool to_l1) {
+    prefetch_block(block + cache.block_offset(seq, kv_head, tok / bs), block_elems, to_l1);
+    if constexpr (PagedCache<scalar_t>::kQuantized) {
+      prefetch_block(scales + cache.scale_offset(seq, kv_head, tok / bs), bs, to_l1);
+    }
   };
   ValueGroups<scalar_t> groups;
 
@@ -644,14 +648,14 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
     const int chunk_end = std::min<int>(t_end, chunk + kPartitionSize);
     if (chunk == t_begin) {
       for (int i = 0; i < kKeyAhead && chunk + i * bs < chunk_end; ++i) {
-        prefetch_block(key_block(chunk + i * bs), block_elems, true);
+        prefetch(cache.key_cache, cache.key_scale, chunk + i * bs, true);
       }
     }
     for (int start = chunk; start < chunk_end; start += bs) {
       if (start + kKeyAhead * bs < chunk_end) {
-        prefetch_block(key_block(start + kKeyAhead * bs), block_elems, true);
+        prefetch(cache.key_cache, cache.key_scale, start + kKeyAhead * bs, true);
       }
-      prefetch_block(value_block(start), block_elems, false);
+      prefetch(cache.value_cache, cache.value_scale, start, false);
       const scalar_t* key = key_block(start);
       const int end = std::min(chunk_end, start + bs);
       for (int tok = start; tok < end; tok += group) {
