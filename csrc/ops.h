@@ -10,6 +10,12 @@
 // "x" group of a key is 16 bytes):
 //   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
 //   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+// An int8 cache (kv_cache_dtype "int8", x = 16) has the same layouts plus float32
+// k_scale / v_scale shaped like the cache without head_size ([num_blocks,
+// num_kv_heads, block_size]; contiguous: [max_num_seqs, num_kv_heads, num_tiles,
+// kTokenTile], dense): row x of a token and kv head is stored as round(x / s),
+// s = absmax(x) / 127. The ops take the scales as optional tensors (None: a float
+// cache); the CUDA kernels refuse an int8 cache.
 //
 // Contiguous KV layout (the virtual KV arena, csrc/cache/kv_arena.h), one pair of
 // tensor views per layer, indexed by sequence slot instead of through a block table:
@@ -33,7 +39,9 @@ namespace pyllm {
   void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,      \
                          at::Tensor& key_cache, at::Tensor& value_cache,      \
                          const at::Tensor& slot_mapping,                      \
-                         const std::string& kv_cache_dtype);                  \
+                         const std::string& kv_cache_dtype,                   \
+                         const std::optional<at::Tensor>& k_scale,            \
+                         const std::optional<at::Tensor>& v_scale);           \
                                                                                \
   void copy_blocks(const std::vector<at::Tensor>& key_caches,                 \
                    const std::vector<at::Tensor>& value_caches,               \
@@ -48,7 +56,9 @@ namespace pyllm {
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       int64_t block_size, int64_t max_seq_len,                                \
       const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,  \
-      const std::optional<at::Tensor>& sinks);                                \
+      const std::optional<at::Tensor>& sinks,                                \
+      const std::optional<at::Tensor>& k_scale,                              \
+      const std::optional<at::Tensor>& v_scale);                                \
                                                                                \
   void paged_attention_v2(                                                    \
       at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,          \
@@ -57,7 +67,9 @@ namespace pyllm {
       int64_t num_kv_heads, double scale, const at::Tensor& block_tables,     \
       const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,    \
       const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,  \
-      const std::optional<at::Tensor>& sinks);                                \
+      const std::optional<at::Tensor>& sinks,                                \
+      const std::optional<at::Tensor>& k_scale,                              \
+      const std::optional<at::Tensor>& v_scale);                                \
                                                                                \
   void paged_attention_prefill(                                               \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
@@ -65,7 +77,9 @@ namespace pyllm {
       const at::Tensor& block_tables, const at::Tensor& seq_lens,             \
       const at::Tensor& query_start_loc, int64_t block_size,                  \
       int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,   \
-      int64_t sliding_window, const std::optional<at::Tensor>& sinks);        \
+      int64_t sliding_window, const std::optional<at::Tensor>& sinks,                                \
+      const std::optional<at::Tensor>& k_scale,                              \
+      const std::optional<at::Tensor>& v_scale);        \
                                                                                \
   void rotary_embedding(const at::Tensor& positions, at::Tensor& query,       \
                         at::Tensor& key, int64_t head_size,                   \
@@ -104,21 +118,27 @@ namespace pyllm {
   void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value,    \
                            at::Tensor& key_cache, at::Tensor& value_cache,    \
                            const at::Tensor& token_slots,                     \
-                           const at::Tensor& positions);                      \
+                           const at::Tensor& positions,                       \
+                           const std::optional<at::Tensor>& k_scale,          \
+                           const std::optional<at::Tensor>& v_scale);         \
                                                                                \
   void contiguous_attention_decode(                                           \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
       int64_t max_seq_len, int64_t sliding_window,                            \
-      const std::optional<at::Tensor>& sinks);                                \
+      const std::optional<at::Tensor>& sinks,                                \
+      const std::optional<at::Tensor>& k_scale,                              \
+      const std::optional<at::Tensor>& v_scale);                                \
                                                                                \
   void contiguous_attention_prefill(                                          \
       at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,  \
       const at::Tensor& value_cache, int64_t num_kv_heads, double scale,      \
       const at::Tensor& seq_slots, const at::Tensor& seq_lens,                \
       const at::Tensor& query_start_loc, int64_t max_query_len,               \
-      int64_t sliding_window, const std::optional<at::Tensor>& sinks);        \
+      int64_t sliding_window, const std::optional<at::Tensor>& sinks,                                \
+      const std::optional<at::Tensor>& k_scale,                              \
+      const std::optional<at::Tensor>& v_scale);        \
                                                                                \
   /* Structured output: logits[rows[i], t] = -inf where bit t % 32 of         \
      bitmask[i, t / 32] is 0 (and past the mask's words). */                  \

@@ -15,7 +15,8 @@ TORCH_LIBRARY(pyllm, m) {
   // Cache ops.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache,"
-      " Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype) -> ()");
+      " Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches,"
       " Tensor block_mapping) -> ()");
@@ -26,34 +27,40 @@ TORCH_LIBRARY(pyllm, m) {
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
       " Tensor seq_lens, int block_size, int max_seq_len,"
-      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None) -> ()");
+      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "paged_attention_v2(Tensor(a!) out, Tensor(b!) exp_sums,"
       " Tensor(c!) max_logits, Tensor(d!) tmp_out, Tensor query,"
       " Tensor key_cache, Tensor value_cache, int num_kv_heads, float scale,"
       " Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len,"
-      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None) -> ()");
+      " Tensor? alibi_slopes, int sliding_window=0, Tensor? sinks=None,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables,"
       " Tensor seq_lens, Tensor query_start_loc, int block_size,"
       " int max_query_len, Tensor? alibi_slopes, int sliding_window=0,"
-      " Tensor? sinks=None) -> ()");
+      " Tensor? sinks=None,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 
   // The contiguous KV layout (ops.h): K/V written at (slot, position), and
   // attention addressed by per-sequence slots instead of block tables.
   m.def(
       "write_kv_contiguous(Tensor key, Tensor value, Tensor(a!) key_cache,"
-      " Tensor(b!) value_cache, Tensor token_slots, Tensor positions) -> ()");
+      " Tensor(b!) value_cache, Tensor token_slots, Tensor positions,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "contiguous_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
-      " Tensor seq_lens, int max_seq_len, int sliding_window=0, Tensor? sinks=None) -> ()");
+      " Tensor seq_lens, int max_seq_len, int sliding_window=0, Tensor? sinks=None,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "contiguous_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache,"
       " Tensor value_cache, int num_kv_heads, float scale, Tensor seq_slots,"
       " Tensor seq_lens, Tensor query_start_loc, int max_query_len,"
-      " int sliding_window=0, Tensor? sinks=None) -> ()");
+      " int sliding_window=0, Tensor? sinks=None,"
+      " Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("token_tile() -> int", []() -> int64_t { return pyllm::kTokenTile; });
 
   // The virtual KV arena that holds the contiguous layout (cache/kv_arena.h).

@@ -21,6 +21,36 @@ from pyllm._checks import (
     kv_cache_x,
 )
 
+# The KV cache's element types: "auto" (the model's dtype) or "int8" (symmetric int8, one
+# float32 scale per token and kv head for K and one for V).
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def kv_cache_dtype_name(kv_cache_dtype: object) -> str:
+    """kv_cache_dtype checked: one of KV_CACHE_DTYPES (ValueError naming it otherwise)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
+def kv_token_bytes(head_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's key and value rows take in one kv head of one layer: an int8
+    row plus its float32 scale, or a row of dtype."""
+    if kv_cache_dtype == "int8":
+        return 2 * (head_size + 4)
+    return 2 * head_size * dtype.itemsize
+
+
+def allocate_kv_scales(
+    shape: tuple[int, ...], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache's (k_scale, v_scale): float32 of shape (the cache's shape without
+    head_size: paged ``[num_blocks, num_kv_heads, block_size]``, contiguous
+    ``[max_num_seqs, num_kv_heads, num_tiles, TOKEN_TILE]``), zero-filled."""
+    if torch.device(device).type == "cpu":
+        return tuple(_zeros_on_huge_pages(shape, torch.float32) for _ in range(2))
+    return tuple(torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(2))
+
 
 def allocate_kv_cache(
     num_blocks: int,
@@ -30,7 +60,8 @@ def allocate_kv_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocates one layer's (key_cache, value_cache) in the layout the kernels read.
+    """Allocates one layer's (key_cache, value_cache) in the layout the kernels read;
+    dtype torch.int8 for an int8 cache (its scales: allocate_kv_scales).
 
     Zero-filled, so the memory is committed here rather than page-faulted in by the
     first writes of each new block, which would land on the step's critical path
@@ -39,8 +70,10 @@ def allocate_kv_cache(
     _positive_int("num_kv_heads", num_kv_heads)
     _head_size(head_size)
     _block_size(block_size)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    if dtype not in (*SUPPORTED_DTYPES, torch.int8):
+        raise TypeError(
+            f"dtype {dtype} is not supported; supported: float32, float16, bfloat16, int8"
+        )
     x = kv_cache_x(dtype)
     key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     value_shape = (num_blocks, num_kv_heads, head_size, block_size)
@@ -104,8 +137,10 @@ def _check_arena_args(
     if max_model_len > 2**31 - 1:
         raise ValueError(f"max_model_len must fit int32, got {max_model_len}")
     _head_size(head_size)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    if dtype not in (*SUPPORTED_DTYPES, torch.int8):
+        raise TypeError(
+            f"dtype {dtype} is not supported; supported: float32, float16, bfloat16, int8"
+        )
     device = torch.device(device)
     if device.type == "cuda":
         if not BUILT_WITH_CUDA:
@@ -129,7 +164,12 @@ class KVArena:
     memory is fine: only committed tokens cost memory (``committed_bytes``).
 
     ``key_cache(layer)`` / ``value_cache(layer)`` are the views the contiguous ops read,
-    in the layout of this module's docstring; they keep the reservation alive.
+    in the layout of this module's docstring; they keep the reservation alive. With
+    dtype torch.int8 (an int8 cache) each layer also has float32 scales
+    ``[max_num_seqs, num_kv_heads, num_tiles, TOKEN_TILE]`` for keys and values
+    (``kv_caches`` gives them after the views), in anonymous memory that is mapped as
+    tokens are first written and kept across releases: a quarter of a float32 row's
+    bytes per head_size / 16 tokens.
 
     Inside a slot, tiles of TOKEN_TILE tokens are outermost (then layers, then kv heads),
     so the memory under tokens ``[0, n)`` of a slot, in every layer, is one prefix of the
@@ -172,6 +212,14 @@ class KVArena:
         )
         self._key_caches = [self._arena.key_cache(layer) for layer in range(num_layers)]
         self._value_caches = [self._arena.value_cache(layer) for layer in range(num_layers)]
+        num_tiles = self._value_caches[0].shape[2]
+        # int8: a float32 scale per token, kv head and layer, for keys and for values.
+        self._scale_bytes_per_token = 8 * num_layers * num_kv_heads if dtype == torch.int8 else 0
+        scale_shape = (max_num_seqs, num_kv_heads, num_tiles, TOKEN_TILE)
+        self._scales = [
+            allocate_kv_scales(scale_shape, device) if dtype == torch.int8 else ()
+            for _ in range(num_layers)
+        ]
         # Committed tokens per slot, mirrored on the host for the ops' checks.
         self._committed = torch.zeros(max_num_seqs, dtype=torch.int64)
         ref = weakref.ref(self)
@@ -258,17 +306,23 @@ class KVArena:
         element = self.dtype.itemsize
         tile_bytes = TOKEN_TILE * self.num_layers * self.num_kv_heads * self.head_size * element
         granularity = self.granularity
-        return 2 * (-(-tiles * tile_bytes // granularity) * granularity)
+        scale_bytes = tiles * TOKEN_TILE * self._scale_bytes_per_token
+        return 2 * (-(-tiles * tile_bytes // granularity) * granularity) + scale_bytes
 
     @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(key_cache, value_cache) of every layer."""
-        return list(zip(self._key_caches, self._value_caches, strict=True))
+    def kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """(key_cache, value_cache) of every layer, then (k_scale, v_scale) for int8."""
+        return [
+            (k, v, *scales)
+            for k, v, scales in zip(self._key_caches, self._value_caches, self._scales, strict=True)
+        ]
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of memory mapped under all slots, keys and values."""
-        return int(self._arena.committed_bytes())
+        """Bytes of memory mapped under all slots, keys and values (and an int8 cache's
+        scales of the committed tokens)."""
+        scales = int(self._committed.sum()) * self._scale_bytes_per_token
+        return int(self._arena.committed_bytes()) + scales
 
     @property
     def reserved_bytes(self) -> int:

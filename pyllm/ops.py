@@ -62,7 +62,13 @@ from pyllm._checks import (  # noqa: F401  (constants re-exported)
     _tensor,
     kv_cache_x,
 )
-from pyllm.kv_cache import KVArena, _check_seq_slots, _check_token_slots, allocate_kv_cache
+from pyllm.kv_cache import (
+    KVArena,
+    _check_seq_slots,
+    _check_token_slots,
+    allocate_kv_cache,
+    allocate_kv_scales,
+)
 from pyllm.ops_quant import (
     FLOAT_WEIGHT_TYPES,
     QUANT_TYPES,
@@ -89,6 +95,7 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "TOKEN_TILE",
     "allocate_kv_cache",
+    "allocate_kv_scales",
     "apply_token_bitmask",
     "batch_invariant",
     "contiguous_attention_decode",
@@ -130,22 +137,27 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes each token's key/value into the paged cache at its slot.
 
     key, value: ``[num_tokens, num_kv_heads, head_size]``; slot_mapping:
     ``[num_tokens]`` int64, slot = block_number * block_size + offset_in_block;
-    a slot of -1 skips that token (padding).
+    a slot of -1 skips that token (padding). "int8": ``round(x / s)``, ``s = absmax(x) / 127``.
     """
     _check_args(
         _C.reshape_and_cache, key=key, value=value, key_cache=key_cache,
         value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     if value_cache.dim() == 4:
         num_blocks, _, _, block_size = value_cache.shape
         note = f" ({num_blocks} blocks of {block_size})"
         _check_range("slot_mapping", slot_mapping, torch.int64, -1, num_blocks * block_size, note)
-    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
+    _C.reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
 
 
 def copy_blocks(
@@ -198,6 +210,8 @@ def paged_attention_v1(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention: one query token per sequence over its paged KV.
 
@@ -213,6 +227,7 @@ def paged_attention_v1(
     sinks: None, or ``[num_heads]`` float32 on the query's device: one learned logit per
     query head that joins each softmax as an extra column with no value (gpt-oss's
     attention sinks), so a query's weights sum to less than 1.
+    k_scale, v_scale: an int8 cache's scales (reshape_and_cache), None for a float cache.
     """
     sliding_window = sliding_window or 0
     _check_args(
@@ -220,13 +235,13 @@ def paged_attention_v1(
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, block_size=block_size,
         max_seq_len=max_seq_len, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-        sinks=sinks,
+        sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v1(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
-        block_size, max_seq_len, alibi_slopes, sliding_window, sinks,
+        block_size, max_seq_len, alibi_slopes, sliding_window, sinks, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -265,6 +280,8 @@ def paged_attention_v2(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention split into partitions of PARTITION_SIZE tokens, then merged.
 
@@ -281,14 +298,14 @@ def paged_attention_v2(
         tmp_out=tmp_out, query=query, key_cache=key_cache, value_cache=value_cache,
         num_kv_heads=num_kv_heads, scale=scale, block_tables=block_tables, seq_lens=seq_lens,
         block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window, sinks=sinks,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
         scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
-        sinks,
+        sinks, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -307,6 +324,8 @@ def paged_attention_prefill(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for several query tokens per sequence over its paged KV.
 
@@ -316,11 +335,7 @@ def paged_attention_prefill(
     ``seq_lens[s] - q_len_s + i`` and attends to the cached keys at positions up to
     its own, so this step's keys must already be written by reshape_and_cache. Used
     for prompts, prompt chunks after earlier chunks, and prefix-cache hits.
-    sliding_window: None or 0 for full causal attention; otherwise the query at position
-    p sees only keys at positions ``> p - sliding_window`` (its last sliding_window
-    positions). Cache blocks that hold no key of any query's window are never read, so
-    their block_tables entries may name blocks the sequence no longer owns.
-    sinks: as for paged_attention_v1.
+    sliding_window, sinks, k_scale, v_scale: as for paged_attention_v1.
     """
     sliding_window = sliding_window or 0
     _check_args(
@@ -328,13 +343,14 @@ def paged_attention_prefill(
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale,
         block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
         block_size=block_size, max_query_len=max_query_len, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window, sinks=sinks,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_block_tables(block_tables, seq_lens, value_cache, block_size)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.paged_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
         query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window, sinks,
+        k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -410,10 +426,6 @@ def small_batch_linear(
     _C.small_batch_linear(out, input, weight, bias)
 
 
-def _words_per_element(dtype: torch.dtype) -> int:
-    return 4 // dtype.itemsize
-
-
 def pack_weight_words(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (as nn.Linear stores it) in packed_linear's layout,
     ``[N / 16, K / E, 16, E]`` with E = 4 / element size (1 float32, 2 bf16 or f16): the
@@ -423,7 +435,7 @@ def pack_weight_words(weight: torch.Tensor) -> torch.Tensor:
     _float_dtype("weight", weight)
     _ndim("weight", weight, 2, "[out_features, in_features]")
     n, k = weight.shape
-    e = _words_per_element(weight.dtype)
+    e = 4 // weight.dtype.itemsize  # elements per 32-bit word
     if n % 16 or k % e:
         raise ValueError(
             f"weight must be [N, K] with N a multiple of 16 and K of {e} to pack, "
@@ -469,6 +481,8 @@ def write_kv_contiguous(
     value_cache: torch.Tensor,
     token_slots: torch.Tensor,
     positions: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes each token's key/value into the contiguous cache at (slot, position).
 
@@ -482,9 +496,12 @@ def write_kv_contiguous(
     _check_args(
         _C.write_kv_contiguous, key=key, value=value, key_cache=key_cache,
         value_cache=value_cache, token_slots=token_slots, positions=positions,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_token_slots(key_cache, value_cache, token_slots, positions)
-    _C.write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions)
+    _C.write_kv_contiguous(
+        key, value, key_cache, value_cache, token_slots, positions, k_scale, v_scale
+    )
 
 
 def contiguous_attention_decode(
@@ -499,6 +516,8 @@ def contiguous_attention_decode(
     max_seq_len: int,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention over the contiguous cache: paged_attention_v1 with slots.
 
@@ -514,12 +533,13 @@ def contiguous_attention_decode(
         _C.contiguous_attention_decode, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
         seq_lens=seq_lens, max_seq_len=max_seq_len, sliding_window=sliding_window, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_max_len("max_seq_len", max_seq_len, seq_lens)
     _C.contiguous_attention_decode(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        max_seq_len, sliding_window, sinks,
+        max_seq_len, sliding_window, sinks, k_scale, v_scale,
     )  # fmt: skip
 
 
@@ -536,6 +556,8 @@ def contiguous_attention_prefill(
     max_query_len: int,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal prefill over the contiguous cache: paged_attention_prefill with slots.
 
@@ -551,13 +573,13 @@ def contiguous_attention_prefill(
         _C.contiguous_attention_prefill, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, num_kv_heads=num_kv_heads, scale=scale, seq_slots=seq_slots,
         seq_lens=seq_lens, query_start_loc=query_start_loc, max_query_len=max_query_len,
-        sliding_window=sliding_window, sinks=sinks,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     _check_seq_slots(key_cache, value_cache, seq_slots, seq_lens)
     _check_query_lens(query_start_loc, seq_lens, query, max_query_len)
     _C.contiguous_attention_prefill(
         out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
-        query_start_loc, max_query_len, sliding_window, sinks,
+        query_start_loc, max_query_len, sliding_window, sinks, k_scale, v_scale,
     )  # fmt: skip
 
 

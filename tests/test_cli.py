@@ -112,6 +112,17 @@ def test_bad_values_are_refused_before_the_model_loads(argv, flag):
     _refused(argv, flag)
 
 
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench"]])
+def test_kv_cache_dtype_flag_takes_its_choices(command):
+    parser = dict(_parsers(cli.build_parser()))[f"pyllm {command[0]}"]
+    assert parser.parse_args(["--kv-cache-dtype", "int8", *command[1:]]).kv_cache_dtype == "int8"
+    run = subprocess.run([sys.executable, "-m", "pyllm", *command, "--kv-cache-dtype", "fp8"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8'" in run.stderr, run.stderr[-2000:]
+    assert ENGINE_LOADED not in run.stderr
+
+
 def test_a_port_in_use_is_refused_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -102,8 +102,8 @@ inline PagedKVShape check_paged_common(const AttentionDims& d, const at::Tensor&
                                        const at::Tensor& key_cache, const at::Tensor& value_cache,
                                        int64_t num_kv_heads, double scale, int64_t block_size,
                                        const std::optional<at::Tensor>& alibi_slopes) {
-  const PagedKVShape cache =
-      check_kv_cache(key_cache, value_cache, query.scalar_type(), query.device());
+  const PagedKVShape cache = check_kv_cache(
+      key_cache, value_cache, kv_element_dtype(key_cache, query.scalar_type()), query.device());
   check_cache_heads(num_kv_heads, cache.num_kv_heads, d.head_size, cache.head_size);
   check_block_size(block_size);
   TORCH_CHECK_VALUE(block_size == cache.block_size, "block_size is ", block_size,
@@ -209,8 +209,8 @@ inline ContiguousKVShape check_contiguous_common(const at::Tensor& out, const at
                                                  const at::Tensor& seq_slots,
                                                  const at::Tensor& seq_lens, int64_t num_seqs) {
   const AttentionDims d = check_attention_io(out, query, num_kv_heads);
-  const ContiguousKVShape cache =
-      check_contiguous_kv_cache(key_cache, value_cache, query.scalar_type(), query.device());
+  const ContiguousKVShape cache = check_contiguous_kv_cache(
+      key_cache, value_cache, kv_element_dtype(key_cache, query.scalar_type()), query.device());
   check_cache_heads(num_kv_heads, cache.num_kv_heads, d.head_size, cache.head_size);
   check_scale(scale);
   if (num_seqs < 0) num_seqs = d.num_tokens;

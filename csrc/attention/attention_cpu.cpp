@@ -12,6 +12,21 @@
 
 namespace pyllm::cpu {
 
+// Runs f(CacheType<T>{}) with T the cache's element type: the query's (scalar_t) or,
+// for an int8 cache, int8_t.
+template <typename T>
+struct CacheType {
+  using type = T;
+};
+
+template <typename scalar_t, typename F>
+static void with_cache_type(const at::Tensor& key_cache, const F& f) {
+  if (key_cache.scalar_type() == at::kChar) {
+    f(CacheType<int8_t>{});
+  } else {
+    f(CacheType<scalar_t>{});
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Ops.
@@ -25,7 +40,8 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
                              const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
                              const Addressing& addressing, const at::Tensor& seq_lens,
                              int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int sliding_window, const std::optional<at::Tensor>& sinks) {
+                             int sliding_window, const std::optional<at::Tensor>& sinks,
+                             const KVScales& scales) {
   check_addressing(op, addressing, seq_lens, shape, max_seq_len);
   const int64_t num_seqs = shape.num_tokens;
   const int group = int(shape.num_heads / num_kv_heads), head_size = int(shape.head_size);
@@ -47,7 +63,9 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
   });
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
-    const auto cache = make_cache<scalar_t>(key_cache, value_cache, addressing, shape);
+   with_cache_type<scalar_t>(key_cache, [&](auto cache_type) {
+    using cache_t = typename decltype(cache_type)::type;
+    const auto cache = make_cache<cache_t>(key_cache, value_cache, addressing, shape, scales);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
@@ -60,8 +78,8 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
       const int64_t seq = keys.seq;
       const int kv_head = keys.kv_head;
       const int seq_len = keys.t_end;
-      decode_rows(ws.rows, q, query.stride(0), seq, kv_head, group, head_size, float(scale), alibi,
-                  seq_len, seq_len, sliding_window);
+      decode_rows<cache_t>(ws.rows, q, query.stride(0), seq, kv_head, group, head_size,
+                           float(scale), alibi, seq_len, seq_len, sliding_window);
       attend(cache, seq, kv_head, keys.t_begin, seq_len,
              following >= 0 ? keys_of(following) : KeyRange{}, ws);
       scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
@@ -69,6 +87,7 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
         store_row(ws.rows, g, dst + g * head_size, sink ? sink + kv_head * group + g : nullptr);
       }
     }, work);
+   });
   });
 }
 
@@ -77,14 +96,18 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                        const std::optional<at::Tensor>& sinks) {
+                        const std::optional<at::Tensor>& sinks,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged_attention_v1";
   const PagedKVShape cache = check_paged_attention_v1(
       out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
       max_seq_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
-                   block_tables, seq_lens, max_seq_len, alibi_slopes, int(sliding_window), sinks);
+                   block_tables, seq_lens, max_seq_len, alibi_slopes, int(sliding_window), sinks,
+                   kv_scales(k_scale, v_scale));
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -93,11 +116,15 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                        const std::optional<at::Tensor>& sinks) {
+                        const std::optional<at::Tensor>& sinks,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged_attention_v2";
   const PagedKVShape cache = check_paged_attention_v2(
       out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
+  const KVScales scales = kv_scales(k_scale, v_scale);
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   const int64_t num_seqs = shape.num_tokens, num_heads = shape.num_heads;
   // Each workspace tensor may hold more partitions than needed; index each by its own.
@@ -129,11 +156,13 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   }
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v2", [&] {
-    const auto cache = make_cache<scalar_t>(key_cache, value_cache, block_tables, shape);
     const scalar_t* q = query.data_ptr<scalar_t>();
     float* sums = exp_sums.data_ptr<float>();
     float* maxes = max_logits.data_ptr<float>();
     scalar_t* partial = tmp_out.data_ptr<scalar_t>();
+   with_cache_type<scalar_t>(key_cache, [&](auto cache_type) {
+    using cache_t = typename decltype(cache_type)::type;
+    const auto cache = make_cache<cache_t>(key_cache, value_cache, block_tables, shape, scales);
     // Task i: partition parts[i / num_kv_heads] of kv head i % num_kv_heads.
     auto keys_of = [&](int64_t i) {
       const Part part = parts[i / num_kv_heads];
@@ -147,8 +176,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
           const KeyRange keys = keys_of(i);
           const int kv_head = keys.kv_head;
           const int seq_len = lens[part.seq];
-          decode_rows(ws.rows, q, query.stride(0), part.seq, kv_head, group, head_size,
-                      float(scale), alibi, seq_len, keys.t_end, window);
+          decode_rows<cache_t>(ws.rows, q, query.stride(0), part.seq, kv_head, group,
+                               head_size, float(scale), alibi, seq_len, keys.t_end, window);
           attend(cache, part.seq, kv_head, keys.t_begin, keys.t_end,
                  following >= 0 ? keys_of(following) : KeyRange{}, ws);
           for (int g = 0; g < group; ++g) {
@@ -158,6 +187,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
             store_row(ws.rows, g, partial + (head * partial_parts + part.partition) * head_size);
           }
         });
+   });
 
     // Merge: out = sum_p w_p * tmp_out[p] / sum_p w_p, w_p = exp_sum_p * exp(max_p - max).
     // A sink joins here, once per head, as one more logit with no value: it takes part
@@ -199,7 +229,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
                               const Addressing& addressing, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc,
                               const std::optional<at::Tensor>& alibi_slopes, int sliding_window,
-                              const std::optional<at::Tensor>& sinks) {
+                              const std::optional<at::Tensor>& sinks, const KVScales& scales) {
   const int64_t num_seqs = seq_lens.size(0);
   check_addressing(op, addressing, seq_lens, shape, std::numeric_limits<int32_t>::max());
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -217,9 +247,11 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
   const float* alibi = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
   const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const int bs = int(shape.block_size);
+  // An int8 cache takes the general path below.
+  const bool quantized = key_cache.scalar_type() == at::kChar;
 #ifdef __AVX512F__
   // float32, and bfloat16 with AVX512-BF16: query rows in lanes (see prefill_lanes).
-  if (query.scalar_type() == at::kFloat) {
+  if (query.scalar_type() == at::kFloat && !quantized) {
     const auto cache = make_cache<float>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(),
                   shape.num_heads, num_seqs, lens, starts, float(scale), alibi, sliding_window,
@@ -228,7 +260,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
   }
 #endif
 #ifdef __AVX512BF16__
-  if (query.scalar_type() == at::kBFloat16) {
+  if (query.scalar_type() == at::kBFloat16 && !quantized) {
     const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
     prefill_lanes(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
                   out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
@@ -260,8 +292,10 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
                    [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
-    constexpr int X = PagedCache<scalar_t>::kX;
-    const auto cache = make_cache<scalar_t>(key_cache, value_cache, addressing, shape);
+   with_cache_type<scalar_t>(key_cache, [&](auto cache_type) {
+    using cache_t = typename decltype(cache_type)::type;
+    constexpr int X = PagedCache<cache_t>::kX;
+    const auto cache = make_cache<cache_t>(key_cache, value_cache, addressing, shape, scales);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t q_stride = query.stride(0);
@@ -287,7 +321,8 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
             const int pos = seq_len - q_len + t.first + j;
             for (int g = 0; g < group; ++g) {
               const int r = j * group + g;
-              rows.set_query(r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
+              rows.set_query<scalar_t, cache_t>(
+                  r, q + token * q_stride + (int64_t(kv_head) * group + g) * head_size);
               rows.query_pos[r] = pos;
               rows.last_key[r] = pos;
               rows.first_key[r] = window_start(pos, sliding_window);
@@ -305,6 +340,7 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
             }
           }
         });
+   });
   });
 }
 
@@ -313,15 +349,18 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, int64_t block_size,
                              int64_t max_query_len, const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
+                             int64_t sliding_window, const std::optional<at::Tensor>& sinks,
+                             const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged_attention_prefill";
   const PagedKVShape cache = check_paged_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
       query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   const AttentionShape shape = paged_shape(query, num_kv_heads, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale,
                     block_tables, seq_lens, query_start_loc, alibi_slopes, int(sliding_window),
-                    sinks);
+                    sinks, kv_scales(k_scale, v_scale));
 }
 
 // ---------------------------------------------------------------------------
@@ -331,15 +370,19 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len,
-                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
+                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale) {
   const char* op = "contiguous_attention_decode";
   const ContiguousKVShape cache =
       check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
                                         seq_slots, seq_lens, max_seq_len, sliding_window, sinks);
+  check_contiguous_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_decode(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                   seq_lens, max_seq_len, std::nullopt, int(sliding_window), sinks);
+                   seq_lens, max_seq_len, std::nullopt, int(sliding_window), sinks,
+                   kv_scales(k_scale, v_scale));
 }
 
 void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
@@ -347,15 +390,19 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                   int64_t max_query_len, int64_t sliding_window,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   const char* op = "contiguous_attention_prefill";
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
       query_start_loc, max_query_len, sliding_window, sinks);
+  check_contiguous_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   const AttentionShape shape = contiguous_shape(query, num_kv_heads);
   const SlotAddressing slots = slot_addressing(key_cache, seq_slots, cache);
   attention_prefill(op, shape, out, query, key_cache, value_cache, num_kv_heads, scale, slots,
-                    seq_lens, query_start_loc, std::nullopt, int(sliding_window), sinks);
+                    seq_lens, query_start_loc, std::nullopt, int(sliding_window), sinks,
+                    kv_scales(k_scale, v_scale));
 }
 
 }  // namespace pyllm::cpu

@@ -42,16 +42,32 @@ void check_block_tables(const char* op, const at::Tensor& block_tables, const at
   }
 }
 
+// The int8 cache's scales (checked by check_kv_scales), null for a float cache.
+struct KVScales {
+  const float* key = nullptr;
+  const float* value = nullptr;
+};
+
+KVScales kv_scales(const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale) {
+  if (!k_scale || !v_scale) return {};
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+
 template <typename scalar_t>
 PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                const at::Tensor& block_tables, const AttentionShape& shape) {
-  return {key_cache.data_ptr<scalar_t>(),
-          value_cache.data_ptr<scalar_t>(),
-          block_tables.data_ptr<int32_t>(),
-          block_tables.size(1),
-          int(shape.num_kv_heads),
-          int(shape.head_size),
-          int(shape.block_size)};
+                                const at::Tensor& block_tables, const AttentionShape& shape,
+                                const KVScales& scales = {}) {
+  PagedCache<scalar_t> cache{key_cache.data_ptr<scalar_t>(),
+                             value_cache.data_ptr<scalar_t>(),
+                             block_tables.data_ptr<int32_t>(),
+                             block_tables.size(1),
+                             int(shape.num_kv_heads),
+                             int(shape.head_size),
+                             int(shape.block_size)};
+  cache.key_scale = scales.key;
+  cache.value_scale = scales.value;
+  return cache;
 }
 
 // The contiguous layout's addressing: each sequence's slot and the views' outer
@@ -83,7 +99,8 @@ void check_addressing(const char* op, const SlotAddressing& slots, const at::Ten
 
 template <typename scalar_t>
 PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                const SlotAddressing& slots, const AttentionShape& shape) {
+                                const SlotAddressing& slots, const AttentionShape& shape,
+                                const KVScales& scales = {}) {
   PagedCache<scalar_t> cache{key_cache.data_ptr<scalar_t>(),
                              value_cache.data_ptr<scalar_t>(),
                              nullptr,
@@ -95,6 +112,9 @@ PagedCache<scalar_t> make_cache(const at::Tensor& key_cache, const at::Tensor& v
   cache.slot_stride = slots.slot_stride;
   cache.head_stride = slots.head_stride;
   cache.tile_stride = slots.tile_stride;
+  cache.key_scale = scales.key;
+  cache.value_scale = scales.value;
+  cache.num_tiles = slots.capacity / kTokenTile;
   return cache;
 }
 

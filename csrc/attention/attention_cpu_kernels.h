@@ -26,6 +26,12 @@
 //      per chunk, so value rows are used as stored, without a transpose.
 // Softmax and accumulation are float32; bf16/f16 are converted on load.
 //
+// int8 cache (x = 16, a float32 scale per token and kv head for K and for V): the
+// scales are factored out of both products, q . k = s_k * (q . k_int8) (one multiply
+// per logit after step 1) and sum_t p_t v_t = sum_t (p_t s_v,t) v_int8_t (p scaled
+// once per chunk before step 3), so the inner loops only widen int8 to float32
+// (vpmovsxbd + vcvtdq2ps) and stream a quarter of float32's bytes.
+//
 // Masking is by selection, never arithmetic: logits of keys a row may not see
 // (past its causal limit, before its sliding window, or cache slots past the
 // sequence end, which may hold garbage including NaN) are replaced by -inf, and
@@ -108,6 +114,13 @@ struct PagedCache {
   // "logical block" t of a sequence is tile t of its slot.
   const int32_t* seq_slots = nullptr;  // [num_seqs]
   int64_t slot_stride = 0, head_stride = 0, tile_stride = 0;
+  // int8 cache: float32 scales per (block or tile, kv head, token), dense, shaped like
+  // the cache without head_size; null for a float cache.
+  const float* key_scale = nullptr;
+  const float* value_scale = nullptr;
+  int64_t num_tiles = 0;  // contiguous layout: tiles per slot of the scales
+
+  static constexpr bool kQuantized = std::is_same_v<scalar_t, int8_t>;
 
   // Offset of (physical block of the seq's logical block, kv_head) in either cache;
   // both caches hold head_size * block_size elements per (block, kv head).
@@ -117,6 +130,16 @@ struct PagedCache {
     }
     const int64_t physical = block_tables[seq * max_blocks_per_seq + logical_block];
     return (physical * num_kv_heads + kv_head) * int64_t(head_size) * block_size;
+  }
+
+  // Offset of the same (block, kv_head)'s block_size scales in key_scale / value_scale.
+  int64_t scale_offset(int64_t seq, int kv_head, int64_t logical_block) const {
+    if (seq_slots != nullptr) {
+      return ((seq_slots[seq] * int64_t(num_kv_heads) + kv_head) * num_tiles + logical_block) *
+             block_size;
+    }
+    const int64_t physical = block_tables[seq * max_blocks_per_seq + logical_block];
+    return (physical * num_kv_heads + kv_head) * int64_t(block_size);
   }
 };
 
@@ -192,9 +215,10 @@ struct Rows {
   // Loads row r's query (head_size packed elements), each x-group repeated to
   // fill the 64 bytes that meet one key vector (copied bytewise: the buffer
   // is float storage, the elements may be bf16).
-  template <typename scalar_t>
+  // cache_t: the cache's element type, whose key vectors the query meets.
+  template <typename scalar_t, typename cache_t = scalar_t>
   void set_query(int r, const scalar_t* q) {
-    using Ops = KeyOps<scalar_t>;
+    using Ops = KeyOps<cache_t>;
     using Elem = typename Ops::QueryElem;
     constexpr int x = Ops::kX;
     static_assert(Ops::kElems * sizeof(Elem) == kLanes * sizeof(float));
@@ -228,6 +252,7 @@ inline Vec16 fold_to_tokens(Vec16* wide, int n) {
       wide[m++] = fold_k(wide[i], i + 1 < n ? wide[i + 1] : Vec16::zero());
     n = m;
   };
+  if constexpr (L >= 16) level([](Vec16 a, Vec16 b) { return vec::fold<16>(a, b); });
   if constexpr (L >= 8) level([](Vec16 a, Vec16 b) { return vec::fold<8>(a, b); });
   if constexpr (L >= 4) level([](Vec16 a, Vec16 b) { return vec::fold<4>(a, b); });
   level([](Vec16 a, Vec16 b) { return vec::fold<2>(a, b); });
@@ -247,9 +272,10 @@ constexpr int vecs_in_flight(int rows, int vecs) {
 // partial sums, 16 tokens (8 when block_size is 8) starting at `key` (key
 // block + token offset * x). Written as 16 lanes at logits[row][offset], lanes
 // past each row's limit -inf.
+// key_scale (int8 cache): the group's tokens' scales, factored out of q . k.
 template <typename scalar_t, int RT, int VECS>
-void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset, int r0, Rows& rows,
-                 float* logits) {
+void qk_row_tile(const scalar_t* key, const float* key_scale, int block_size, int first_pos,
+                 int offset, int r0, Rows& rows, float* logits) {
   using Ops = KeyOps<scalar_t>;
   constexpr int X = Ops::kX;
   constexpr int kTokens = VECS * kLanes / Ops::kLanesPerToken;
@@ -278,7 +304,12 @@ void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset,
       for (int n = 0; n < NV; ++n) wide[r][v0 + n] = acc[r][n];
     }
   }
-  const Vec16 scale = Vec16::set1(rows.scale);
+  Vec16 scale = Vec16::set1(rows.scale);
+  if constexpr (std::is_same_v<scalar_t, int8_t>) {
+    // 8 tokens (block_size 8): the upper lanes repeat them and are masked below.
+    scale = scale * (kTokens < kLanes ? Vec16::load_halves(key_scale, key_scale)
+                                      : Vec16::load(key_scale));
+  }
   for (int r = 0; r < RT; ++r) {
     const int row = r0 + r;
     Vec16 logit = fold_to_tokens<Ops::kLanesPerToken>(wide[r], VECS) * scale;
@@ -300,15 +331,17 @@ void qk_row_tile(const scalar_t* key, int block_size, int first_pos, int offset,
 }
 
 template <typename scalar_t, int VECS>
-void qk_all_rows(const scalar_t* key, int block_size, int first_pos, int offset, Rows& rows,
-                 float* logits) {
+void qk_all_rows(const scalar_t* key, const float* key_scale, int block_size, int first_pos,
+                 int offset, Rows& rows, float* logits) {
   int r = 0;
   for (; r + kMaxRowTile <= rows.count; r += kMaxRowTile) {
-    qk_row_tile<scalar_t, kMaxRowTile, VECS>(key, block_size, first_pos, offset, r, rows, logits);
+    qk_row_tile<scalar_t, kMaxRowTile, VECS>(key, key_scale, block_size, first_pos, offset, r,
+                                             rows, logits);
   }
-#define PYLLM_QK_TAIL(N)                                                                 \
-  case N:                                                                                \
-    qk_row_tile<scalar_t, N, VECS>(key, block_size, first_pos, offset, r, rows, logits); \
+#define PYLLM_QK_TAIL(N)                                                                  \
+  case N:                                                                                 \
+    qk_row_tile<scalar_t, N, VECS>(key, key_scale, block_size, first_pos, offset, r, rows, \
+                                   logits);                                               \
     break;
   switch (rows.count - r) {
     PYLLM_QK_TAIL(1)
@@ -378,6 +411,9 @@ struct ValueGroups {
   int count = 0;
   int last_tokens = 0;  // valid tokens in the last group (1..16)
   int row_stride = 0;   // elements between head dimensions d and d + 1: block_size
+  // int8 cache: the groups' value scales, as lo / hi.
+  const float* scale_lo[kMaxGroups];
+  const float* scale_hi[kMaxGroups];
 
   void build(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int chunk, int n) {
     const int bs = cache.block_size;
@@ -390,6 +426,27 @@ struct ValueGroups {
       hi[g] = bs < kLanes && tok + bs < chunk + n
                   ? cache.value_cache + cache.block_offset(seq, kv_head, tok / bs + 1)
                   : lo[g];
+      if constexpr (PagedCache<scalar_t>::kQuantized) {
+        scale_lo[g] = cache.value_scale + cache.scale_offset(seq, kv_head, tok / bs) + tok % bs;
+        scale_hi[g] = bs < kLanes && tok + bs < chunk + n
+                          ? cache.value_scale + cache.scale_offset(seq, kv_head, tok / bs + 1)
+                          : scale_lo[g];
+      }
+    }
+  }
+
+  // int8 cache: p[row][t] *= the value scale of token t, so that the value pass
+  // sums p * v_int8 (sum_t p_t v_t = sum_t (p_t s_t) q_t). Lanes past the chunk's
+  // end get 0 (their scales may be anything).
+  void scale_probs(Rows& rows, float* logits) const {
+    for (int g = 0; g < count; ++g) {
+      Vec16 s = row_stride < kLanes ? Vec16::load_halves(scale_lo[g], scale_hi[g])
+                                    : Vec16::load(scale_lo[g]);
+      if (g + 1 == count) s = s.keep_first(last_tokens, 0.0f);
+      for (int r = 0; r < rows.count; ++r) {
+        float* p = logits + size_t(r) * kLogitsStride + g * kLanes;
+        (Vec16::load(p) * s).store(p);
+      }
     }
   }
 };
@@ -572,8 +629,18 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
   auto key_block = [&](int tok) {
     return cache.key_cache + cache.block_offset(seq, kv_head, tok / bs);
   };
-  auto value_block = [&](int tok) {
-    return cache.value_cache + cache.block_offset(seq, kv_head, tok / bs);
+  auto key_scales = [&](int tok) -> const float* {
+    if constexpr (PagedCache<scalar_t>::kQuantized) {
+      return cache.key_scale + cache.scale_offset(seq, kv_head, tok / bs) + tok % bs;
+    }
+    return nullptr;
+  };
+  // int8: a block's scales travel with it (a line per 16 tokens, a miss each if not).
+  auto prefetch = [&](const scalar_t* block, const float* scales, int tok, bool to_l1) {
+    prefetch_block(block + cache.block_offset(seq, kv_head, tok / bs), block_elems, to_l1);
+    if constexpr (PagedCache<scalar_t>::kQuantized) {
+      prefetch_block(scales + cache.scale_offset(seq, kv_head, tok / bs), bs, to_l1);
+    }
   };
   ValueGroups<scalar_t> groups;
 
@@ -581,23 +648,25 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
     const int chunk_end = std::min<int>(t_end, chunk + kPartitionSize);
     if (chunk == t_begin) {
       for (int i = 0; i < kKeyAhead && chunk + i * bs < chunk_end; ++i) {
-        prefetch_block(key_block(chunk + i * bs), block_elems, true);
+        prefetch(cache.key_cache, cache.key_scale, chunk + i * bs, true);
       }
     }
     for (int start = chunk; start < chunk_end; start += bs) {
       if (start + kKeyAhead * bs < chunk_end) {
-        prefetch_block(key_block(start + kKeyAhead * bs), block_elems, true);
+        prefetch(cache.key_cache, cache.key_scale, start + kKeyAhead * bs, true);
       }
-      prefetch_block(value_block(start), block_elems, false);
+      prefetch(cache.value_cache, cache.value_scale, start, false);
       const scalar_t* key = key_block(start);
       const int end = std::min(chunk_end, start + bs);
       for (int tok = start; tok < end; tok += group) {
         // 16 tokens make kLanesPerToken key vectors; 8 tokens (block_size 8) half as many.
         constexpr int kVecs = KeyOps<scalar_t>::kLanesPerToken;  // per 16 tokens
         if (bs >= kLanes) {
-          qk_all_rows<scalar_t, kVecs>(key + (tok - start) * X, bs, tok, tok - chunk, rows, logits);
+          qk_all_rows<scalar_t, kVecs>(key + (tok - start) * X, key_scales(tok), bs, tok,
+                                       tok - chunk, rows, logits);
         } else {
-          qk_all_rows<scalar_t, kVecs / 2>(key, bs, tok, tok - chunk, rows, logits);
+          qk_all_rows<scalar_t, kVecs / 2>(key, key_scales(tok), bs, tok, tok - chunk, rows,
+                                           logits);
         }
       }
     }
@@ -614,34 +683,13 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
       }
     }
     groups.build(cache, seq, kv_head, chunk, chunk_end - chunk);
+    if constexpr (PagedCache<scalar_t>::kQuantized) groups.scale_probs(rows, logits);
     if (bs >= kLanes) {
       pv_all_rows<scalar_t, false>(groups, rows, logits, next_keys);
     } else {
       pv_all_rows<scalar_t, true>(groups, rows, logits, next_keys);
     }
   }
-}
-
-// The factor that normalizes a row's acc when a sink joins its softmax: one more
-// logit with no value, so out = acc * alpha / (exp_sum * alpha + exp(sink - m)) with
-// m = max(max_logit, sink) and alpha = exp(max_logit - m) (0 when the row saw no
-// key).
-inline float sink_scale(float max_logit, float exp_sum, float sink) {
-  const float m = std::max(max_logit, sink);
-  if (m == kNegInf) return 0.0f;  // a -inf sink and no key: nothing to weigh
-  const float alpha = std::exp(max_logit - m);
-  return alpha / (exp_sum * alpha + std::exp(sink - m));
-}
-
-// Writes row r's normalized output (zeros when it saw no key); sink: the row's
-// head's sink, or null.
-template <typename scalar_t>
-void store_row(const Rows& rows, int r, scalar_t* out, const float* sink = nullptr) {
-  const float sum = rows.exp_sum[r];
-  float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  if (sink != nullptr) inv = sink_scale(rows.max_logit[r], sum, *sink);
-  const float* acc = &rows.acc[size_t(r) * rows.head_size];
-  for (int d = 0; d < rows.head_size; ++d) out[d] = vec::from_float<scalar_t>(acc[d] * inv);
 }
 
 }  // namespace

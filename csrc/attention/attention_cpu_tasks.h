@@ -49,20 +49,43 @@ inline int block_start(int pos, int block_size) { return pos / block_size * bloc
 
 // Sets up the decode rows of (seq, kv_head): its group of query heads, all at
 // position seq_len - 1, limited to keys before t_end and within the window.
-template <typename scalar_t>
+// cache_t: the cache's element type (the query's, or int8).
+template <typename cache_t, typename scalar_t>
 void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t seq,
                  int kv_head, int group, int head_size, float scale, const float* alibi,
                  int seq_len, int t_end, int sliding_window) {
-  constexpr int X = PagedCache<scalar_t>::kX;
+  constexpr int X = PagedCache<cache_t>::kX;
   rows.reset(group, head_size, X, scale, alibi != nullptr);
   const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
   for (int g = 0; g < group; ++g) {
-    rows.set_query(g, q + g * head_size);
+    rows.set_query<scalar_t, cache_t>(g, q + g * head_size);
     rows.query_pos[g] = seq_len - 1;
     rows.last_key[g] = std::min(seq_len, t_end) - 1;
     rows.first_key[g] = window_start(seq_len - 1, sliding_window);
     if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
   }
+}
+
+// The factor that normalizes a row's acc when a sink joins its softmax: one more
+// logit with no value, so out = acc * alpha / (exp_sum * alpha + exp(sink - m)) with
+// m = max(max_logit, sink) and alpha = exp(max_logit - m) (0 when the row saw no
+// key).
+inline float sink_scale(float max_logit, float exp_sum, float sink) {
+  const float m = std::max(max_logit, sink);
+  if (m == kNegInf) return 0.0f;  // a -inf sink and no key: nothing to weigh
+  const float alpha = std::exp(max_logit - m);
+  return alpha / (exp_sum * alpha + std::exp(sink - m));
+}
+
+// Writes row r's normalized output (zeros when it saw no key); sink: the row's
+// head's sink, or null.
+template <typename scalar_t>
+void store_row(const Rows& rows, int r, scalar_t* out, const float* sink = nullptr) {
+  const float sum = rows.exp_sum[r];
+  float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  if (sink != nullptr) inv = sink_scale(rows.max_logit[r], sum, *sink);
+  const float* acc = &rows.acc[size_t(r) * rows.head_size];
+  for (int d = 0; d < rows.head_size; ++d) out[d] = vec::from_float<scalar_t>(acc[d] * inv);
 }
 
 int num_partitions(int seq_len) { return int((seq_len + kPartitionSize - 1) / kPartitionSize); }

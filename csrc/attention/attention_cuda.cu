@@ -286,7 +286,10 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                        const std::optional<at::Tensor>& sinks) {
+                        const std::optional<at::Tensor>& sinks,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("paged_attention_v1", key_cache);
   check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
                            seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
                            sinks);
@@ -301,7 +304,10 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                        const std::optional<at::Tensor>& sinks) {
+                        const std::optional<at::Tensor>& sinks,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("paged_attention_v2", key_cache);
   check_paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
                            num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
                            alibi_slopes, sliding_window, sinks);
@@ -316,7 +322,10 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                              int64_t block_size, int64_t max_query_len,
                              const std::optional<at::Tensor>& alibi_slopes,
-                             int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
+                             int64_t sliding_window, const std::optional<at::Tensor>& sinks,
+                             const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("paged_attention_prefill", key_cache);
   // max_query_len is checked but not read: tiles are found from query_start_loc.
   check_paged_attention_prefill(out, query, key_cache, value_cache, num_kv_heads, scale,
                                 block_tables, seq_lens, query_start_loc, block_size,
@@ -342,7 +351,10 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                                  int64_t num_kv_heads, double scale, const at::Tensor& seq_slots,
                                  const at::Tensor& seq_lens, int64_t max_seq_len,
-                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
+                                 int64_t sliding_window, const std::optional<at::Tensor>& sinks,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("contiguous_attention_decode", key_cache);
   const ContiguousKVShape cache =
       check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
                                         seq_slots, seq_lens, max_seq_len, sliding_window, sinks);
@@ -380,7 +392,10 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& seq_slots, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t max_query_len,
                                   int64_t sliding_window,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("contiguous_attention_prefill", key_cache);
   // max_query_len is checked but not read: tiles are found from query_start_loc.
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,

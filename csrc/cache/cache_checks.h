@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +48,36 @@ inline void check_key_cache_shape(std::string_view name, const at::Tensor& key_c
                     " (x = ", kv_cache_x(dtype), " for ", dtype_name(dtype),
                     ", matching value_cache ", shape_text(value_cache.sizes()), "), got ",
                     shape_text(key_cache.sizes()));
+}
+
+// The KV cache's element type: the model's dtype, or int8 (a quantized cache whose
+// float32 scales, one per token and kv head for keys and one for values, come as
+// k_scale / v_scale; x = 16 then).
+inline at::ScalarType kv_element_dtype(const at::Tensor& key_cache, at::ScalarType model_dtype) {
+  return key_cache.scalar_type() == at::kChar ? at::kChar : model_dtype;
+}
+
+// An int8 cache's scales: float32 of shape (the cache's shape without head_size),
+// contiguous, on device. A float cache takes none.
+inline void check_kv_scales(const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale, const at::Tensor& key_cache,
+                            at::IntArrayRef shape, std::string_view layout,
+                            const at::Device& device) {
+  const bool quantized = key_cache.scalar_type() == at::kChar;
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{
+                                    "k_scale", &k_scale},
+                                {"v_scale", &v_scale}}) {
+    if (!quantized) {
+      TORCH_CHECK_VALUE(!t->has_value(), name, " is only for an int8 KV cache, but key_cache has ",
+                        dtype_name(key_cache.scalar_type()));
+      continue;
+    }
+    TORCH_CHECK_VALUE(t->has_value(), "an int8 KV cache needs ", name, " (float32 ", layout, ")");
+    check_device(name, **t, device);
+    check_dtype(name, **t, at::kFloat);
+    check_shape(name, **t, shape, layout);
+    check_contiguous(name, **t);
+  }
 }
 
 struct PagedKVShape {
@@ -118,6 +150,28 @@ inline ContiguousKVShape check_contiguous_kv_cache(const at::Tensor& key_cache,
   return s;
 }
 
+inline void check_paged_kv_scales(const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale,
+                                  const at::Tensor& key_cache, const PagedKVShape& s,
+                                  const at::Device& device) {
+  check_kv_scales(k_scale, v_scale, key_cache, {s.num_blocks, s.num_kv_heads, s.block_size},
+                  "[num_blocks, num_kv_heads, block_size]", device);
+}
+
+// The CUDA kernels read float caches only: an int8 cache is refused by name.
+inline void check_float_kv_cache(const char* op, const at::Tensor& key_cache) {
+  TORCH_CHECK_NOT_IMPLEMENTED(key_cache.scalar_type() != at::kChar, op,
+                              ": the int8 KV cache (kv_cache_dtype='int8') runs on the CPU only");
+}
+
+inline void check_contiguous_kv_scales(const std::optional<at::Tensor>& k_scale,
+                                       const std::optional<at::Tensor>& v_scale,
+                                       const at::Tensor& key_cache, const ContiguousKVShape& s,
+                                       const at::Device& device) {
+  check_kv_scales(k_scale, v_scale, key_cache, {s.num_slots, s.num_kv_heads, s.num_tiles, kTokenTile},
+                  "[max_num_seqs, num_kv_heads, num_tiles, TOKEN_TILE]", device);
+}
+
 // The key rows' [num_kv_heads, head_size] against the cache's.
 inline void check_key_heads(const at::Tensor& key, int64_t num_kv_heads, int64_t head_size) {
   TORCH_CHECK_VALUE(key.size(1) == num_kv_heads && key.size(2) == head_size, "key has (",
@@ -139,11 +193,15 @@ inline PagedKVShape check_reshape_and_cache(const at::Tensor& key, const at::Ten
                                             const at::Tensor& key_cache,
                                             const at::Tensor& value_cache,
                                             const at::Tensor& slot_mapping,
-                                            const std::string& kv_cache_dtype) {
+                                            const std::string& kv_cache_dtype,
+                                            const std::optional<at::Tensor>& k_scale,
+                                            const std::optional<at::Tensor>& v_scale) {
   check_token_rows(key, value);
-  TORCH_CHECK_VALUE(kv_cache_dtype == "auto", "kv_cache_dtype '", kv_cache_dtype,
-                    "' is not supported; only 'auto' (the cache has the model's dtype)");
-  const PagedKVShape s = check_kv_cache(key_cache, value_cache, key.scalar_type(), key.device());
+  TORCH_CHECK_VALUE(kv_cache_dtype == "auto" || kv_cache_dtype == "int8", "kv_cache_dtype '",
+                    kv_cache_dtype, "' is not supported; choices: 'auto' (the model's dtype), 'int8'");
+  const at::ScalarType dtype = kv_cache_dtype == "int8" ? at::kChar : key.scalar_type();
+  const PagedKVShape s = check_kv_cache(key_cache, value_cache, dtype, key.device());
+  check_paged_kv_scales(k_scale, v_scale, key_cache, s, key.device());
   check_key_heads(key, s.num_kv_heads, s.head_size);
   check_index("slot_mapping", slot_mapping, at::kLong, key.size(0), "[num_tokens]", key.device());
   return s;
@@ -153,10 +211,13 @@ inline ContiguousKVShape check_write_kv_contiguous(const at::Tensor& key, const 
                                                    const at::Tensor& key_cache,
                                                    const at::Tensor& value_cache,
                                                    const at::Tensor& token_slots,
-                                                   const at::Tensor& positions) {
+                                                   const at::Tensor& positions,
+                                                   const std::optional<at::Tensor>& k_scale,
+                                                   const std::optional<at::Tensor>& v_scale) {
   check_token_rows(key, value);
-  const ContiguousKVShape s =
-      check_contiguous_kv_cache(key_cache, value_cache, key.scalar_type(), key.device());
+  const ContiguousKVShape s = check_contiguous_kv_cache(
+      key_cache, value_cache, kv_element_dtype(key_cache, key.scalar_type()), key.device());
+  check_contiguous_kv_scales(k_scale, v_scale, key_cache, s, key.device());
   check_key_heads(key, s.num_kv_heads, s.head_size);
   check_index("token_slots", token_slots, at::kLong, key.size(0), "[num_tokens]", key.device());
   check_index("positions", positions, at::kLong, key.size(0), "[num_tokens]", key.device());
@@ -183,7 +244,7 @@ inline void check_copy_blocks(const std::vector<at::Tensor>& key_caches,
                     key_caches.size(), " layers but value_caches has ", value_caches.size());
   TORCH_CHECK_VALUE(!key_caches.empty(), "key_caches must hold at least one layer");
   const at::Tensor& first = key_caches[0];
-  check_float_dtype("key_caches[0]", first);
+  if (first.scalar_type() != at::kChar) check_float_dtype("key_caches[0]", first);
   for (size_t i = 0; i < key_caches.size(); ++i) {
     const PagedKVShape s =
         check_kv_cache(key_caches[i], value_caches[i], first.scalar_type(), first.device(),
@@ -198,7 +259,7 @@ inline void check_copy_blocks(const std::vector<at::Tensor>& key_caches,
 // the same or different devices.
 inline void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
                               const at::Tensor& block_mapping) {
-  check_float_dtype("src", src);
+  if (src.scalar_type() != at::kChar) check_float_dtype("src", src);  // int8: a quantized cache
   check_same_dtype("dst", dst, src.scalar_type());
   check_contiguous("src", src);
   check_contiguous("dst", dst);

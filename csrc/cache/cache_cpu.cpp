@@ -9,6 +9,7 @@
 //   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
 //   value_cache [num_blocks, num_kv_heads, head_size, block_size]
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -19,6 +20,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "../attention/sizes.h"
+#include "../dispatch_utils.h"
 #include "../ops.h"
 #include "cache_checks.h"
 
@@ -29,6 +32,8 @@ namespace {
 constexpr int64_t kGrainElements = 1 << 14;
 // Block copies: bytes per thread before splitting pays off.
 constexpr int64_t kGrainBytes = 1 << 18;
+// The largest of kHeadSizes (sizes.h): one quantized row's scratch.
+constexpr int64_t kMaxHeadSize = 256;
 
 // Raises unless every slot is -1 (skip) or inside the cache: a slot past the
 // end would be a write outside key_cache/value_cache. One pass over num_tokens
@@ -81,6 +86,70 @@ void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
         }
       }
     }
+  });
+}
+
+// int8 cache: one row of head_size elements quantized symmetrically, q = round(x / s)
+// with s = absmax / 127 (float32 arithmetic, ties to even as torch.round); a zero row
+// gets s = 0 and zeros. Returns s.
+template <typename scalar_t>
+float quantize_row(const scalar_t* x, int64_t n, int8_t* q) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
+  const float s = absmax / 127.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    q[i] = s > 0.0f ? static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) / s)) : 0;
+  }
+  return s;
+}
+
+// Where token (block or tile base, offset) of one kv head goes: the element offsets
+// of its key and value rows and of its scale.
+struct TokenPlace {
+  int64_t key, value, scale;
+};
+
+// Writes one token's quantized key and value rows of one kv head at place:
+// the key's 16-byte groups `tokens * 16` bytes apart (tokens per block or tile).
+template <typename scalar_t>
+void write_int8_token(const scalar_t* k, const scalar_t* v, int64_t head_size, int64_t tokens,
+                      const TokenPlace& where, int8_t* key_cache, int8_t* value_cache,
+                      float* k_scale, float* v_scale) {
+  int8_t row[kMaxHeadSize];
+  k_scale[where.scale] = quantize_row(k, head_size, row);
+  for (int64_t g = 0; g < head_size / 16; ++g) {
+    std::memcpy(key_cache + where.key + g * tokens * 16, row + g * 16, 16);
+  }
+  v_scale[where.scale] = quantize_row(v, head_size, row);
+  for (int64_t d = 0; d < head_size; ++d) value_cache[where.value + d * tokens] = row[d];
+}
+
+// reshape_and_cache into an int8 cache: place(t, h) is token t's TokenPlace for kv head
+// h, or key = -1 to skip the token.
+template <typename Place>
+void scatter_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, at::Tensor& k_scale, at::Tensor& v_scale,
+                  int64_t tokens_per_block, const Place& place) {
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  auto* kc = key_cache.data_ptr<int8_t>();
+  auto* vc = value_cache.data_ptr<int8_t>();
+  auto* ks = k_scale.data_ptr<float>();
+  auto* vs = v_scale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / (2 * num_kv_heads * head_size));
+  PYLLM_DISPATCH_FLOATING_TYPES(key.scalar_type(), "reshape_and_cache_int8", [&] {
+    const auto* kd = key.data_ptr<scalar_t>();
+    const auto* vd = value.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const TokenPlace where = place(t, h);
+          if (where.key < 0) break;  // padding token: nothing is written
+          write_int8_token(kd + t * key.stride(0) + h * head_size,
+                           vd + t * value.stride(0) + h * head_size, head_size,
+                           tokens_per_block, where, kc, vc, ks, vs);
+        }
+      }
+    });
   });
 }
 
@@ -145,12 +214,25 @@ void write_tokens_contiguous(const at::Tensor& key, const at::Tensor& value,
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype) {
-  const PagedKVShape shape =
-      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype);
+                       const std::string& kv_cache_dtype,
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
+  const PagedKVShape shape = check_reshape_and_cache(key, value, key_cache, value_cache,
+                                                     slot_mapping, kv_cache_dtype, k_scale, v_scale);
   const int64_t num_tokens = key.size(0);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   check_slots(slots, num_tokens, shape.num_blocks * shape.block_size);
+  if (key_cache.scalar_type() == at::kChar) {
+    const int64_t bs = shape.block_size, kvh = shape.num_kv_heads, d = shape.head_size;
+    scatter_int8(key, value, key_cache, value_cache, const_cast<at::Tensor&>(*k_scale),
+                 const_cast<at::Tensor&>(*v_scale), bs, [&](int64_t t, int64_t h) {
+                   if (slots[t] < 0) return TokenPlace{-1, -1, -1};
+                   const int64_t base = (slots[t] / bs * kvh + h), offset = slots[t] % bs;
+                   return TokenPlace{base * d * bs + offset * 16, base * d * bs + offset,
+                                     base * bs + offset};
+                 });
+    return;
+  }
 
   if (key.element_size() == 2) {
     scatter_tokens<uint16_t>(key, value, key_cache, value_cache, slots);
@@ -218,10 +300,11 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
 
 void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                          at::Tensor& value_cache, const at::Tensor& token_slots,
-                         const at::Tensor& positions) {
+                         const at::Tensor& positions, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
   const char* op = "write_kv_contiguous";
-  const ContiguousKVShape shape =
-      check_write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions);
+  const ContiguousKVShape shape = check_write_kv_contiguous(key, value, key_cache, value_cache,
+                                                            token_slots, positions, k_scale, v_scale);
   const int64_t num_tokens = key.size(0), num_slots = shape.num_slots;
   const int64_t* slots = token_slots.const_data_ptr<int64_t>();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
@@ -233,6 +316,21 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
                 slots[t], " is outside [-1, ", num_slots, ")");
     TORCH_CHECK(slots[t] < 0 || (pos[t] >= 0 && pos[t] < capacity), op, ": positions[", t,
                 "] = ", pos[t], " is outside [0, ", capacity, ")");
+  }
+  if (key_cache.scalar_type() == at::kChar) {
+    // Tile (slot, h, pos / tile) of either cache at one offset (shared outer strides);
+    // the scales are dense [slots, kv heads, tiles, kTokenTile].
+    const int64_t kvh = shape.num_kv_heads, tiles = shape.num_tiles;
+    scatter_int8(key, value, key_cache, value_cache, const_cast<at::Tensor&>(*k_scale),
+                 const_cast<at::Tensor&>(*v_scale), kTokenTile, [&](int64_t t, int64_t h) {
+                   if (slots[t] < 0) return TokenPlace{-1, -1, -1};
+                   const int64_t tile = pos[t] / kTokenTile, offset = pos[t] % kTokenTile;
+                   const int64_t base = slots[t] * key_cache.stride(0) +
+                                        h * key_cache.stride(1) + tile * key_cache.stride(2);
+                   return TokenPlace{base + offset * 16, base + offset,
+                                     ((slots[t] * kvh + h) * tiles + tile) * kTokenTile + offset};
+                 });
+    return;
   }
   if (key.element_size() == 2) {
     write_tokens_contiguous<uint16_t>(key, value, key_cache, value_cache, slots, pos);

@@ -85,9 +85,12 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype) {
-  const PagedKVShape shape =
-      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype);
+                       const std::string& kv_cache_dtype,
+                       const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("reshape_and_cache", key_cache);
+  const PagedKVShape shape = check_reshape_and_cache(key, value, key_cache, value_cache,
+                                                     slot_mapping, kv_cache_dtype, k_scale, v_scale);
   check_cuda(key, "key");
   PagedWrite target{};
   target.slot_mapping = slot_mapping.data_ptr<int64_t>();
@@ -99,9 +102,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                          at::Tensor& value_cache, const at::Tensor& token_slots,
-                         const at::Tensor& positions) {
-  const ContiguousKVShape shape =
-      check_write_kv_contiguous(key, value, key_cache, value_cache, token_slots, positions);
+                         const at::Tensor& positions, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
+  check_float_kv_cache("write_kv_contiguous", key_cache);
+  const ContiguousKVShape shape = check_write_kv_contiguous(key, value, key_cache, value_cache,
+                                                            token_slots, positions, k_scale, v_scale);
   check_cuda(key, "key");
   // Slot and position values stay on the device (reading them here would cost a
   // sync): the kernel drops writes outside the views instead (ContiguousWrite).

@@ -42,8 +42,9 @@ KVArena::KVArena(int64_t num_layers, int64_t max_num_seqs, int64_t max_model_len
                                     {head_size, "head_size"}}) {
     TORCH_CHECK(value > 0, "KVArena: ", name, " must be positive, got ", value);
   }
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "KVArena: dtype must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                  dtype == at::kChar,
+              "KVArena: dtype must be float32, float16, bfloat16 or int8, got ", dtype);
   const int64_t element = int64_t(c10::elementSize(dtype));
   TORCH_CHECK(head_size % (16 / element) == 0, "KVArena: head_size ", head_size,
               " must be a multiple of x = ", 16 / element);

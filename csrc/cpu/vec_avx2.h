@@ -18,6 +18,10 @@ struct Vec16 {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
+  static __m256 widen_int8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static __m256 widen_half(const c10::Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -95,6 +99,11 @@ struct Vec16 {
   static Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static Vec16 load(const c10::BFloat16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
   static Vec16 load(const c10::Half* p) { return {widen_half(p), widen_half(p + 8)}; }
+  // int8 (a quantized KV cache): 8 bytes per half sign-extended and converted.
+  static Vec16 load(const int8_t* p) { return {widen_int8(p), widen_int8(p + 8)}; }
+  static Vec16 load_halves(const int8_t* lo, const int8_t* hi) {
+    return {widen_int8(lo), widen_int8(hi)};
+  }
 
   // Lanes 0-7 from lo[0..8), lanes 8-15 from hi[0..8).
   static Vec16 load_halves(const float* lo, const float* hi) {

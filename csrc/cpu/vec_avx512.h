@@ -42,6 +42,15 @@ struct Vec16 {
   static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec16 load(const c10::BFloat16* p) { return widen(load16(p), p); }
   static Vec16 load(const c10::Half* p) { return widen(load16(p), p); }
+  // int8 (a quantized KV cache): 16 bytes sign-extended and converted (vpmovsxbd, vcvtdq2ps).
+  static Vec16 load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static Vec16 load_halves(const int8_t* lo, const int8_t* hi) {
+    const __m128i l = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo));
+    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(l, h)))};
+  }
 
   // Lanes 0-7 from lo[0..8), lanes 8-15 from hi[0..8).
   static Vec16 load_halves(const float* lo, const float* hi) {

@@ -18,7 +18,8 @@ import torch
 
 from pyllm.attention.metadata import AttentionMetadata
 
-KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
+# One layer's (key_cache, value_cache), then (k_scale, v_scale) for an int8 cache.
+KVPair = tuple[torch.Tensor, ...]
 # Which of its caller's caches a KVCache is: tensor-parallel ranks keep theirs by it.
 MAIN_CACHE, SCRATCH_CACHE = 0, 1
 
@@ -52,6 +53,12 @@ class CacheSpec:
     device: torch.device
     max_model_len: int
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); () all 0
+    kv_cache_dtype: str = "auto"  # or "int8" (pyllm.kv_cache.KV_CACHE_DTYPES)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The cache tensors' element type."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
 
 
 @dataclass
@@ -68,6 +75,11 @@ class KVCache:
     cache_id: int = MAIN_CACHE
     window_layers: tuple[int, ...] = ()
     window_blocks: int = 0
+
+
+def kv_scales(kv_cache: KVPair) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One layer's (k_scale, v_scale): an int8 cache's, else (None, None)."""
+    return (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else (None, None)
 
 
 class AttentionBackend(ABC):

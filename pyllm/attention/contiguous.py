@@ -19,6 +19,7 @@ from pyllm.attention.backend import (
     KVCache,
     KVPair,
     ScheduledSequence,
+    kv_scales,
 )
 from pyllm.attention.metadata import AttentionMetadata, index_tensor
 from pyllm.kv_cache import KVArena
@@ -62,7 +63,7 @@ class ContiguousBackend(AttentionBackend):
 
     def cache_heads(self, kv_cache: KVPair) -> tuple[int, int]:
         # Arena views: [slots, kv_heads, tiles, ...]; the op wrappers check the rest.
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache = kv_cache[:2]
         return key_cache.shape[1], value_cache.shape[3]
 
     def validate(self, meta: ContiguousMetadata, kv_cache: KVPair, device) -> None:
@@ -83,20 +84,23 @@ class ContiguousBackend(AttentionBackend):
     # -------------------------------------------------------------- attention
 
     def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
-        key_cache, value_cache = kv_cache
-        _C.write_kv_contiguous(k, v, key_cache, value_cache, meta.slot_mapping, positions)
+        key_cache, value_cache = kv_cache[:2]
+        k_scale, v_scale = kv_scales(kv_cache)
+        _C.write_kv_contiguous(
+            k, v, key_cache, value_cache, meta.slot_mapping, positions, k_scale, v_scale
+        )
         P, T = meta.num_prefill_tokens, meta.num_tokens
         if P:
             _C.contiguous_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
                 meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len, layer.sliding_window, layer.sinks,
+                meta.max_query_len, layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
         if P < T:
             _C.contiguous_attention_decode(
                 out[P:], q[P:], key_cache, value_cache, layer.num_kv_heads, layer.scale,
                 meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
-                layer.sliding_window, layer.sinks,
+                layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ cache
@@ -115,7 +119,7 @@ class ContiguousBackend(AttentionBackend):
             raise ValueError("the contiguous KV cache has no window pools (window_count 0)")
         arena = KVArena(
             spec.num_layers, count, spec.max_model_len, spec.num_kv_heads, spec.head_size,
-            spec.dtype, spec.device,
+            spec.cache_dtype, spec.device,
         )  # fmt: skip
         return KVCache(self, arena.kv_caches, memory=arena, cache_id=cache_id)
 

@@ -21,9 +21,10 @@ from pyllm.attention.backend import (
     KVCache,
     KVPair,
     ScheduledSequence,
+    kv_scales,
 )
 from pyllm.attention.metadata import AttentionMetadata, index_tensor
-from pyllm.kv_cache import allocate_kv_cache
+from pyllm.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_token_bytes
 
 _C = torch.ops.pyllm
 
@@ -155,8 +156,12 @@ class PagedBackend(AttentionBackend):
     def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
         if layer.sliding_window and meta.window is not None:
             meta = meta.window  # the layer's cache is the window pool
-        key_cache, value_cache = kv_cache
-        _C.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, "auto")
+        key_cache, value_cache = kv_cache[:2]
+        k_scale, v_scale = kv_scales(kv_cache)
+        dtype = "auto" if k_scale is None else "int8"
+        _C.reshape_and_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, dtype, k_scale, v_scale
+        )
         block_size = value_cache.shape[3]
         P = meta.num_prefill_tokens
         if P:
@@ -164,6 +169,7 @@ class PagedBackend(AttentionBackend):
                 out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
                 meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
                 block_size, meta.max_query_len, None, layer.sliding_window, layer.sinks,
+                k_scale, v_scale,
             )  # fmt: skip
         if P < meta.num_tokens:
             _decode(layer, out[P:], q[P:], kv_cache, meta, workspace)
@@ -171,9 +177,10 @@ class PagedBackend(AttentionBackend):
     # ------------------------------------------------------------------ cache
 
     def block_bytes(self, spec: CacheSpec, block_size: int) -> int:
-        """Bytes one block takes across all layers (keys and values)."""
-        element = spec.dtype.itemsize
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * block_size * element
+        """Bytes one block takes across all layers (keys and values, and an int8 cache's
+        scales)."""
+        token = kv_token_bytes(spec.head_size, spec.dtype, spec.kv_cache_dtype)
+        return spec.num_layers * spec.num_kv_heads * block_size * token
 
     def cache_size(self, spec, budget_bytes, block_size, max_num_seqs) -> int:
         """The blocks budget_bytes holds."""
@@ -202,7 +209,7 @@ class PagedBackend(AttentionBackend):
         if not windows or len(windows) == spec.num_layers:
             return None
         window, bs = max(windows), block_size
-        token = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+        token = spec.num_kv_heads * kv_token_bytes(spec.head_size, spec.dtype, spec.kv_cache_dtype)
         full_block = token * (spec.num_layers - len(windows)) * bs
         window_block = token * len(windows) * bs
         reserve = window_blocks(window, max_num_batched_tokens, bs) + 1
@@ -220,14 +227,18 @@ class PagedBackend(AttentionBackend):
 
     def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, window_count=0) -> KVCache:
         """count blocks of block_size tokens in every layer; with window_count, that many
-        in each sliding-window layer instead."""
+        in each sliding-window layer instead (an int8 cache's scales alike)."""
         windows = spec.layer_windows if window_count else ()
         window_layers = tuple(i for i, w in enumerate(windows) if w)
-        shape = (spec.num_kv_heads, spec.head_size, block_size, spec.dtype, spec.device)
-        layers = [
-            allocate_kv_cache(window_count if i in window_layers else count, *shape)
-            for i in range(spec.num_layers)
-        ]
+        layers = []
+        for i in range(spec.num_layers):
+            n = window_count if i in window_layers else count
+            pair = allocate_kv_cache(
+                n, spec.num_kv_heads, spec.head_size, block_size, spec.cache_dtype, spec.device
+            )
+            if spec.kv_cache_dtype == "int8":
+                pair = (*pair, *allocate_kv_scales((n, spec.num_kv_heads, block_size), spec.device))
+            layers.append(pair)
         return KVCache(self, layers, cache_id=cache_id, window_layers=window_layers,
                        window_blocks=window_count if window_layers else 0)  # fmt: skip
 
@@ -286,13 +297,14 @@ def _window_metadata(meta: PagedMetadata, seqs, block_size: int, device) -> Page
 
 def _decode(layer, out, q, kv_cache: KVPair, meta: PagedMetadata, workspace) -> None:
     """Decode tokens, one per sequence: v1, or v2 where the step has a workspace."""
-    key_cache, value_cache = kv_cache
+    key_cache, value_cache = kv_cache[:2]
+    k_scale, v_scale = kv_scales(kv_cache)
     block_size = value_cache.shape[3]
     if workspace is None:
         _C.paged_attention_v1(
             out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale,
             meta.decode_block_tables, meta.decode_seq_lens, block_size,
-            meta.max_decode_seq_len, None, layer.sliding_window, layer.sinks,
+            meta.max_decode_seq_len, None, layer.sliding_window, layer.sinks, k_scale, v_scale,
         )  # fmt: skip
         return
     exp_sums, max_logits, tmp_out = workspace
@@ -300,7 +312,7 @@ def _decode(layer, out, q, kv_cache: KVPair, meta: PagedMetadata, workspace) -> 
         out, exp_sums, max_logits, tmp_out, q, key_cache, value_cache,
         layer.num_kv_heads, layer.scale, meta.decode_block_tables,
         meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
-        layer.sliding_window, layer.sinks,
+        layer.sliding_window, layer.sinks, k_scale, v_scale,
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ def load_tensor_parallel(config):
     except BaseException:
         ranks.close()
         raise
+    model.kv_cache_dtype = config.kv_cache_dtype
     return TensorParallelModel(model, ranks)
 
 

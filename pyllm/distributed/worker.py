@@ -98,6 +98,7 @@ def run_worker(
         config.model_path, config.torch_dtype, config.torch_device, config.max_model_len,
         quantization=config.quantization, tp=tp,
     )  # fmt: skip
+    model.kv_cache_dtype = config.kv_cache_dtype
     try:
         Worker(model, tp).run()
     except Exception as error:  # rank 0 ended or failed: nothing to serve any more

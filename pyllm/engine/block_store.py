@@ -71,7 +71,7 @@ def store_identity(
 ) -> dict:
     """What the KV of a block depends on besides its tokens; tensor_parallel: (rank,
     size), each rank's cache holding its own heads."""
-    key, value = cache.layers[0]
+    key, value = cache.layers[0][:2]
     return {
         "format": FORMAT_VERSION,
         "model": model_fingerprint(model_path),
@@ -95,7 +95,8 @@ class BlockStore:
         os.makedirs(self.dir, exist_ok=True)
         _write_text(os.path.join(self.dir, "config.json"), text + "\n")  # for people
         self.layers = cache.layers
-        self.block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in cache.layers)
+        # Keys and values (and an int8 cache's scales) of one block in every layer.
+        self.block_bytes = sum(t[0].nbytes for layer in cache.layers for t in layer)
         self.blocks_read = 0
         self.blocks_damaged = 0  # files refused: their blocks were recomputed
         self.writer = _Writer(root, max_bytes, max(4, QUEUE_BYTES // self.block_bytes))

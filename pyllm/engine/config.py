@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 DEFAULT_PREFIX_CACHE_DIR_GIB = 4.0
 KV_CACHE_MODES = tuple(BACKENDS)  # the KV layouts: one attention backend each
+KV_CACHE_DTYPES = ("auto", "int8")  # as pyllm.kv_cache.KV_CACHE_DTYPES
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k", "mxfp4")
@@ -124,6 +125,12 @@ class EngineConfig:
         "(default: with kv_cache paged, a model's window layers hold only their window, in "
         "a pool of their own beside global layers; docs/sliding-window-kv.md)",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "auto: the KV cache in --dtype; int8: symmetric int8 with a float32 scale per token "
+        "and kv head (about half of bfloat16's bytes, a quarter of float32's)",
+        choices=KV_CACHE_DTYPES,
+    )
     quantization: str | None = option(
         "auto",
         "auto (a GGUF file's quantized weights stay quantized), none (widen every weight "
@@ -188,6 +195,12 @@ class EngineConfig:
                 f"must be one of {QUANTIZATION_MODES} or None, got {self.quantization!r}",
             )
         self.quantization = self.quantization.lower()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "int8" and self.torch_device.type != "cpu":
+            raise ConfigError("kv_cache_dtype", "'int8' runs on the CPU only (device cpu)")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ConfigError("kv_cache", f"must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.enable_prefix_caching is None:

@@ -102,7 +102,7 @@ def allocate_kv_cache(
         # Virtual room for count sequences; only `budget` bytes of it are ever
         # committed at once (SlotManager keeps to that).
         return cache, SlotManager(cache.memory, budget)
-    block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
+    block_bytes = sum(t.nbytes for layer in cache.layers for t in layer) // count
     return cache, BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)
 
 

@@ -540,5 +540,6 @@ def _load(config: EngineConfig):
             config.max_model_len,
             quantization=config.quantization,
         )
+        model.kv_cache_dtype = config.kv_cache_dtype
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     return model, model.config, tokenizer

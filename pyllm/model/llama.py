@@ -114,6 +114,8 @@ class LlamaForCausalLM(Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = resolve_max_model_len(config, max_model_len)
+        # The KV cache's element type (KV_CACHE_DTYPES); the engine sets it after loading.
+        self.kv_cache_dtype = "auto"
         self.tp = tp
         self.shard = tp.shard if tp is not None else Shard()
         # Attention and MLP shapes of this rank (the whole model's without tp).
@@ -322,7 +324,7 @@ class LlamaForCausalLM(Module):
             raise ValueError(
                 f"kv_caches has {len(layers)} layers, the model {config.num_hidden_layers}"
             )
-        key_cache, value_cache = layers[0]
+        key_cache, value_cache = layers[0][:2]
         num_kv_heads, head_size = backend.cache_heads(layers[0])
         if (num_kv_heads, head_size) != (config.num_key_value_heads, config.head_dim):
             raise ValueError(
@@ -330,11 +332,16 @@ class LlamaForCausalLM(Module):
                 f"{config.num_key_value_heads} of size {config.head_dim}"
             )
         # Sliding-window layers may hold a pool of their own: the count of blocks may differ.
-        for i, (k, v) in enumerate(layers):
+        dtype, scales = self.cache_spec.cache_dtype, 2 if self.kv_cache_dtype == "int8" else 0
+        for i, (k, v, *rest) in enumerate(layers):
             if k.shape[1:] != key_cache.shape[1:] or v.shape[1:] != value_cache.shape[1:]:
                 raise ValueError(f"kv_caches[{i}] differs in shape from kv_caches[0]")
-            if k.dtype != self.dtype:
-                raise ValueError(f"kv_caches[{i}] holds {k.dtype}, the model {self.dtype}")
+            if k.dtype != dtype:
+                raise ValueError(f"kv_caches[{i}] holds {k.dtype}, the cache {dtype}")
+            if len(rest) != scales:
+                raise ValueError(
+                    f"kv_caches[{i}] must hold {2 + scales} tensors, got {2 + len(rest)}"
+                )
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -343,7 +350,7 @@ class LlamaForCausalLM(Module):
         windows = tuple(config.layer_window(i) or 0 for i in range(config.num_hidden_layers))
         return CacheSpec(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-            self.dtype, self.device, self.max_model_len, windows,
+            self.dtype, self.device, self.max_model_len, windows, self.kv_cache_dtype,
         )  # fmt: skip
 
     def allocate_kv_cache(

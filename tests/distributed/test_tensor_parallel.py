@@ -158,3 +158,14 @@ def test_heads_that_do_not_divide_fail_before_any_process_starts():
         LLM(default_model_path(), tensor_parallel_size=2)
     assert not child_pids()
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_int8_kv_tp2_generates_what_tp1_does(tmp_path, kv_cache):
+    """Each rank quantizes its own kv heads (a scale per token and head), as one
+    process does for all of them."""
+    model = make_model_dir(tmp_path, "llama")
+    prompts = _prompts(6)
+    expected = _outputs(model, 1, prompts, kv_cache=kv_cache, kv_cache_dtype="int8")
+    assert _outputs(model, 2, prompts, kv_cache=kv_cache, kv_cache_dtype="int8") == expected
+    assert not child_pids(), "worker processes outlived the engine"

@@ -88,13 +88,28 @@ def test_other_settings_never_read_the_files(tiny_model_dir, tmp_path, reference
         (tiny_model_dir, dict(block_size=32)),
         (tiny_model_dir, dict(dtype="bfloat16")),
         (tiny_model_dir, dict(quantization="q8_0")),
+        (tiny_model_dir, dict(kv_cache_dtype="int8")),
         (str(other_model), {}),
     ]:
         _, cached, stats = _run_once(model, folder, **options)
         assert cached == stats.prefix_cache_disk_hits == 0, options
-    assert len([p for p in folder.iterdir() if p.is_dir()]) == 5
+    assert len([p for p in folder.iterdir() if p.is_dir()]) == 6
     tokens, cached, _ = _run_once(tiny_model_dir, folder)  # its own files are still read
     assert (tokens, cached) == (reference, FULL_BLOCKS * 16)
+
+
+def test_an_int8_cache_reads_its_own_blocks_back(tiny_model_dir, tmp_path):
+    """The int8 cache's blocks (int8 rows and their scales) go to disk and come back:
+    a later engine generates what a fresh one does."""
+    expected, _ = _run(_llm(tiny_model_dir, None, kv_cache_dtype="int8"))
+    _, _, stats = _run_once(tiny_model_dir, tmp_path, kv_cache_dtype="int8")
+    assert stats.prefix_cache_disk_writes == FULL_BLOCKS
+    tokens, cached, stats = _run_once(tiny_model_dir, tmp_path, kv_cache_dtype="int8")
+    assert (tokens, cached, stats.prefix_cache_disk_hits) == (
+        expected,
+        16 * FULL_BLOCKS,
+        16 * FULL_BLOCKS,
+    )
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header"])

@@ -583,7 +583,7 @@ def small_arena():
         ({"max_model_len": 2.5}, ValueError, "max_model_len"),
         ({"num_kv_heads": 0}, ValueError, "num_kv_heads"),
         ({"head_size": 72}, ValueError, "head_size"),
-        ({"dtype": torch.int8}, TypeError, "dtype"),
+        ({"dtype": torch.int16}, TypeError, "dtype"),
         ({"device": "meta"}, ValueError, "device"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",

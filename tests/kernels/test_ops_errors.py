@@ -44,6 +44,18 @@ def valid_reshape_and_cache():
     )
 
 
+def valid_allocate_kv_scales():
+    return dict(shape=(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE))
+
+
+def int8_cache_args(args):
+    """args of a cache op with its cache replaced by an int8 one and its scales."""
+    key_cache, value_cache = cache(dtype=torch.int8)
+    k_scale, v_scale = ops.allocate_kv_scales((NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE))
+    return dict(args, key_cache=key_cache, value_cache=value_cache, k_scale=k_scale,
+                v_scale=v_scale)  # fmt: skip
+
+
 def valid_copy_blocks():
     layers = [cache(), cache()]
     return dict(
@@ -253,6 +265,7 @@ def valid_contiguous_attention_prefill():
 
 VALID = {
     "allocate_kv_cache": valid_allocate_kv_cache,
+    "allocate_kv_scales": valid_allocate_kv_scales,
     "reshape_and_cache": valid_reshape_and_cache,
     "copy_blocks": valid_copy_blocks,
     "swap_blocks": valid_swap_blocks,
@@ -353,7 +366,7 @@ CASES = [
         ("num_kv_heads_float", {"num_kv_heads": 2.0}, ValueError, "num_kv_heads"),
         ("head_size_unsupported", {"head_size": 72}, ValueError, "head_size"),
         ("block_size_unsupported", {"block_size": 12}, ValueError, "block_size"),
-        ("dtype_int8", {"dtype": torch.int8}, TypeError, "dtype"),
+        ("dtype_int16", {"dtype": torch.int16}, TypeError, "dtype"),
     ),
     *cases_for(
         "reshape_and_cache",
@@ -377,6 +390,38 @@ CASES = [
             "value",
         ),
         ("kv_cache_dtype_fp8", {"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype"),
+        ("k_scale_for_float_cache", {"k_scale": torch.zeros(4, 2, 8)}, ValueError, "k_scale"),
+        (
+            "int8_cache_without_scales",
+            {
+                "kv_cache_dtype": "int8",
+                "key_cache": lambda a: cache(dtype=torch.int8)[0],
+                "value_cache": lambda a: cache(dtype=torch.int8)[1],
+            },
+            ValueError,
+            "k_scale",
+        ),  # fmt: skip
+        (
+            "v_scale_shape",
+            {
+                "kv_cache_dtype": "int8",
+                "k_scale": lambda a: int8_cache_args(a)["k_scale"],
+                "key_cache": lambda a: cache(dtype=torch.int8)[0],
+                "value_cache": lambda a: cache(dtype=torch.int8)[1],
+                "v_scale": torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE + 1),
+            },
+            ValueError,
+            "v_scale",
+        ),  # fmt: skip
+        (
+            "int8_cache_said_auto",
+            {
+                "key_cache": lambda a: cache(dtype=torch.int8)[0],
+                "value_cache": lambda a: cache(dtype=torch.int8)[1],
+            },
+            TypeError,
+            "key_cache",
+        ),  # fmt: skip
         (
             "key_cache_not_contiguous",
             {"key_cache": lambda a: non_contiguous(a["key_cache"])},

@@ -21,6 +21,7 @@ from pyllm.engine.kv_manager import allocate_kv_cache
 from pyllm.engine.model_runner import ModelRunner
 from pyllm.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from pyllm.engine.spec_decode.draft import DraftProposer
+from pyllm.kv_cache import kv_token_bytes
 from pyllm.model.config import ModelConfig
 from pyllm.model.loader import estimate_weight_bytes, load_config, load_model
 from pyllm.model.memory import check_fits
@@ -110,8 +111,8 @@ def draft_kv_budget(draft: ModelConfig, target: Target, slots: int) -> int:
     tokens, but no more tokens than the engine's cache holds; whole blocks."""
     cfg = target.config
     spec = target.cache_spec
-    target_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_size
-    target_per_token *= spec.dtype.itemsize
+    target_per_token = spec.num_layers * spec.num_kv_heads
+    target_per_token *= kv_token_bytes(spec.head_size, spec.dtype, spec.kv_cache_dtype)
     tokens = min(slots * target.max_model_len, target.kv_budget // target_per_token)
     tokens = -(-max(tokens, 1) // cfg.block_size) * cfg.block_size
     per_token = 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim
