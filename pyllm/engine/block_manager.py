@@ -129,11 +129,12 @@ class BlockManager:
         """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
 
         Only full blocks are shared, and at least one prompt token is always left to
-        compute, since the model needs the last token's logits.
+        compute, since the model needs the last token's logits. A sequence that needs
+        every token's hidden state (not seq.reuse_prefix) computes them all.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         self._num_hashed[id(seq)] = 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuse_prefix:
             return
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

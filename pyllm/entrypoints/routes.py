@@ -25,6 +25,7 @@ from pyllm.entrypoints.openapi import (
 )
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
+from pyllm.entrypoints.serving_embedding import EmbeddingServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
 
 
@@ -36,6 +37,7 @@ class Servings:
     completion: CompletionServing
     tokens: TokenizeServing
     messages: MessagesServing
+    embedding: EmbeddingServing
 
 
 def add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
@@ -74,6 +76,14 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     )
     async def completions(request: Request):
         return await servings.completion.completions(request)
+
+    @app.post(
+        "/v1/embeddings",
+        openapi_extra=json_body(api.EmbeddingRequest),
+        responses=responses(api.EmbeddingResponse, *WITH_BODY),
+    )
+    async def embeddings(request: Request):
+        return await servings.embedding.embeddings(request)
 
 
 def _add_messages_routes(app: FastAPI, serving: MessagesServing) -> None:
