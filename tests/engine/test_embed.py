@@ -99,13 +99,15 @@ def test_embed_refuses_bad_input_naming_it(tiny_model_dir):
     _assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_embeddings_and_generation_in_one_batch(tiny_model_dir, pooling):
+@pytest.mark.parametrize(
+    "pooling, kv_cache", [("last", "paged"), ("mean", "paged"), ("mean", "contiguous")]
+)
+def test_embeddings_and_generation_in_one_batch(tiny_model_dir, pooling, kv_cache):
     prompts = _prompts(6, seed=2)
     texts = _texts(seed=3)
     llm = LLM(
-        tiny_model_dir, dtype="float32", pooling=pooling, max_num_batched_tokens=64,
-        kv_cache_memory=0.05,
+        tiny_model_dir, dtype="float32", pooling=pooling, kv_cache=kv_cache,
+        max_num_batched_tokens=64, kv_cache_memory=0.05,
     )  # fmt: skip
     generated_alone = [_generate(llm, [p])[0] for p in prompts]
     embedded_alone = [llm.embed(t, use_tqdm=False)[0].outputs.embedding for t in texts]
@@ -121,4 +123,34 @@ def test_embeddings_and_generation_in_one_batch(tiny_model_dir, pooling):
     for i, expected in enumerate(embedded_alone):
         got = torch.tensor(finished[f"e{i}"].outputs.embedding)
         torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=1e-4)
+    if kv_cache == "paged":
+        _assert_all_blocks_free(llm)
+    else:  # every slot given back, its memory released
+        assert engine.kv_manager.committed_bytes() == 0 and not engine.scheduler.has_unfinished
+
+
+def test_embeddings_survive_preemption(tiny_model_dir, hf_model):
+    # 40 blocks of 16 tokens for 16 generations of up to 182 tokens and long texts to
+    # embed in chunks: sequences are preempted and recomputed.
+    memory = 40 * 16 * 2 * 2 * 2 * 64 * 4 / 2**30
+    llm = LLM(
+        tiny_model_dir, dtype="float32", pooling="mean", kv_cache_memory=memory,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    engine = llm.engine
+    texts = _texts(seed=5)
+    for i, prompt in enumerate(_prompts(16, seed=6)):
+        engine.add_request(f"g{i}", None, GREEDY, prompt_token_ids=prompt)
+    for i, text in enumerate(texts):  # the first to be preempted: priority 1
+        engine.add_request(f"e{i}", text, PoolingParams(), priority=1)
+    embedded, preempted = {}, set()
+    while engine.has_unfinished_requests():
+        embedded.update((o.request_id, o) for o in engine.step() if o.request_id[0] == "e")
+        waiting = engine.scheduler.waiting
+        preempted |= {s.request_id for s in waiting if s.pooling_params and s.num_preemptions}
+    assert preempted  # some embedding was preempted mid-prompt and computed again
+    for i in range(len(texts)):
+        out = embedded[f"e{i}"]
+        reference = _hf_pooled(hf_model, out.prompt_token_ids, "mean")
+        assert _cosine(out.outputs.embedding, reference) >= 0.999
     _assert_all_blocks_free(llm)
