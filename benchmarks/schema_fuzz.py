@@ -3,7 +3,7 @@
     python benchmarks/schema_fuzz.py                       # starts a small server itself
     python benchmarks/schema_fuzz.py --url http://127.0.0.1:8000 --api-key KEY
     python benchmarks/schema_fuzz.py --max-examples 40 --mutations 3000 --seed 1
-    python benchmarks/schema_fuzz.py --paths /v1/messages /v1/responses  # these routes only
+    python benchmarks/schema_fuzz.py --paths /v1/messages /v1/responses /v1/embeddings
 
 Two stages, one report:
 1. schemathesis against the server's own /openapi.json, positive and negative data
@@ -99,6 +99,10 @@ BASES = {
          "tools.0.parameters", "tool_choice", "text", "text.format", "text.format.schema",
          "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls",
          "reasoning", "top_logprobs", "background", "model"],
+    ),
+    "/v1/embeddings": (
+        {"input": ["Hi", "there"], "dimensions": 8, "encoding_format": "base64"},
+        ["input", "input.0", "input.1", "dimensions", "encoding_format", "user", "model"],
     ),
 }  # fmt: skip
 # Anthropic's Messages API: a conversation with thinking, a tool call and its result.

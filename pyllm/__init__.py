@@ -21,7 +21,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -30,6 +30,10 @@ def __getattr__(name: str):
         from pyllm.entrypoints.llm import LLM
 
         return LLM
+    if name == "PoolingParams":
+        from pyllm.engine.pooling import PoolingParams
+
+        return PoolingParams
     if name == "SamplingParams":
         from pyllm.sampling.params import SamplingParams
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pyllm.distributed.parallel import WorkerLostError
 from pyllm.engine.outputs import RequestOutput
+from pyllm.engine.pooling import PoolingParams
 from pyllm.sampling.params import SamplingParams
 
 logger = logging.getLogger("pyllm")
@@ -76,7 +77,7 @@ class _RequestStream:
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     stream: _RequestStream
     priority: int = 0
     group: str | None = None
@@ -142,7 +143,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ requests
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams):
         """Raises ValueError (naming the field) if the engine would refuse the request.
 
         Reads only what never changes after start-up (vocabulary, context length, cache
@@ -154,11 +155,12 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative outputs, the last one with finished=True.
+        """Yields the request's cumulative outputs, the last one with finished=True (an
+        embedding request, PoolingParams: one EmbeddingRequestOutput).
         priority and group as in LLMEngine.add_request.
 
         If the caller stops iterating early (a client disconnected, a task was

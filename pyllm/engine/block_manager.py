@@ -136,12 +136,13 @@ class BlockManager:
         """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
 
         Only full blocks are shared, and at least one prompt token is always left to
-        compute, since the model needs the last token's logits.
+        compute, since the model needs the last token's logits. A sequence that needs
+        every token's hidden state (not seq.reuse_prefix) computes them all.
         """
         table = self.block_table(seq)
         assert not table and seq.num_computed_tokens == 0
         self._num_hashed[id(seq)] = (0, None)
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuse_prefix:
             return
         previous = None
         for h, chunk in prefix_hashes(seq.token_ids, self.block_size):

@@ -26,6 +26,7 @@ KV_CACHE_DTYPES = ("auto", "int8")  # as pyllm.kv_cache.KV_CACHE_DTYPES
 # "auto": a GGUF file's quantized weights stay quantized, an HF folder's stay float;
 # "none": every weight widened to dtype; a GGML type: an HF folder quantized at load.
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "q4_0", "q4_k", "mxfp4")
+POOLING_TYPES = ("last", "mean")  # embeddings: pyllm.engine.pooling
 
 
 def option(default: Any, help: str, **cli: Any) -> Any:
@@ -156,6 +157,13 @@ class EngineConfig:
     distributed_timeout: float = option(
         60.0, "seconds a tensor-parallel rank may take to answer before the engine fails"
     )
+    pooling: str = option(
+        "last",
+        "how an embedding request's final hidden states become one vector (LLM.embed, "
+        "/v1/embeddings): last (the last prompt token's, as Qwen3-Embedding) or mean (over "
+        "the prompt's tokens)",
+        choices=POOLING_TYPES,
+    )
     speculative_config: dict | None = option(
         None,
         "speculative decoding, as vLLM's dict (JSON on the command line), e.g. "
@@ -201,6 +209,8 @@ class EngineConfig:
             )
         if self.kv_cache_dtype == "int8" and self.torch_device.type != "cpu":
             raise ConfigError("kv_cache_dtype", "'int8' runs on the CPU only (device cpu)")
+        if self.pooling not in POOLING_TYPES:
+            raise ConfigError("pooling", f"must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ConfigError("kv_cache", f"must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.enable_prefix_caching is None:

@@ -109,7 +109,8 @@ class HybridBlockManager:
         shortened to where the window group still holds the blocks of the window
         before it."""
         window, bs = self.window, self.block_size
-        blocks = list(prefix_hashes(seq.token_ids, bs))
+        # A sequence that needs every token's hidden state (mean pooling) reuses nothing.
+        blocks = list(prefix_hashes(seq.token_ids, bs)) if seq.reuse_prefix else []
         if self.full is not None:
             self.full.match_prefix(seq)
             blocks = blocks[: len(seq.block_table)]

@@ -6,7 +6,8 @@ advances every request by one step at a time.
         for output in engine.step(): ...
 
 One step: schedule -> model runner (flat batch -> model -> logits) -> sampler ->
-append tokens, detokenize, check stops -> free finished sequences' blocks.
+append tokens, detokenize, check stops -> free finished sequences' blocks. An embedding
+request (PoolingParams) is a prompt only; it ends in the step that pools its last token.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pyllm.engine.block_store import BlockStore, store_identity
 from pyllm.engine.config import ConfigError, EngineConfig
 from pyllm.engine.hybrid_block_manager import HybridBlockManager
 from pyllm.engine.kv_manager import KVCacheManager, allocate_kv_cache
-from pyllm.engine.model_runner import ModelRunner, PromptLogits
-from pyllm.engine.outputs import CompletionOutput, RequestOutput
+from pyllm.engine.model_runner import ModelRunner, PooledPart, PromptLogits
+from pyllm.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from pyllm.engine.pooling import PoolingParams, embedding
 from pyllm.engine.scheduler import Scheduler
 from pyllm.engine.sequence import Sequence
 from pyllm.engine.spec_decode.draft_loader import Target
@@ -42,6 +44,9 @@ from pyllm.sampling.structured import GrammarCompiler, matcher_error
 
 logger = logging.getLogger("pyllm")
 
+# An embedding sequence's sampling parameters: never read, it is never sampled.
+_NOT_SAMPLED = SamplingParams(max_tokens=1)
+
 
 @dataclass
 class _Request:
@@ -53,6 +58,7 @@ class _Request:
     waiting_siblings: list[Sequence]  # n > 1: added once the first has its prompt cached
     arrival_time: float
     first_token_time: float | None = None
+    pooled: object = None  # embedding: the sum of its chunks' parts so far (a tensor)
 
     @property
     def finished(self) -> bool:
@@ -82,6 +88,7 @@ class LLMEngine:
             config.block_size,
             self.device,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            pooling=config.pooling,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
@@ -182,7 +189,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         group: str | None = None,
@@ -190,7 +197,8 @@ class LLMEngine:
         """Queues a request; raises ValueError (a ParamError naming the field) if it cannot
         run. priority: lower values are scheduled first (vLLM's meaning); group: the
         client the request belongs to (requests of one group share the engine fairly
-        with other groups; default: the request alone)."""
+        with other groups; default: the request alone). PoolingParams: an embedding
+        request, answered by one EmbeddingRequestOutput."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError(f"priority must be an integer, got {priority!r}", "priority")
         if request_id in self.requests:
@@ -201,6 +209,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
+        if isinstance(params, PoolingParams):
+            self._add_embedding(request_id, prompt, prompt_token_ids, params, priority, group)
+            return
         if params.max_tokens is None:
             params = dataclasses.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
@@ -225,6 +236,15 @@ class LLMEngine:
             self._request_of[id(seq)] = request
         self.scheduler.add(seqs[0])
 
+    def _add_embedding(self, request_id, prompt, prompt_token_ids, params, priority, group):
+        seq = Sequence(request_id, prompt_token_ids, _NOT_SAMPLED, priority, group or request_id)
+        seq.pooling_params = params
+        seq.reuse_prefix = self.config.pooling != "mean"  # mean needs every token's state
+        request = _Request(request_id, prompt, prompt_token_ids, [seq], {}, [], time.time())
+        self.requests[request_id] = request
+        self._request_of[id(seq)] = request
+        self.scheduler.add(seq)
+
     def _sequences(
         self,
         request_id: str,
@@ -248,26 +268,37 @@ class LLMEngine:
             seqs[0].prompt_logprobs = [None] * len(prompt_token_ids)
         return seqs
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams):
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise TypeError(
+                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}"
+            )
         if not prompt_token_ids:
             raise ParamError("prompt is empty: at least one token is needed", "prompt")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ParamError(f"prompt_token_ids must be token ids in [0, {vocab})", "prompt")
+        if isinstance(params, PoolingParams):  # the prompt alone: nothing is generated
+            params.check(self.model_config.hidden_size)
+            self._check_length(len(prompt_token_ids), 0, "")
+            return
         self.sampler.check_params(params)
-        budget = len(prompt_token_ids) + (params.max_tokens or 1)
+        what = f" + max_tokens ({params.max_tokens})"
+        self._check_length(len(prompt_token_ids), params.max_tokens or 1, what)
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
+
+    def _check_length(self, num_prompt: int, num_new: int, what: str) -> None:
+        """Refuses a prompt and its num_new tokens (`what`) past the context or the cache."""
+        budget = num_prompt + num_new
         if budget > self.max_model_len:
             raise ParamError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens",
+                f"prompt ({num_prompt} tokens){what} exceeds the model's context length of "
+                f"{self.max_model_len} tokens",
                 "prompt",
                 code="context_length_exceeded",
             )
         self.kv_manager.check_fits(budget)
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -296,14 +327,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Runs one model step; returns the outputs of requests that progressed."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits, sampled, prompt_logits = self.runner.run(batch)
+        logits, sampled, prompt_logits, pooled = self.runner.run(batch)
         _fill_prompt_logprobs(prompt_logits)
         self.counters.steps += 1
         for seq, n in batch.all():
@@ -319,10 +350,33 @@ class LLMEngine:
                 touched[request.request_id] = request
                 request.first_token_time = request.first_token_time or now
                 self._commit(request, seq, tokens, logprobs)
+        embedded = self._pool(pooled)
         for seq, _ in batch.all():
             if not seq.is_finished:
                 self.kv_manager.register_computed_blocks(seq)
-        return [self._output(r) for r in touched.values()]
+        return [self._output(r) for r in touched.values()] + embedded
+
+    def _pool(self, parts: list[PooledPart]) -> list[EmbeddingRequestOutput]:
+        """Adds each embedding chunk's part to its request's sum; a request whose prompt
+        is now computed gets its vector, ends, and frees its KV room."""
+        outputs = []
+        for seq, start, part in parts:
+            request = self._request_of[id(seq)]
+            # A prompt computed again from its start (after preemption) sums afresh.
+            fresh = start == 0 or request.pooled is None
+            request.pooled = part if fresh else request.pooled + part
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue
+            self.scheduler.finish(seq, "stop")
+            self._release(seq)
+            self._forget(request)
+            params, pooling = seq.pooling_params, self.config.pooling
+            vector = embedding(request.pooled, seq.num_prompt_tokens, pooling, params)
+            outputs.append(EmbeddingRequestOutput(
+                request.request_id, request.prompt, request.prompt_token_ids, vector,
+                num_cached_tokens=seq.num_cached_prompt_tokens,
+            ))  # fmt: skip
+        return outputs
 
     def _sample(self, logits, sampled: list[Sequence]) -> list[Emitted]:
         """Per sampled sequence, the tokens it emits this step (one unless a draft of

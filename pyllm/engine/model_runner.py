@@ -11,6 +11,10 @@ verify them); and, for a sequence that asks for prompt logprobs (seq.prompt_logp
 is not None), at each prompt position of its chunk whose next token is in the prompt
 (every position but the last). Positions served from the prefix cache were never run:
 the same step computes their logits apart, in a throwaway KV cache.
+
+An embedding sequence (seq.pooling_params set) is never sampled: instead the runner
+returns its chunk's part of the pooled hidden state (pooling.chunk_part; with `last`
+pooling only the prompt's last chunk has one).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from pyllm.attention.backend import SCRATCH_CACHE, KVCache
 from pyllm.attention.paged import PAGED
 from pyllm.engine.config import EngineConfig
+from pyllm.engine.pooling import chunk_part
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling.params import SamplingParams
@@ -29,6 +34,9 @@ from pyllm.sampling.params import SamplingParams
 # (sequence, first prompt position p0, float32 logits [positions, vocab] of positions
 # p0, p0 + 1, ...): what a sequence's prompt logprobs are computed from.
 PromptLogits = tuple[Sequence, int, torch.Tensor]
+# (embedding sequence, first position p0 of its chunk, float32 [hidden]): the chunk's
+# part of its pooled hidden state.
+PooledPart = tuple[Sequence, int, torch.Tensor]
 
 
 @dataclass
@@ -40,6 +48,7 @@ class _FlatBatch:
     logits_indices: list[int]
     sampled: list[Sequence]
     prompt_rows: list[tuple[Sequence, int, range]]
+    pooled_rows: list[tuple[Sequence, int, range]]
 
 
 def _flatten(batch: ScheduledBatch) -> _FlatBatch:
@@ -50,8 +59,14 @@ def _flatten(batch: ScheduledBatch) -> _FlatBatch:
     logits_indices: list[int] = []
     sampled: list[Sequence] = []
     prompt_rows: list[tuple[Sequence, int, range]] = []
+    pooled_rows: list[tuple[Sequence, int, range]] = []
     for seq, n in batch.all():
         start = seq.num_computed_tokens
+        if seq.pooling_params is not None:  # prefill only, pooled instead of sampled
+            pooled_rows.append((seq, start, range(len(input_ids), len(input_ids) + n)))
+            input_ids.extend(seq.step_token_ids(start, n))
+            positions.extend(range(start, start + n))
+            continue
         # Prompt positions before the last predict the prompt's own next token.
         last = min(start + n, seq.num_prompt_tokens - 1)
         if seq.prompt_logprobs is not None and start < last:
@@ -64,7 +79,7 @@ def _flatten(batch: ScheduledBatch) -> _FlatBatch:
             first = len(input_ids) - 1 - len(seq.spec_token_ids)
             logits_indices.extend(range(first, len(input_ids)))
             sampled.append(seq)
-    return _FlatBatch(input_ids, positions, logits_indices, sampled, prompt_rows)
+    return _FlatBatch(input_ids, positions, logits_indices, sampled, prompt_rows, pooled_rows)
 
 
 class ModelRunner:
@@ -75,8 +90,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        pooling: str = EngineConfig.pooling,
     ):
         self.model = model
+        self.pooling = pooling  # of embedding sequences' hidden states
         self.kv_cache = kv_cache  # its backend builds each step's metadata
         self.block_size = block_size
         self.device = device
@@ -84,8 +101,9 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
-        prompt_rows): prompt_rows lists (seq, first position, flat token indices) of the
-        prompt positions whose logits the sequence's prompt logprobs need."""
+        prompt_rows, pooled_rows): prompt_rows lists (seq, first position, flat token
+        indices) of the prompt positions whose logits the sequence's prompt logprobs
+        need; pooled_rows the same of embedding sequences' chunks."""
         flat = _flatten(batch)
         backend = self.kv_cache.backend
         windowed = bool(self.kv_cache.window_layers)
@@ -100,34 +118,48 @@ class ModelRunner:
             torch.tensor(flat.logits_indices, dtype=torch.int64, device=device),
             flat.sampled,
             flat.prompt_rows,
+            flat.pooled_rows,
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
+    def run(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits], list[PooledPart]]:
         """Runs one step; returns float32 logits [rows, vocab] (one row per sampled
-        sequence, 1 + len(seq.spec_token_ids) for one with proposals), those sequences, and
-        the prompt logits of the sequences asking for prompt logprobs: this step's chunk,
-        and on a prompt's first step the positions the prefix cache served."""
-        logits, sampled, prompt_logits = self._forward(batch)
+        sequence, 1 + len(seq.spec_token_ids) for one with proposals), those sequences,
+        the prompt logits of the sequences asking for prompt logprobs (this step's chunk,
+        and on a prompt's first step the positions the prefix cache served), and the
+        embedding sequences' pooled parts."""
+        logits, sampled, prompt_logits, pooled = self._forward(batch)
         for seq, _ in batch.prefills:
             cached = seq.num_cached_prompt_tokens
             if seq.prompt_logprobs is not None and cached and seq.prompt_logprobs[cached] is None:
                 prompt_logits += self._prompt_logits_uncached(seq, cached)
-        return logits, sampled, prompt_logits
+        return logits, sampled, prompt_logits, pooled
 
-    def _forward(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
-        input_ids, positions, metadata, logits_indices, sampled, prompt_rows = self.prepare(batch)
+    def _forward(self, batch: ScheduledBatch):
+        input_ids, positions, metadata, logits_indices, sampled, prompt_rows, pooled_rows = (
+            self.prepare(batch)
+        )
         # The metadata is built here from the scheduler's own state: skip re-validating it.
         hidden = self.model(input_ids, positions, metadata, self.kv_cache, validate=False)
         prompt_logits = [
             (seq, start, self.model.compute_logits(hidden, torch.tensor(rows, device=self.device)))
             for seq, start, rows in prompt_rows
         ]
+        pooled = self._pool(hidden, pooled_rows)
         if not sampled:
-            return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt_logits
-        return self.model.compute_logits(hidden, logits_indices), sampled, prompt_logits
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt_logits, pooled
+        return self.model.compute_logits(hidden, logits_indices), sampled, prompt_logits, pooled
+
+    def _pool(self, hidden: torch.Tensor, pooled_rows) -> list[PooledPart]:
+        """Each embedding chunk's part; with `last` pooling only a prompt's last chunk."""
+        parts = []
+        for seq, start, rows in pooled_rows:
+            if self.pooling == "last" and start + len(rows) < seq.num_prompt_tokens:
+                continue
+            parts.append((seq, start, chunk_part(hidden[rows.start : rows.stop], self.pooling)))
+        return parts
 
     def _prompt_logits_uncached(self, owner: Sequence, num_positions: int) -> list[PromptLogits]:
         """Prompt logits of owner's positions [0, num_positions), computed in a throwaway
@@ -147,6 +179,6 @@ class ModelRunner:
         for start in range(0, num_positions, chunk_size):
             seq.num_computed_tokens = start
             n = min(chunk_size, num_positions - start)
-            _, _, found = scratch._forward(ScheduledBatch(prefills=[(seq, n)]))
+            _, _, found, _ = scratch._forward(ScheduledBatch(prefills=[(seq, n)]))
             chunks += [(owner, first, logits) for _, first, logits in found]
         return chunks

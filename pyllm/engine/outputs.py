@@ -1,4 +1,5 @@
-"""What the engine hands back for a request: vLLM's RequestOutput shape."""
+"""What the engine hands back for a request: vLLM's RequestOutput shape (and
+EmbeddingRequestOutput for an embedding request)."""
 
 from __future__ import annotations
 
@@ -34,4 +35,29 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's vector (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What the engine hands back for an embedding request, once, finished (vLLM's
+    EmbeddingRequestOutput: the vector is `outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pyllm.sampling.batch import SamplingRow
 from pyllm.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pyllm.engine.pooling import PoolingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -70,6 +74,11 @@ class Sequence:
     # Structured output: the grammar matcher that has seen the output so far.
     matcher: object = None
     error: str | None = None  # why it ended, when finish_reason is "error"
+    # An embedding request: prompt only, pooled instead of sampled (engine/pooling.py).
+    pooling_params: PoolingParams | None = None
+    # False where every prompt token's hidden state is needed (mean pooling): then no
+    # prompt token is served from the prefix cache.
+    reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
         if not self.token_ids:

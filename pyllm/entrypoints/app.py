@@ -26,6 +26,7 @@ from pyllm.entrypoints.security import ApiKeyAuth, ContentLengthLimit, CrossSite
 from pyllm.entrypoints.server_config import ServerConfig
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
+from pyllm.entrypoints.serving_embedding import EmbeddingServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
 from pyllm.entrypoints.tool_parsers import tool_parser
 
@@ -53,6 +54,11 @@ def create_app(
         tokens=TokenizeServing(*shared, config.max_seqs_per_request),
         messages=MessagesServing(*shared, config.max_seqs_per_request, **readers),
         responses=ResponsesServing(*shared, config.max_seqs_per_request, **readers),
+        embedding=EmbeddingServing(
+            *shared,
+            max_seqs=config.max_seqs_per_request,
+            max_tokens=config.max_embedding_tokens,
+        ),
     )
     app.state.drain = DrainState()
     _add_error_handlers(app)

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(...)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `.chat(...)` and
+`.embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tqdm.auto import tqdm
 
 from pyllm.engine.config import EngineConfig
 from pyllm.engine.llm_engine import LLMEngine
-from pyllm.engine.outputs import RequestOutput
+from pyllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from pyllm.engine.pooling import PoolingParams
 from pyllm.entrypoints.reasoning import ReasoningParser
 from pyllm.entrypoints.reasoning import reasoning_parser as reasoning_parser_named
 from pyllm.sampling.params import SamplingParams
@@ -50,23 +52,50 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
         if priority is not None and len(priority) != count:
             raise ValueError(f"got {len(priority)} priorities for {count} prompts")
+        requests = [
+            (
+                prompts[i] if prompts is not None else None,
+                prompt_token_ids[i] if prompt_token_ids is not None else None,
+                sampling_params[i],
+                priority[i] if priority is not None else 0,
+            )
+            for i in range(count)
+        ]
+        return self._run(self._submit(requests), use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (a string, a list of strings, one prompt's token ids, or
+        a list of those), in `.outputs.embedding`: the final hidden states pooled as the
+        engine's `pooling` option says, unit length unless pooling_params.normalize is
+        False. All prompts are batched together, as generate's are."""
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        requests = [
+            (p, None, params, 0) if isinstance(p, str) else (None, p, params, 0)
+            for p in _embed_prompts(prompts)
+        ]
+        return self._run(self._submit(requests), use_tqdm)
+
+    def _submit(self, requests: list[tuple]) -> list[str]:
+        """Adds each (prompt, token ids, params, priority) to the engine; their ids. On a
+        refused one, the ones added before are aborted: the engine is left as it was."""
         ids = []
         try:
-            for i in range(count):
+            for prompt, token_ids, params, priority in requests:
                 request_id = str(next(self._ids))
-                self.engine.add_request(
-                    request_id,
-                    prompts[i] if prompts is not None else None,
-                    sampling_params[i],
-                    prompt_token_ids[i] if prompt_token_ids is not None else None,
-                    priority[i] if priority is not None else 0,
-                )
+                self.engine.add_request(request_id, prompt, params, token_ids, priority)
                 ids.append(request_id)
         except Exception:
-            for request_id in ids:  # leave the engine as it was
+            for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(
         self,
@@ -98,7 +127,7 @@ class LLM:
             _split_reasoning(parser, outputs)
         return outputs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(
             total=len(ids),
@@ -113,7 +142,7 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
                     prompt_tokens += len(output.prompt_token_ids)
-                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    output_tokens += _num_output_tokens(output)
                     bar.update(1)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(
@@ -122,6 +151,30 @@ class LLM:
                     )
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _num_output_tokens(output: RequestOutput | EmbeddingRequestOutput) -> int:
+    if isinstance(output, EmbeddingRequestOutput):
+        return 0
+    return sum(len(o.token_ids) for o in output.outputs)
+
+
+def _embed_prompts(prompts) -> list[str | list[int]]:
+    """embed's prompts as a list, each a string or a list of token ids; TypeError
+    naming `prompts` for anything else."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    for i, p in enumerate(prompts):
+        is_ids = isinstance(p, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p
+        )
+        if not isinstance(p, str) and not is_ids:
+            raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {p!r:.60}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
 def _split_reasoning(parser: ReasoningParser, outputs: list[RequestOutput]) -> None:

@@ -102,6 +102,7 @@ def add_openapi_schemas(app: FastAPI) -> None:
         (api.ChatCompletionChunk, "serialization"),
         (api.TokenizeRequest, "validation"),
         (api.DetokenizeRequest, "validation"),
+        (api.EmbeddingRequest, "validation"),
         (anthropic.MessagesRequest, "validation"),
         (anthropic.CountTokensRequest, "validation"),
         (responses_protocol.ResponsesRequest, "validation"),

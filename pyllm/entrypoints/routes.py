@@ -29,6 +29,7 @@ from pyllm.entrypoints.openapi import (
 from pyllm.entrypoints.responses_serving import ResponsesServing
 from pyllm.entrypoints.serving_chat import ChatServing
 from pyllm.entrypoints.serving_completion import CompletionServing
+from pyllm.entrypoints.serving_embedding import EmbeddingServing
 from pyllm.entrypoints.serving_tokens import TokenizeServing
 
 
@@ -41,6 +42,7 @@ class Servings:
     tokens: TokenizeServing
     messages: MessagesServing
     responses: ResponsesServing
+    embedding: EmbeddingServing
 
 
 def add_status_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics) -> None:
@@ -87,6 +89,14 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     )
     async def completions(request: Request):
         return await servings.completion.completions(request)
+
+    @app.post(
+        "/v1/embeddings",
+        openapi_extra=json_body(api.EmbeddingRequest),
+        responses=responses(api.EmbeddingResponse, *WITH_BODY),
+    )
+    async def embeddings(request: Request):
+        return await servings.embedding.embeddings(request)
 
 
 def _add_messages_routes(app: FastAPI, serving: MessagesServing) -> None:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `pyllm serve`.
 
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
+    POST /v1/embeddings                               (the engine's pooled hidden states)
     GET  /v1/models, GET /health, GET /metrics
     POST /tokenize, POST /detokenize, GET /version    (vLLM's)
     GET  /                                            (a chat page, chat_ui.py)

@@ -52,6 +52,11 @@ class ServerConfig:
         256,
         "the most sequences one request may ask for: prompts x n (or best_of)",
     )
+    max_embedding_tokens: int = option(
+        300_000,
+        "the most tokens one /v1/embeddings request may hold, all its inputs together "
+        "(as OpenAI's limit; more: 400)",
+    )
     # Far above any prompt that fits a context window, far below what would hurt the server.
     max_request_bytes: int = option(
         4 * 2**20, "the largest request body read, in bytes (larger: 413)"
@@ -100,6 +105,7 @@ class ServerConfig:
             )
         check_number(self, "max_seqs_per_request", 1, integer=True)
         check_number(self, "max_request_bytes", 1, integer=True)
+        check_number(self, "max_embedding_tokens", 1, integer=True)
         check_number(self, "limit_concurrency", 1, integer=True, optional=True)
         check_number(self, "shutdown_timeout", 0)
         check_number(self, "read_timeout", 0, above=True)

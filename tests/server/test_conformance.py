@@ -269,6 +269,7 @@ def test_no_cors_by_default(http):
         ("/v1/completions", {"prompt": ["a"] * 5}, "prompt"),
         ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "n"),
         ("/v1/completions", {"prompt": [[1, 2]] * 2, "best_of": 3}, "best_of"),
+        ("/v1/embeddings", {"input": ["a"] * 5}, "input"),
     ],
 )
 def test_sequences_per_request_limit(path, body, param):

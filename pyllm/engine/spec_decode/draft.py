@@ -113,7 +113,7 @@ class DraftProposer:
         batch = ScheduledBatch()
         for draft, n in chunk:
             batch.add(draft, n)
-        logits, sampled, _ = self.runner.run(batch)
+        logits, sampled, _, _ = self.runner.run(batch)
         for draft, n in batch.all():
             draft.num_computed_tokens += n
         if not sampled:  # only chunks of longer catch-ups ran

@@ -7,6 +7,7 @@
     chat.py        /v1/chat/completions       completion.py   /v1/completions
     responses.py   usage, models, errors, status
     tokenize.py    vLLM's /tokenize and /detokenize
+    embedding.py   /v1/embeddings
 
 Requests are parsed strictly (a string is not an integer, a float is not an integer, a
 boolean is not a number), so a wrong type is a 400 naming the field rather than a silent
@@ -39,6 +40,13 @@ from pyllm.entrypoints.openai_protocol.completion import (
     CompletionResponse,
     PromptLogprob,
 )
+from pyllm.entrypoints.openai_protocol.embedding import (
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    encode_embedding,
+)
 from pyllm.entrypoints.openai_protocol.errors import RequestError, error_body, invalid_body
 from pyllm.entrypoints.openai_protocol.responses import (
     ErrorResponse,
@@ -60,8 +68,9 @@ __all__ = [
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogprobs",
     "ChatTokenLogprob", "CompletionChoice", "CompletionLogprobs", "CompletionRequest",
     "CompletionResponse", "DeltaFunctionCall", "DeltaMessage", "DeltaToolCall", "DetokenizeRequest",
-    "DetokenizeResponse", "ErrorResponse", "FunctionCall", "HealthStatus", "ModelCard",
+    "DetokenizeResponse", "Embedding", "EmbeddingRequest", "EmbeddingResponse",
+    "EmbeddingUsage", "ErrorResponse", "FunctionCall", "HealthStatus", "ModelCard",
     "ModelList", "PromptLogprob", "RequestError", "TokenizeRequest", "TokenizeResponse",
-    "ToolCall", "TopLogprob", "UsageInfo", "VersionResponse", "error_body", "invalid_body",
-    "now", "random_id",
+    "ToolCall", "TopLogprob", "UsageInfo", "VersionResponse", "encode_embedding", "error_body",
+    "invalid_body", "now", "random_id",
 ]  # fmt: skip
