@@ -88,9 +88,8 @@ class ModelRunner:
         prompt positions whose logits the sequence's prompt logprobs need."""
         flat = _flatten(batch)
         backend = self.kv_cache.backend
-        windowed = bool(self.kv_cache.window_layers)
         metadata = backend.build(
-            batch.prefills, batch.decodes, self.block_size, self.device, windowed
+            batch.prefills, batch.decodes, self.block_size, self.device, self.kv_cache.num_groups
         )
         device = self.device
         return (
