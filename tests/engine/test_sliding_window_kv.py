@@ -290,3 +290,24 @@ def test_samples_share_the_prompts_window_blocks(gemma_dir):
     assert samples(llm) == samples(_engine(gemma_dir, disable_hybrid_kv_cache_manager=True))
     assert llm.engine.kv_manager.prefix_cache_hits > 0
     _assert_all_free(llm)
+
+
+def test_two_global_groups_and_a_window_group(tmp_path):
+    """4 global and 2 window layers: KV groups of gcd(4, 2) = 2 layers (two global, one
+    window), each layer on its position's tensor pair; the same tokens as one pool for
+    every layer, and a second pass served from every group's prefix blocks."""
+    layers = ["full_attention", "sliding_attention", "full_attention"] * 2
+    make_hf_model("gemma3", tmp_path, max_position_embeddings=1024, num_hidden_layers=6,
+                  sliding_window=WINDOW, layer_types=layers)  # fmt: skip
+    _write_byte_tokenizer(tmp_path, vocab_size=512)
+    prompts = _prompts()[4:]
+    expected = _generate(_engine(str(tmp_path), disable_hybrid_kv_cache_manager=True), prompts)
+    llm = _engine(str(tmp_path), max_num_batched_tokens=32)
+    cache = llm.engine.kv_cache
+    assert cache.layer_groups == (0, 2, 0, 1, 2, 1)
+    assert len({k.data_ptr() for k, _ in cache.layers}) == 2  # pairs of positions 0 and 1
+    assert "2 global and 1 window-16 KV groups" in llm.engine.kv_manager.describe()
+    assert _generate(llm, prompts) == expected
+    assert _generate(llm, prompts) == expected
+    assert llm.engine.kv_manager.prefix_cache_hits > 0
+    _assert_all_free(llm)
