@@ -8,7 +8,7 @@
 2. The KV bytes the engine's pools hold (blocks in use x bytes per block, at the peak
    over the steps) for a --long prompt, both ways, and that prompt served with
    --kv-cache-memory GiB (0.25) in float32, where keeping every layer's every token
-   needs more than that.
+   needs more than that. Both at the default max_num_seqs (256).
 
 Before each engine starts, MemAvailable must exceed its KV cache and --headroom GiB;
 otherwise the case is refused with the figures. The default model is the GGUF file of
@@ -48,13 +48,10 @@ def default_model() -> str:
 
 
 def held_bytes(manager) -> int:
-    """KV bytes of the blocks in use, in every pool of the engine's cache."""
-    pools = [manager.full, manager.window] if hasattr(manager, "window") else [manager]
-    total = 0
-    for pool in pools:
-        reserved = 1 if pool is not pools[0] else 0  # the window pool's null block
-        total += (pool.num_blocks - reserved - pool.num_free_blocks) * pool.block_bytes
-    return total
+    """KV bytes of the blocks in use in the engine's cache (one pool either way)."""
+    pool = getattr(manager, "pool", manager)
+    reserved = 1 if pool is not manager else 0  # the KV groups' null block
+    return (pool.num_blocks - reserved - pool.num_free_blocks) * pool.block_bytes
 
 
 def run(args, prompt: list[int], max_tokens: int, gib: float, all_layers: bool):
@@ -69,7 +66,7 @@ def run(args, prompt: list[int], max_tokens: int, gib: float, all_layers: bool):
             f"{need / 2**30:.2f} GiB, MemAvailable is {available / 2**30:.2f} GiB"
         )
     llm = LLM(args.model, dtype="float32", kv_cache_memory=gib, enable_prefix_caching=False,
-              max_num_batched_tokens=args.budget, max_num_seqs=1,
+              max_num_batched_tokens=args.budget,
               disable_hybrid_kv_cache_manager=all_layers)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

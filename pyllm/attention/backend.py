@@ -29,7 +29,7 @@ class ScheduledSequence(Protocol):
 
     num_computed_tokens: int
     block_table: list[int]
-    window_block_table: list[int]
+    group_block_tables: list[list[int]]
     kv_slot: int | None
 
 
@@ -65,16 +65,19 @@ class CacheSpec:
 class KVCache:
     """One allocated cache: every layer's (key_cache, value_cache) in its backend's
     layout, what holds their memory where the backend tracks it (the contiguous
-    layout's KVArena), and which of its caller's caches it is. window_layers: the
-    sliding-window layers whose cache is a pool of its own (window_blocks blocks,
-    addressed by the metadata's `window` part); () where every layer's is alike."""
+    layout's KVArena), and which of its caller's caches it is. layer_groups: each
+    layer's KV group, where layers share block tensors by group (the metadata's
+    `group(g)` addresses group g's blocks); () where every layer is in one group."""
 
     backend: AttentionBackend
     layers: list[KVPair]
     memory: Any = None
     cache_id: int = MAIN_CACHE
-    window_layers: tuple[int, ...] = ()
-    window_blocks: int = 0
+    layer_groups: tuple[int, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups, default=0) + 1
 
 
 def kv_scales(kv_cache: KVPair) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -97,10 +100,10 @@ class AttentionBackend(ABC):
         decodes: list[tuple[ScheduledSequence, int]],
         block_size: int,
         device: torch.device,
-        windowed: bool = False,
+        num_groups: int = 1,
     ) -> AttentionMetadata:
         """The metadata of a step of (sequence, tokens) prefill chunks, then decodes
-        (windowed: for a cache with window_layers)."""
+        (num_groups: the cache's KV groups)."""
         slot_mapping = []
         for seq, n in prefills + decodes:
             slot_mapping.extend(self.token_slots(seq, n, block_size))
@@ -132,8 +135,8 @@ class AttentionBackend(ABC):
         layer's is alike); raises ValueError naming the field."""
 
     def validate_cache(self, meta: AttentionMetadata, cache: KVCache, device) -> None:
-        """validate against the cache's layers (a layout with window_layers checks both
-        kinds)."""
+        """validate against the cache's layers (a layout with layer_groups checks each
+        group's part)."""
         self.validate(meta, cache.layers[0], device)
 
     # -------------------------------------------------------------- attention
@@ -170,12 +173,11 @@ class AttentionBackend(ABC):
         """allocate's count for a cache of budget_bytes (or, for a cache that commits
         memory as it goes, of room for max_num_seqs sequences)."""
 
-    def window_cache_size(
-        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> tuple[int, int] | None:  # fmt: skip
-        """(count, window_count) where this layout gives sliding-window layers a pool of
-        their own (allocate's window_count); None: every layer alike."""
+    def group_cache_size(
+        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_batched_tokens: int
+    ) -> int | None:
+        """allocate's count with grouped=True, where this layout groups layers so that
+        sliding-window layers free blocks behind the window; None: every layer alike."""
         return None
 
     @abstractmethod
@@ -185,11 +187,11 @@ class AttentionBackend(ABC):
         count: int,
         block_size: int,
         cache_id: int = MAIN_CACHE,
-        window_count: int = 0,
+        grouped: bool = False,
     ) -> KVCache:
         """A cache of count units: blocks of block_size tokens, or sequence slots;
-        window_count > 0 (a layout that supports it): the sliding-window layers get a
-        pool of that many blocks of their own."""
+        grouped (a layout that supports it): the layers in KV groups that share one
+        pool of blocks (pyllm.attention.paged.kv_groups)."""
 
     # ---------------------------------------------------- tensor-parallel step
 

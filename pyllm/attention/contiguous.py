@@ -111,12 +111,12 @@ class ContiguousBackend(AttentionBackend):
         SlotManager keeps to that)."""
         return max_num_seqs
 
-    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, window_count=0) -> KVCache:
+    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, grouped=False) -> KVCache:
         """An arena of count slots of max_model_len tokens; nothing is committed until a
         slot is (block_size: unused, the arena's tiles are fixed). Sliding-window layers
-        keep every token here too: window_count must be 0."""
-        if window_count:
-            raise ValueError("the contiguous KV cache has no window pools (window_count 0)")
+        keep every token here too: grouped must be False."""
+        if grouped:
+            raise ValueError("the contiguous KV cache has no KV groups (grouped False)")
         arena = KVArena(
             spec.num_layers, count, spec.max_model_len, spec.num_kv_heads, spec.head_size,
             spec.cache_dtype, spec.device,

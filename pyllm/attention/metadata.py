@@ -35,6 +35,10 @@ class AttentionMetadata:
         layout's subclass names its own)."""
         raise NotImplementedError
 
+    def group(self, g: int) -> AttentionMetadata:
+        """The step as KV group g's layers address it (one group: this)."""
+        return self
+
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]

@@ -9,6 +9,7 @@ tokens and paged_attention_v1/v2 decode tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,15 @@ class PagedMetadata(AttentionMetadata):
     """slot_mapping: slot = block_number * block_size + offset (-1 skips).
     prefill_block_tables [P, B] int32 and decode_block_tables [D, B'] int32: each
     sequence's blocks, padded (only the entries that cover cached tokens are read).
-    window: for a cache whose sliding-window layers have a pool of their own, the same
-    step in that pool (its slot_mapping and block tables; the rest shared)."""
+    groups: for a cache whose layers are in KV groups, the step as groups 1.. address
+    it (their slot_mapping and block tables; the rest shared); this is group 0's."""
 
     prefill_block_tables: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
-    window: PagedMetadata | None = None
+    groups: list[PagedMetadata] | None = None
+
+    def group(self, g: int) -> PagedMetadata:
+        return self.groups[g - 1] if g else self
 
     @property
     def backend(self) -> PagedBackend:
@@ -83,10 +87,13 @@ class PagedBackend(AttentionBackend):
 
     # ---------------------------------------------------------- step metadata
 
-    def build(self, prefills, decodes, block_size, device, windowed=False) -> PagedMetadata:
+    def build(self, prefills, decodes, block_size, device, num_groups=1) -> PagedMetadata:
         meta = super().build(prefills, decodes, block_size, device)
-        if windowed:
-            meta.window = _window_metadata(meta, prefills + decodes, block_size, device)
+        if num_groups > 1:
+            seqs = prefills + decodes
+            meta.groups = [
+                _group_metadata(meta, seqs, g, block_size, device) for g in range(num_groups - 1)
+            ]
         return meta
 
     def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:
@@ -143,19 +150,17 @@ class PagedBackend(AttentionBackend):
         )
 
     def validate_cache(self, meta: PagedMetadata, cache: KVCache, device) -> None:
-        """Global layers against the step's tables; window layers against its window part."""
-        if not cache.window_layers:
-            self.validate(meta, cache.layers[0], device)
-            return
-        if meta.window is None:
-            raise ValueError("the cache has window layers: the metadata needs its window part")
-        full = next(i for i in range(len(cache.layers)) if i not in cache.window_layers)
-        self.validate(meta, cache.layers[full], device)
-        self.validate(meta.window, cache.layers[cache.window_layers[0]], device)
+        """Each KV group's part against the cache (every layer's tensors are alike)."""
+        num_groups = cache.num_groups
+        if num_groups > 1 and len(meta.groups or ()) != num_groups - 1:
+            raise ValueError(
+                f"the cache has {num_groups} KV groups: the metadata needs groups for "
+                f"{num_groups - 1} of them"
+            )
+        for g in range(num_groups):
+            self.validate(meta.group(g), cache.layers[0], device)
 
     def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
-        if layer.sliding_window and meta.window is not None:
-            meta = meta.window  # the layer's cache is the window pool
         key_cache, value_cache = kv_cache[:2]
         k_scale, v_scale = kv_scales(kv_cache)
         dtype = "auto" if k_scale is None else "int8"
@@ -193,54 +198,45 @@ class PagedBackend(AttentionBackend):
             )
         return num_blocks
 
-    def window_cache_size(
-        self, spec: CacheSpec, budget_bytes: int, block_size: int, max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> tuple[int, int] | None:  # fmt: skip
-        """(count, window_count) for a cache whose sliding-window layers hold only their
-        window, in budget_bytes; None where the model has no such layers, or only such.
-
-        The window pool gets what it can use: one step's worst case (a chunk of
-        max_num_batched_tokens and the window before it) and the null block, plus
-        max_num_seqs windows; never more than the blocks one pool for every layer would
-        have (so neither group holds fewer tokens than it did there). The global pool
-        gets the rest: the fewer sequences at once, the longer their context."""
+    def group_cache_size(self, spec, budget_bytes, block_size, max_num_batched_tokens):
+        """The blocks budget_bytes holds where the layers are in KV groups (kv_groups),
+        each block one group's tokens; None where the model has no sliding-window layer.
+        Raises ValueError where one step (a chunk of max_num_batched_tokens with its
+        window in each window group, a block per global group) cannot fit."""
         windows = [w for w in spec.layer_windows if w]
-        if not windows or len(windows) == spec.num_layers:
+        if not windows:
             return None
-        window, bs = max(windows), block_size
-        token = spec.num_kv_heads * kv_token_bytes(spec.head_size, spec.dtype, spec.kv_cache_dtype)
-        full_block = token * (spec.num_layers - len(windows)) * bs
-        window_block = token * len(windows) * bs
-        reserve = window_blocks(window, max_num_batched_tokens, bs) + 1
-        usable = reserve + window_blocks(window, 1, bs) * max_num_seqs
-        one_pool = budget_bytes // (full_block + window_block)
-        window_count = max(reserve, min(usable, one_pool))
-        count = int((budget_bytes - window_count * window_block) // full_block)
-        if count < 1:
+        _, positions, windowed = kv_groups(spec.layer_windows)
+        per_block = self.block_bytes(spec, block_size) // spec.num_layers * (max(positions) + 1)
+        count = int(budget_bytes // per_block)
+        step = window_blocks(max(windows), max_num_batched_tokens, block_size)
+        need = 1 + step * sum(windowed) + windowed.count(False)  # and the null block
+        if count < need:
             raise ValueError(
-                f"kv_cache_memory of {budget_bytes / 2**30:.3f} GiB holds no global block "
-                f"after the sliding-window layers' {window_count} blocks (one step of "
-                f"max_num_batched_tokens={max_num_batched_tokens} with its window)"
+                f"kv_cache_memory holds {count} KV blocks; one step of max_num_batched_tokens="
+                f"{max_num_batched_tokens} with its window of {max(windows)} needs {need}"
             )
-        return count, window_count
+        return count
 
-    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, window_count=0) -> KVCache:
-        """count blocks of block_size tokens in every layer; with window_count, that many
-        in each sliding-window layer instead (an int8 cache's scales alike)."""
-        windows = spec.layer_windows if window_count else ()
-        window_layers = tuple(i for i, w in enumerate(windows) if w)
-        layers = []
-        for i in range(spec.num_layers):
-            n = window_count if i in window_layers else count
-            pair = allocate_kv_cache(
-                n, spec.num_kv_heads, spec.head_size, block_size, spec.cache_dtype, spec.device
+    def allocate(self, spec, count, block_size, cache_id=MAIN_CACHE, grouped=False) -> KVCache:
+        """count blocks of block_size tokens in every layer (an int8 cache's scales
+        alike); grouped: the layers in KV groups (kv_groups), layer i on block tensors
+        positions[i], which every group shares."""
+
+        def pair():
+            kv = allocate_kv_cache(
+                count, spec.num_kv_heads, spec.head_size, block_size, spec.cache_dtype, spec.device
             )
-            if spec.kv_cache_dtype == "int8":
-                pair = (*pair, *allocate_kv_scales((n, spec.num_kv_heads, block_size), spec.device))
-            layers.append(pair)
-        return KVCache(self, layers, cache_id=cache_id, window_layers=window_layers,
-                       window_blocks=window_count if window_layers else 0)  # fmt: skip
+            if spec.kv_cache_dtype != "int8":
+                return kv
+            return (*kv, *allocate_kv_scales((count, spec.num_kv_heads, block_size), spec.device))
+
+        if not grouped:
+            return KVCache(self, [pair() for _ in range(spec.num_layers)], cache_id=cache_id)
+        groups, positions, _ = kv_groups(spec.layer_windows)
+        tensors = [pair() for _ in range(max(positions) + 1)]
+        layers = [tensors[p] for p in positions]
+        return KVCache(self, layers, cache_id=cache_id, layer_groups=groups)
 
     # ---------------------------------------------------- tensor-parallel step
 
@@ -248,11 +244,9 @@ class PagedBackend(AttentionBackend):
         """The block tables, flattened; their widths go in the header."""
         tables = [meta.prefill_block_tables, meta.decode_block_tables]
         sizes = (tables[0].shape[1], tables[1].shape[1])
-        if not cache.window_layers:
-            return sizes, [t.reshape(-1) for t in tables]
-        # The window part's tables are as wide as the step's: one entry per block.
-        window = meta.window
-        tables += [window.slot_mapping, window.prefill_block_tables, window.decode_block_tables]
+        # Every group's tables are as wide as group 0's: one entry per block.
+        for part in meta.groups or ():
+            tables += [part.slot_mapping, part.prefill_block_tables, part.decode_block_tables]
         return sizes, [t.reshape(-1) for t in tables]
 
     def unpack(self, fields, sizes, take, cache) -> PagedMetadata:
@@ -263,13 +257,16 @@ class PagedBackend(AttentionBackend):
             prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
             decode_block_tables=take(nD * decode_width).view(nD, decode_width),
         )
-        if cache.window_layers:
-            meta.window = dataclasses.replace(
-                meta,
-                slot_mapping=take(meta.num_tokens, torch.int64),
-                prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
-                decode_block_tables=take(nD * decode_width).view(nD, decode_width),
-            )
+        if cache.num_groups > 1:
+            meta.groups = [
+                dataclasses.replace(
+                    meta,
+                    slot_mapping=take(meta.num_tokens, torch.int64),
+                    prefill_block_tables=take(nP * prefill_width).view(nP, prefill_width),
+                    decode_block_tables=take(nD * decode_width).view(nD, decode_width),
+                )
+                for _ in range(cache.num_groups - 1)
+            ]
         return meta
 
 
@@ -279,14 +276,31 @@ def window_blocks(sliding_window: int, num_tokens: int, block_size: int) -> int:
     return -(-(sliding_window - 1 + num_tokens) // block_size) + 1
 
 
-def _window_metadata(meta: PagedMetadata, seqs, block_size: int, device) -> PagedMetadata:
-    """meta's step in the window pool: the same tokens and lengths, the sequences'
-    window_block_table (prefill sequences first, as in meta)."""
+def kv_groups(layer_windows: tuple[int, ...]):
+    """The layers in KV groups of equal size, gcd(#global, #window layers): global
+    groups first, then window groups, each layers in order. Returns (each layer's group,
+    its position in the group, whether each group windows). Group g's layer at position
+    p uses block tensors p: every group's blocks come from one pool."""
+    full = [i for i, w in enumerate(layer_windows) if not w]
+    window = [i for i, w in enumerate(layer_windows) if w]
+    size = math.gcd(len(full), len(window))
+    groups, positions, windowed = [0] * len(layer_windows), [0] * len(layer_windows), []
+    for kind, layers in ((False, full), (True, window)):
+        for start in range(0, len(layers), size):
+            for p, i in enumerate(layers[start : start + size]):
+                groups[i], positions[i] = len(windowed), p
+            windowed.append(kind)
+    return tuple(groups), tuple(positions), tuple(windowed)
+
+
+def _group_metadata(meta: PagedMetadata, seqs, g: int, block_size: int, device) -> PagedMetadata:
+    """meta's step in KV group g + 1: the same tokens and lengths, the sequences'
+    group_block_tables[g] (prefill sequences first, as in meta)."""
     slots: list[int] = []
     num_prefills = meta.prefill_seq_lens.shape[0]
-    for seq, n in seqs:
-        slots += _token_slots(seq.window_block_table, seq.num_computed_tokens, n, block_size)
-    tables = [seq.window_block_table for seq, _ in seqs]
+    tables = [seq.group_block_tables[g] for seq, _ in seqs]
+    for (seq, n), table in zip(seqs, tables, strict=True):
+        slots += _token_slots(table, seq.num_computed_tokens, n, block_size)
     return dataclasses.replace(
         meta,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),

@@ -62,14 +62,14 @@ class TensorParallelModel:
 
     def allocate_kv_cache(
         self, backend: AttentionBackend, count: int, block_size: int = 16,
-        cache_id: int = MAIN_CACHE, window_count: int = 0,
+        cache_id: int = MAIN_CACHE, grouped: bool = False,
     ) -> KVCache:  # fmt: skip
         """Every rank allocates its cache of this id; one allocated before under the same
         id (the prompt-logprobs scratch) is replaced."""
         number = backend_number(backend)
         header = Header(
-            ALLOC_CACHE, cache_id, backend=number, a=count, b=block_size, c=window_count
+            ALLOC_CACHE, cache_id, backend=number, a=count, b=block_size, c=int(grouped)
         )
         with self.ranks.calls():
             self.ranks.send(header)
-            return self.model.allocate_kv_cache(backend, count, block_size, cache_id, window_count)
+            return self.model.allocate_kv_cache(backend, count, block_size, cache_id, grouped)

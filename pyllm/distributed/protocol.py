@@ -33,7 +33,7 @@ class Header:
     backend: int = 0  # ALLOC_CACHE: the backend's number (pyllm.attention.registry)
     a: int = 0  # ALLOC_CACHE: blocks or slots; LOGITS: rows (-1: all)
     b: int = 0  # ALLOC_CACHE: block_size
-    c: int = 0  # ALLOC_CACHE: the sliding-window layers' blocks (0: as every layer's)
+    c: int = 0  # ALLOC_CACHE: 1 where the layers are in KV groups (allocate's grouped)
     payload: int = 0  # int64 values that follow
 
     def tensor(self) -> torch.Tensor:

@@ -62,7 +62,8 @@ class Worker:
             self.model.compute_logits(self.hidden, payload if h.a >= 0 else None)
         elif h.command == ALLOC_CACHE:
             backend = backend_of_number(h.backend)
-            self.caches[h.cache] = self.model.allocate_kv_cache(backend, h.a, h.b, h.cache, h.c)
+            grouped = bool(h.c)
+            self.caches[h.cache] = self.model.allocate_kv_cache(backend, h.a, h.b, h.cache, grouped)
 
 
 def _die_with_parent() -> None:

@@ -15,6 +15,7 @@ in every process, so it also names the block's file in the prefix cache on disk
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import struct
 from collections import OrderedDict
@@ -49,11 +50,14 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         block_bytes: int = 0,
-        table: str = "block_table",
+        table: str | int = "block_table",
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.table = table  # the Sequence field holding this cache's block table
+        # Where seq keeps this manager's block table: a Sequence field, or an index into
+        # seq.group_block_tables (a KV group sharing another manager's blocks).
+        self.table = table
+        self.salt = b""  # appended to prefix hashes: groups sharing blocks key them apart
         self.block_size = block_size
         self.block_bytes = block_bytes  # KV memory of one block, all layers of this pool
         self.enable_prefix_caching = enable_prefix_caching
@@ -71,6 +75,15 @@ class BlockManager:
         # Per sequence matched but not yet admitted: (prompt tokens, cache hits). A prompt
         # counts once, on its first append_slots; one given back before does not.
         self._uncounted: dict[int, tuple[int, int]] = {}
+
+    def group_view(self, group: int) -> BlockManager:
+        """KV group `group` (>= 1) over this manager's blocks: one allocator and one LRU of
+        free blocks, its own tables (seq.group_block_tables[group - 1]) and prefix keys."""
+        view = copy.copy(self)  # shares blocks, free_blocks and cached_blocks
+        view.table, view.salt = group - 1, group.to_bytes(4, "little")
+        view._num_hashed, view._uncounted = {}, {}
+        view.prefix_cache_queries = view.prefix_cache_hits = 0
+        return view
 
     @property
     def num_blocks(self) -> int:
@@ -130,7 +143,20 @@ class BlockManager:
             self.prefix_cache_hits += counted[1]
 
     def block_table(self, seq: Sequence) -> list[int]:
+        if isinstance(self.table, int):
+            return seq.group_block_tables[self.table]
         return getattr(seq, self.table)
+
+    def _set_block_table(self, seq: Sequence, table: list[int]) -> None:
+        if isinstance(self.table, int):
+            seq.group_block_tables[self.table] = table
+        else:
+            setattr(seq, self.table, table)
+
+    def holds(self, h: bytes, chunk: tuple[int, ...]) -> bool:
+        """Whether a block of these tokens is cached under h (in memory)."""
+        block_id = self.cached_blocks.get(h + self.salt)
+        return block_id is not None and self.blocks[block_id].token_ids == chunk
 
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule: reuse cached blocks of its prompt's prefix.
@@ -157,22 +183,10 @@ class BlockManager:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens
         self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
 
-    def drop_hits(self, seq: Sequence, keep: int) -> None:
-        """Gives back seq's prefix-cache hits past its first `keep` blocks (just matched,
-        so they stay cached, as free ones)."""
-        table = self.block_table(seq)
-        for block_id in reversed(table[keep:]):
-            self._release(block_id)
-        del table[keep:]
-        h = self.blocks[table[keep - 1]].hash if keep else None
-        self._num_hashed[id(seq)] = (keep, h)
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = keep * self.block_size
-        self._uncounted[id(seq)] = (seq.num_tokens, seq.num_computed_tokens)
-
     def _hold_cached(self, h: bytes, chunk: tuple[int, ...]) -> int | None:
         """The block cached under h, held once more; read from disk into a free block
         if not in memory; None where neither has it."""
-        block_id = self.cached_blocks.get(h)
+        block_id = self.cached_blocks.get(h + self.salt)
         if block_id is None:
             return self._read_from_disk(h, chunk)
         block = self.blocks[block_id]
@@ -206,9 +220,10 @@ class BlockManager:
             block = self.blocks[table[i]]
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(previous, chunk)
-            if block.hash is None and h not in self.cached_blocks:
-                block.hash, block.token_ids = h, chunk
-                self.cached_blocks[h] = block.block_id
+            key = h + self.salt
+            if block.hash is None and key not in self.cached_blocks:
+                block.hash, block.token_ids = key, chunk
+                self.cached_blocks[key] = block.block_id
                 if self.disk is not None:
                     self.disk.save(h, block.block_id)
             previous = h
@@ -241,7 +256,7 @@ class BlockManager:
         # be evicted before the prefix blocks they follow.
         for block_id in reversed(self.block_table(seq)):
             self._release(block_id)
-        setattr(seq, self.table, [])
+        self._set_block_table(seq, [])
         seq.num_computed_tokens = 0
         self._num_hashed.pop(id(seq), None)
         self._uncounted.pop(id(seq), None)

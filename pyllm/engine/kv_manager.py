@@ -1,7 +1,8 @@
 """KVCacheManager: what the scheduler and the engine ask of the KV cache's bookkeeping.
 
 Three implementations: BlockManager (the paged cache: block tables, prefix caching),
-HybridBlockManager (the same with sliding-window layers on a pool of their own) and
+HybridBlockManager (the same with the layers in KV groups sharing one pool, so
+sliding-window layers give back the blocks behind their window) and
 SlotManager (the contiguous cache: one arena slot per sequence, no prefix caching).
 Scheduling and preemption only go through these methods, so they are the same in both
 modes. `allocate_kv_cache` builds a cache and its manager (the engine's, and a draft
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pyllm.attention.backend import KVCache
-from pyllm.attention.paged import window_blocks
+from pyllm.attention.paged import kv_groups
 from pyllm.attention.registry import get_backend
 from pyllm.engine.block_manager import BlockManager
 from pyllm.engine.hybrid_block_manager import HybridBlockManager
@@ -84,19 +85,16 @@ def allocate_kv_cache(
     """model's KV cache in `layout` (an attention backend's name) within budget bytes,
     and the manager that hands out its memory: blocks, or one slot per sequence (at
     most max_num_seqs). max_num_batched_tokens > 0 (the paged layout): sliding-window
-    layers hold only their window, in a pool of their own (HybridBlockManager)."""
+    layers hold only their window, in KV groups sharing one pool (HybridBlockManager)."""
     backend = get_backend(layout)
-    windows = model.cache_spec.layer_windows
     if max_num_batched_tokens:
-        sizes = backend.window_cache_size(
-            model.cache_spec, budget, block_size, max_num_seqs, max_num_batched_tokens
-        )
-        if sizes is not None:
-            return _hybrid_cache(model, backend, sizes, block_size, prefix_caching)
+        count = backend.group_cache_size(model.cache_spec, budget, block_size,
+                                         max_num_batched_tokens)  # fmt: skip
+        if count is not None:
+            return _grouped_cache(
+                model, backend, count, block_size, prefix_caching, max_num_batched_tokens
+            )
     count = backend.cache_size(model.cache_spec, budget, block_size, max_num_seqs)
-    if max_num_batched_tokens and backend.addressing == "blocks" and windows and all(windows):
-        return _windowed_cache(model, backend, count, block_size, prefix_caching,
-                               max_num_batched_tokens)  # fmt: skip
     cache = model.allocate_kv_cache(backend, count, block_size)
     if backend.addressing == "slots":
         # Virtual room for count sequences; only `budget` bytes of it are ever
@@ -106,33 +104,16 @@ def allocate_kv_cache(
     return cache, BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)
 
 
-def _windowed_cache(model, backend, count, block_size, prefix_caching, max_num_batched_tokens):
-    """Every layer has a window (Mistral-style): one pool, blocks behind the window freed."""
-    window = max(model.cache_spec.layer_windows)
-    need = window_blocks(window, max_num_batched_tokens, block_size) + 1  # and the null block
-    if count < need:
-        raise ValueError(
-            f"kv_cache_memory holds {count} KV blocks; one step of max_num_batched_tokens="
-            f"{max_num_batched_tokens} with its window of {window} needs {need}"
-        )
-    cache = model.allocate_kv_cache(backend, count, block_size)
-    block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.layers) // count
-    pool = BlockManager(count, block_size, prefix_caching, block_bytes=block_bytes)
-    return cache, HybridBlockManager(None, pool, window)
-
-
-def _hybrid_cache(model, backend, sizes: tuple[int, int], block_size: int, prefix_caching: bool):
-    count, window_count = sizes
-    cache = model.allocate_kv_cache(backend, count, block_size, window_count=window_count)
-    full_bytes = window_bytes = 0
-    for i, (k, v) in enumerate(cache.layers):
-        if i in cache.window_layers:
-            window_bytes += (k.nbytes + v.nbytes) // window_count
-        else:
-            full_bytes += (k.nbytes + v.nbytes) // count
-    full = BlockManager(count, block_size, prefix_caching, block_bytes=full_bytes)
-    window = BlockManager(
-        window_count, block_size, prefix_caching, window_bytes, table="window_block_table"
+def _grouped_cache(model, backend, count, block_size, prefix_caching, max_num_batched_tokens):
+    """Sliding-window layers: every KV group's blocks from one pool of count blocks."""
+    windows = model.cache_spec.layer_windows
+    cache = model.allocate_kv_cache(backend, count, block_size, grouped=True)
+    _, positions, windowed = kv_groups(windows)
+    # Layers share tensors: count each once (an int8 cache's scales too).
+    tensors = {layer[0].data_ptr(): sum(t.nbytes for t in layer) for layer in cache.layers}
+    pool = BlockManager(count, block_size, prefix_caching,
+                        block_bytes=sum(tensors.values()) // count)  # fmt: skip
+    manager = HybridBlockManager(
+        pool, windowed, max(windows), max_num_batched_tokens, max(positions) + 1
     )
-    sliding_window = max(model.cache_spec.layer_windows)
-    return cache, HybridBlockManager(full, window, sliding_window)
+    return cache, manager

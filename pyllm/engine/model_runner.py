@@ -106,9 +106,8 @@ class ModelRunner:
         need; pooled_rows the same of embedding sequences' chunks."""
         flat = _flatten(batch)
         backend = self.kv_cache.backend
-        windowed = bool(self.kv_cache.window_layers)
         metadata = backend.build(
-            batch.prefills, batch.decodes, self.block_size, self.device, windowed
+            batch.prefills, batch.decodes, self.block_size, self.device, self.kv_cache.num_groups
         )
         device = self.device
         return (

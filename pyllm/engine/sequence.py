@@ -29,8 +29,9 @@ class Sequence:
     """A prompt and the tokens generated after it.
 
     `num_computed_tokens` tokens have their keys/values in the cache (in the blocks of
-    `block_table`, sliding-window layers' window in `window_block_table` where they
-    have their own blocks, or in arena slot `kv_slot` with the contiguous cache); the
+    `block_table`, and of the other KV groups in `group_block_tables` where the layers
+    are grouped (HybridBlockManager), or in arena slot `kv_slot` with the contiguous
+    cache); the
     rest are pending. A decode step has one pending token (the last one sampled); a
     prompt has all its tokens pending and may be fed over several steps (chunked
     prefill). After preemption everything is pending again and recomputed.
@@ -55,8 +56,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # served from the prefix cache on first schedule
     block_table: list[int] = field(default_factory=list)
-    # With sliding-window layers on their own blocks (HybridBlockManager): theirs.
-    window_block_table: list[int] = field(default_factory=list)
+    # With the layers in KV groups (HybridBlockManager): groups 1.. (block_table is 0's).
+    group_block_tables: list[list[int]] = field(default_factory=list)
     kv_slot: int | None = None  # contiguous KV cache only
     spec_token_ids: list[int] = field(default_factory=list)  # proposed, for this step only
     finish_reason: str | None = None

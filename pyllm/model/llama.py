@@ -248,10 +248,11 @@ class LlamaForCausalLM(Module):
         hidden = self.embed(input_ids)
         residual = None
         layers = zip(self.model.layers, kv_cache.layers, strict=True)
+        groups = kv_cache.layer_groups or (0,) * len(kv_cache.layers)
         for i, (layer, layer_cache) in enumerate(layers):
             hidden, residual = layer(
-                positions, hidden, residual, self.layer_cos_sin(i), layer_cache, attn_metadata,
-                workspace,
+                positions, hidden, residual, self.layer_cos_sin(i), layer_cache,
+                attn_metadata.group(groups[i]), workspace,
             )  # fmt: skip
         return self.model.norm(hidden, residual)
 
@@ -331,7 +332,6 @@ class LlamaForCausalLM(Module):
                 f"kv_caches hold {num_kv_heads} kv heads of size {head_size}; the model needs "
                 f"{config.num_key_value_heads} of size {config.head_dim}"
             )
-        # Sliding-window layers may hold a pool of their own: the count of blocks may differ.
         dtype, scales = self.cache_spec.cache_dtype, 2 if self.kv_cache_dtype == "int8" else 0
         for i, (k, v, *rest) in enumerate(layers):
             if k.shape[1:] != key_cache.shape[1:] or v.shape[1:] != value_cache.shape[1:]:
@@ -355,9 +355,9 @@ class LlamaForCausalLM(Module):
 
     def allocate_kv_cache(
         self, backend: AttentionBackend, count: int, block_size: int = 16,
-        cache_id: int = MAIN_CACHE, window_count: int = 0,
+        cache_id: int = MAIN_CACHE, grouped: bool = False,
     ) -> KVCache:  # fmt: skip
         """A KV cache in backend's layout of count units (blocks of block_size tokens, or
-        sequence slots), in the model's dtype and device; window_count > 0: the
-        sliding-window layers' own pool of that many blocks."""
-        return backend.allocate(self.cache_spec, count, block_size, cache_id, window_count)
+        sequence slots), in the model's dtype and device; grouped: the layers in KV
+        groups sharing one pool of blocks."""
+        return backend.allocate(self.cache_spec, count, block_size, cache_id, grouped)

@@ -1,7 +1,7 @@
-"""Sliding-window layers on a block pool of their own (HybridBlockManager): a tiny random
-Gemma 3 (two window layers of 16 tokens, one global layer) generates the same greedy
-tokens as with every layer keeping every token (disable_hybrid_kv_cache_manager),
-while its window layers hold only their window."""
+"""Layers in KV groups sharing one block pool (HybridBlockManager): a tiny random
+Gemma 3 (two window layers of 16 tokens, one global layer: three groups of one layer)
+generates the same greedy tokens as with every layer keeping every token
+(disable_hybrid_kv_cache_manager), while its window groups hold only their window."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 
 from pyllm import LLM, SamplingParams
 from pyllm.attention.paged import window_blocks
-from pyllm.engine.block_manager import BlockManager
+from pyllm.engine.block_manager import BlockManager, prefix_hashes
 from pyllm.engine.config import ConfigError
 from pyllm.engine.hybrid_block_manager import NULL_BLOCK, HybridBlockManager
 from pyllm.engine.sequence import Sequence
+from pyllm.sampling.params import ParamError
 from tests.engine.test_engine import _write_byte_tokenizer
 from tests.engine.test_spec_decode import NGRAM
 from tests.engine.test_spec_decode import _prompts as spec_prompts
@@ -59,20 +60,20 @@ def reference(gemma_dir):
 
 
 def _assert_all_free(llm: LLM) -> None:
-    manager = llm.engine.kv_manager
-    full, window = manager.full, manager.window
-    assert full.num_free_blocks == full.num_blocks
-    assert window.num_free_blocks == window.num_blocks - 1  # all but the null block
-    assert all(b.ref_count == 0 for b in full.blocks)
-    assert [b.block_id for b in window.blocks if b.ref_count] == [NULL_BLOCK]
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1  # all but the null block
+    assert [b.block_id for b in pool.blocks if b.ref_count] == [NULL_BLOCK]
     assert not llm.engine.scheduler.has_unfinished
 
 
-def _run_watching_windows(
-    llm: LLM, prompts, table: str = "window_block_table"
-) -> tuple[list[list[int]], int]:
-    """Steps the engine by hand; returns the outputs and the most window blocks any
-    sequence held after a step."""
+def _window_tables(seq: Sequence) -> list[list[int]]:
+    """The tiny Gemma 3's window groups' tables (groups 1 and 2)."""
+    return seq.group_block_tables
+
+
+def _run_watching_windows(llm: LLM, prompts, tables=_window_tables) -> tuple[list[list[int]], int]:
+    """Steps the engine by hand; returns the outputs and the most blocks any sequence
+    held in one window group after a step."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), None, GREEDY, prompt_token_ids=prompt)
@@ -83,9 +84,10 @@ def _run_watching_windows(
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         for seq in engine.scheduler.running:
-            held = [b for b in getattr(seq, table) if b != NULL_BLOCK]
-            most = max(most, len(held))
-            assert len(getattr(seq, table)) == -(-seq.num_computed_tokens // 16)
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // 16)
+            for table in tables(seq):
+                most = max(most, len([b for b in table if b != NULL_BLOCK]))
+                assert len(table) == len(seq.block_table)
     return [outputs[str(i)] for i in range(len(prompts))], most
 
 
@@ -96,7 +98,8 @@ def test_window_layers_keep_only_their_window(gemma_dir, reference, budget):
     llm = _engine(gemma_dir, max_num_batched_tokens=budget)
     manager = llm.engine.kv_manager
     assert isinstance(manager, HybridBlockManager)
-    assert llm.engine.kv_cache.window_layers == (0, 1)
+    assert llm.engine.kv_cache.layer_groups == (1, 2, 0)
+    assert len({k.data_ptr() for k, _ in llm.engine.kv_cache.layers}) == 1  # one tensor pair
     outputs, most = _run_watching_windows(llm, _prompts())
     assert outputs == reference
     # After a step a sequence keeps the window before its next token, and a decode's
@@ -106,60 +109,85 @@ def test_window_layers_keep_only_their_window(gemma_dir, reference, budget):
 
 
 def test_preemption_recomputes_exactly(gemma_dir, reference):
-    """Pools of 26 global blocks and 14 window blocks (a 64-token chunk with its window,
-    and 4 sequences' windows) for 8 prompts of up to 324 tokens, 4 at once: the engine
-    preempts and recomputes."""
-    global_block = 2 * 2 * 64 * 16 * 4  # one layer, 2 kv heads of 64, float32
-    llm = _engine(gemma_dir, kv_cache_memory=56 * global_block / 2**30, max_num_seqs=4,
+    """A pool of 40 blocks (39 and the null block) shared by the three groups for 8
+    prompts of up to 324 tokens, 4 at once: the engine preempts and recomputes."""
+    group_block = 2 * 2 * 64 * 16 * 4  # one layer, 2 kv heads of 64, float32
+    llm = _engine(gemma_dir, kv_cache_memory=40 * group_block / 2**30, max_num_seqs=4,
                   max_num_batched_tokens=64)  # fmt: skip
     manager = llm.engine.kv_manager
-    assert (manager.full.num_blocks, manager.num_window_blocks) == (26, 14)
+    assert manager.num_blocks == 39
     assert _generate(llm, _prompts()) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_free(llm)
 
 
 def test_prefix_hit_needs_the_window_before_it(gemma_dir):
-    """A hit is taken whole while the window pool still holds the blocks of the window
-    before it; once other prompts have cycled those out, it is shortened (here to
-    nothing) and the prompt recomputed: the same tokens either way."""
+    """A hit is taken whole while the window groups still hold the blocks of the window
+    before it; once they are evicted, it is shortened (here to nothing) and the prompt
+    recomputed: the same tokens either way."""
     rng = random.Random(1)
     prefix = [rng.randint(2, 511) for _ in range(160)]
     first, second = prefix + [3, 4, 5], prefix + [6, 7]
     plain = _engine(gemma_dir, enable_prefix_caching=False)
     expected = _generate(plain, [second])[0]
 
-    llm = _engine(gemma_dir, max_num_seqs=4)  # a window pool of 4 windows and a chunk
+    llm = _engine(gemma_dir)
     manager = llm.engine.kv_manager
     _generate(llm, [first])
     out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 160
     assert out.outputs[0].token_ids == expected
 
-    # Other prompts take every window block since (the global pool keeps the prefix).
-    window_tokens = manager.num_window_blocks * 16
-    _generate(llm, [[rng.randint(2, 511) for _ in range(300)] for _ in range(window_tokens // 250)])
-    assert all(manager.full.cached_blocks.get(b.hash) == b.block_id
-               for b in manager.full.blocks if b.hash is not None)  # fmt: skip
+    # Blocks taken from the pool in LRU order, as new prompts take them, evict the
+    # window groups' copies first: they were freed before the global group's.
+    pool, hashes = manager.pool, list(prefix_hashes(second, 16))
+    window_keys = {h + m.salt for m in manager.window for h, _ in hashes}
+    taken = []
+    while window_keys & pool.cached_blocks.keys():
+        taken.append(pool._take_free_block())
+    assert all(pool.holds(h, chunk) for h, chunk in hashes)  # the global group's
+    for block_id in taken:
+        pool._give_back(pool.blocks[block_id])
     out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens < 160
     assert out.outputs[0].token_ids == expected
     _assert_all_free(llm)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 8, 256])
-def test_pools_count_what_each_group_holds(gemma_dir, max_num_seqs):
-    """Neither group holds fewer tokens than one pool for every layer would; what the
-    window layers cannot use (max_num_seqs windows and a chunk) goes to the global pool."""
+GROUP_BLOCK = 2 * 2 * 64 * 16 * 4  # one layer's block: 2 kv heads of 64, float32
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 256])
+def test_one_pool_for_every_group(gemma_dir, max_num_seqs):
+    """The three groups share one pool of one-layer blocks, whatever max_num_seqs: as
+    many block-tokens per layer as one pool for every layer holds."""
     plain = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True).engine.kv_manager
     hybrid = _engine(gemma_dir, max_num_seqs=max_num_seqs).engine.kv_manager
-    assert hybrid.full.num_blocks >= plain.num_blocks
-    usable = window_blocks(WINDOW, 512, 16) + 1 + window_blocks(WINDOW, 1, 16) * max_num_seqs
-    assert hybrid.window.num_blocks == min(usable, plain.num_blocks)
-    if usable < plain.num_blocks:
-        assert hybrid.full.num_blocks > 2 * plain.num_blocks
+    assert hybrid.pool.num_blocks == int(0.02 * 2**30 // GROUP_BLOCK)
+    assert hybrid.pool.num_blocks >= 3 * plain.num_blocks
+    assert (len(hybrid.full), len(hybrid.window)) == (1, 2)
     assert plain.committed_bytes() <= hybrid.committed_bytes() <= 0.02 * 2**30
-    assert "window kv_blocks=" in hybrid.describe()
+    assert "1 global and 2 window-16 KV groups" in hybrid.describe()
+
+
+def test_pool_admits_what_one_pool_for_every_layer_cannot(gemma_dir):
+    """At the default max_num_seqs, 150 one-layer blocks: every layer keeping every token
+    holds 50 blocks (800 tokens) and refuses a 1000-token prompt; the shared pool serves
+    it (63 global blocks and a step's window in each window group), with the same tokens
+    as a cache large enough for every token."""
+    prompt = [random.Random(4).randint(2, 511) for _ in range(1000)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    gib = 150 * GROUP_BLOCK / 2**30
+    small = _engine(gemma_dir, kv_cache_memory=gib, disable_hybrid_kv_cache_manager=True)
+    with pytest.raises(ParamError, match="kv_cache_memory"):
+        small.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    llm = _engine(gemma_dir, kv_cache_memory=gib)
+    assert llm.engine.config.max_num_seqs == 256
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    big = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True)
+    expected = big.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    _assert_all_free(llm)
 
 
 def test_prefix_cache_dir_is_refused_with_windows(gemma_dir, tmp_path):
@@ -171,8 +199,8 @@ def test_prefix_cache_dir_is_refused_with_windows(gemma_dir, tmp_path):
 
 
 def test_speculative_decoding_matches_one_pool(gemma_dir):
-    """Prompt lookup's proposals are verified as prefill chunks over both pools: the
-    same tokens as with one pool, and every block back."""
+    """Prompt lookup's proposals are verified as prefill chunks in every group: the
+    same tokens as with one pool for every layer, and every block back."""
     prompts = spec_prompts(6, seed=5)
     options = {"speculative_config": NGRAM, "max_num_batched_tokens": 32}
     plain = _engine(gemma_dir, disable_hybrid_kv_cache_manager=True, **options)
@@ -182,29 +210,32 @@ def test_speculative_decoding_matches_one_pool(gemma_dir):
     _assert_all_free(llm)
 
 
-def test_trim_and_release_in_both_pools():
-    """The bookkeeping alone: a window of 16 in blocks of 16. Blocks behind the window
-    leave the window table after a step; rejected proposals' blocks leave both."""
-    full = BlockManager(64, 16)
-    window = BlockManager(16, 16, table="window_block_table")
-    manager = HybridBlockManager(full, window, sliding_window=16)
+def test_trim_and_release_in_both_groups():
+    """The bookkeeping alone: a global and a window group of a window of 16 in blocks of
+    16 on one pool. Blocks behind the window leave the window table after a step and go
+    back to the pool; rejected proposals' blocks leave both tables."""
+    pool = BlockManager(32, 16)
+    manager = HybridBlockManager(pool, (False, True), sliding_window=16, max_num_batched_tokens=512)
     seq = Sequence("s", list(range(2, 102)), SamplingParams(max_tokens=40))
     manager.match_prefix(seq)
-    manager.append_slots(seq, 100)  # the prompt in one chunk: 7 blocks in each pool
-    assert (len(seq.block_table), window.num_free_blocks) == (7, 15 - 7)
+    manager.append_slots(seq, 100)  # the prompt in one chunk: 7 blocks in each group
+    window = seq.group_block_tables[0]
+    assert (len(seq.block_table), len(window), pool.num_free_blocks) == (7, 7, 31 - 14)
+    assert not set(seq.block_table) & set(window)
     seq.num_computed_tokens = 100
     manager.register_computed_blocks(seq)  # the next query (100) sees keys 85..100
-    assert seq.window_block_table[:5] == [NULL_BLOCK] * 5
-    assert window.num_free_blocks == 15 - 2
+    assert window[:5] == [NULL_BLOCK] * 5
+    assert pool.num_free_blocks == 31 - 7 - 2
     seq.token_ids.append(7)
+    assert manager.can_append(seq, 1 + 30) and not manager.can_append(seq, 1 + 200)
     manager.append_slots(seq, 1 + 30)  # a decode with 30 proposed tokens
-    assert len(seq.block_table) == len(seq.window_block_table) == 9
+    assert len(seq.block_table) == len(window) == 9
     seq.num_computed_tokens = 102  # one accepted: the rest rolled back
     manager.trim(seq)
-    assert len(seq.block_table) == len(seq.window_block_table) == 7
-    assert (full.num_free_blocks, window.num_free_blocks) == (64 - 7, 15 - 2)
+    assert len(seq.block_table) == len(window) == 7
+    assert pool.num_free_blocks == 31 - 7 - 2
     manager.free(seq)
-    assert (full.num_free_blocks, window.num_free_blocks) == (64, 15)
+    assert pool.num_free_blocks == 31
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +253,12 @@ def test_every_layer_windowed_keeps_one_window(mistral_dir, budget):
     expected = _generate(plain, _prompts())
     llm = _engine(mistral_dir, max_num_batched_tokens=budget)
     manager = llm.engine.kv_manager
-    assert manager.full is None and "every layer" in manager.describe()
-    outputs, most = _run_watching_windows(llm, _prompts(), table="block_table")
+    assert "0 global and 1 window-16 KV groups" in manager.describe()
+    assert llm.engine.kv_cache.num_groups == 1
+    outputs, most = _run_watching_windows(llm, _prompts(), tables=lambda s: [s.block_table])
     assert outputs == expected
     assert most <= window_blocks(WINDOW, 1, 16)
-    window = manager.window
-    assert window.num_free_blocks == window.num_blocks - 1
-    assert [b.block_id for b in window.blocks if b.ref_count] == [NULL_BLOCK]
+    _assert_all_free(llm)
 
 
 def test_every_layer_windowed_prefix_hit_needs_only_the_window(mistral_dir):
@@ -260,3 +290,33 @@ def test_samples_share_the_prompts_window_blocks(gemma_dir):
     assert samples(llm) == samples(_engine(gemma_dir, disable_hybrid_kv_cache_manager=True))
     assert llm.engine.kv_manager.prefix_cache_hits > 0
     _assert_all_free(llm)
+
+
+def test_two_global_groups_and_a_window_group(tmp_path):
+    """4 global and 2 window layers: KV groups of gcd(4, 2) = 2 layers (two global, one
+    window), each layer on its position's tensor pair; the same tokens as one pool for
+    every layer, and a second pass served from every group's prefix blocks."""
+    layers = ["full_attention", "sliding_attention", "full_attention"] * 2
+    make_hf_model("gemma3", tmp_path, max_position_embeddings=1024, num_hidden_layers=6,
+                  sliding_window=WINDOW, layer_types=layers)  # fmt: skip
+    _write_byte_tokenizer(tmp_path, vocab_size=512)
+    prompts = _prompts()[4:]
+    expected = _generate(_engine(str(tmp_path), disable_hybrid_kv_cache_manager=True), prompts)
+    llm = _engine(str(tmp_path), max_num_batched_tokens=32)
+    cache = llm.engine.kv_cache
+    assert cache.layer_groups == (0, 2, 0, 1, 2, 1)
+    assert len({k.data_ptr() for k, _ in cache.layers}) == 2  # pairs of positions 0 and 1
+    assert "2 global and 1 window-16 KV groups" in llm.engine.kv_manager.describe()
+    assert _generate(llm, prompts) == expected
+    assert _generate(llm, prompts) == expected
+    assert llm.engine.kv_manager.prefix_cache_hits > 0
+    _assert_all_free(llm)
+
+
+def test_int8_cache_in_kv_groups_matches_one_pool(gemma_dir):
+    """The int8 cache's scales live beside their blocks in the shared group tensors."""
+    one_pool = _engine(gemma_dir, kv_cache_dtype="int8", disable_hybrid_kv_cache_manager=True)
+    grouped = _engine(gemma_dir, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    assert isinstance(grouped.engine.kv_manager, HybridBlockManager)
+    assert _generate(grouped, _prompts()) == _generate(one_pool, _prompts())
+    _assert_all_free(grouped)
