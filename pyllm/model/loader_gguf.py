@@ -2,7 +2,8 @@
 
 The file is parsed and memory-mapped once (pyllm.model.gguf_file). Projection weights
 and the token table of a type pyllm.ops.quant_linear reads stay in their blocks: each is
-read from the file straight into its one uint8 tensor (linear.QuantPart). Every other
+read where it lies: a uint8 view of the file's read-only map when its rows need no
+reordering or split, else its own copy read from the file (linear.QuantPart). Every other
 tensor (and all of them with keep_quantized=False) is dequantized (by `gguf.quants`) to
 float32 on its own, renamed from llama.cpp's names (``blk.3.attn_k.weight``) to HF's
 (``model.layers.3.self_attn.k_proj.weight``), and copied into its slot. llama.cpp's
@@ -372,6 +373,12 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
         shares = [_shard_rows(model, t) for t in run]
         rows = sum(n for _, n in shares)
         row_bytes = ops.quant_row_bytes(run[0].type_id, in_features)
+        mapped = _mapped_run(model, run, in_features)
+        if mapped is not None:
+            parts.append(QuantPart(mapped.to(model.device), run[0].type_id, start, start + rows))
+            start += rows
+            i += len(run)
+            continue
         qweight = torch.zeros(rows, row_bytes, dtype=torch.uint8)
         at = 0
         for t, (ranges, n) in zip(run, shares, strict=True):
@@ -393,6 +400,28 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
         start += rows
         i += len(run)
     return parts
+
+
+def _mapped_run(model: LlamaForCausalLM, run: list[GGUFTensor], in_features: int):
+    """The blocks of `run` as one uint8 [rows, row bytes] view of the file's read-only map,
+    no copy (the page cache is shared by every process that maps the file), where they lie
+    as the kernel reads them: one rank, no rows to reorder, each tensor right after the
+    one before. None otherwise (the caller reads a private copy). The view holds the map.
+    """
+    if model.shard.size != 1 or any(_permuted_heads(model.config, t.name) for t in run):
+        return None
+    if any(t.shape[-1] != in_features for t in run):
+        return None  # the caller names the shape mismatch
+    if any(b.offset != a.offset + a.nbytes for a, b in zip(run, run[1:], strict=False)):
+        return None
+    first = run[0]
+    nbytes = sum(t.nbytes for t in run)
+    data = first._map[first.offset : first.offset + nbytes]
+    rows = sum(t.shape[0] for t in run)
+    with warnings.catch_warnings():
+        # Read-only: the kernels only read weights; a write would fault, not corrupt.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data)).view(rows, nbytes // rows)
 
 
 def _read_experts(file, model: LlamaForCausalLM, tensor: GGUFTensor, module, full) -> torch.Tensor:

@@ -507,3 +507,40 @@ def test_smollm2_greedy_matches_hf(hf_smollm2):
     for i, (ours, ref) in enumerate(zip(result.generated, expected, strict=True)):
         assert len(ours) == NEW_TOKENS
         assert ours == ref, f"prompt {i}: {tokenizer.decode(ours)!r} != {tokenizer.decode(ref)!r}"
+
+
+def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
+    """Projections whose blocks lie in the file as the kernel reads them (o_proj,
+    down_proj, gate+up when adjacent, the token table) point into the file's read-only
+    map, no private copy; q/k rows llama.cpp reordered are copied. Logits are exactly
+    those of the all-copies load."""
+    from pyllm.model import loader_gguf
+    from pyllm.model.gguf_file import open_gguf
+
+    path = default_model_path()
+    mapped = open_gguf(path)._map
+    base = mapped.__array_interface__["data"][0]
+
+    def in_map(t: torch.Tensor) -> bool:
+        return base <= t.data_ptr() and t.data_ptr() + t.numel() <= base + mapped.size
+
+    model, _ = load_model(path, dtype="float32")
+    layer = model.model.layers[0]
+    tensors = open_gguf(path).tensors
+    (o_part,) = layer.self_attn.o_proj.qparts
+    assert in_map(o_part.qweight)
+    raw = tensors["blk.0.attn_output.weight"].raw
+    assert torch.equal(o_part.qweight, torch.from_numpy(np.array(raw)))
+    assert in_map(layer.mlp.down_proj.qparts[0].qweight)
+    assert in_map(model.model.embed_tokens.qpart.qweight)
+    assert not any(in_map(p.qweight) for p in layer.self_attn.qkv_proj.qparts)
+
+    monkeypatch.setattr(loader_gguf, "_mapped_run", lambda *args: None)
+    copied, _ = load_model(path, dtype="float32")
+    assert not in_map(copied.model.layers[0].self_attn.o_proj.qparts[0].qweight)
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    ours = run_sequences(model, tokens, [8, 4], chunk_size=8)
+    ref = run_sequences(copied, tokens, [8, 4], chunk_size=8)
+    assert ours.generated == ref.generated
+    for a, b in zip(ours.logits, ref.logits, strict=True):
+        assert torch.equal(a, b)
