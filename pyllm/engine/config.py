@@ -128,7 +128,7 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "auto: the KV cache in --dtype; int8: symmetric int8 with a float32 scale per token "
+        "auto: the KV cache in --dtype; int8: symmetric int8 with a float16 scale per token "
         "and kv head (about half of bfloat16's bytes, a quarter of float32's)",
         choices=KV_CACHE_DTYPES,
     )

@@ -45,10 +45,12 @@ _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference int8 quantization of rows [..., D]: (q int8, scale float32 [...])."""
+    """Reference int8 quantization of rows [..., D]: (q int8, scale float16 [...]), q
+    divided by the stored (float16-rounded) scale; a scale of 0 gives zeros."""
     x = x.float()
-    scale = x.abs().amax(-1) / 127
-    q = torch.where(scale[..., None] > 0, torch.round(x / scale[..., None]), 0.0)
+    scale = (x.abs().amax(-1) / 127).clamp(max=65504).half()
+    s = scale.float()[..., None]
+    q = torch.where(s > 0, torch.round(x / s).clamp(-127, 127), 0.0)
     return q.to(torch.int8), scale
 
 
@@ -114,6 +116,10 @@ def test_reshape_and_cache_int8_matches_reference(device, dtype, head_size, bloc
     key = torch.randn(T, num_kv_heads, head_size).to(dtype)
     value = torch.randn(T, num_kv_heads, head_size).to(dtype)
     key[3, 1] = 0  # a zero row: scale 0, zeros
+    key[4, 0] = 1e-9  # absmax / 127 underflows float16: scale 0, zeros
+    big = dtype != torch.float16  # float16 rows cannot reach a scale past its largest
+    if big:
+        value[6, 1] *= 1e7  # absmax / 127 past float16's largest: the scale saturates
     slots = torch.randperm(num_blocks * block_size)[:T]
     slots[5] = -1  # padding: not written
     key_cache, value_cache = ops.allocate_kv_cache(
@@ -135,6 +141,8 @@ def test_reshape_and_cache_int8_matches_reference(device, dtype, head_size, bloc
     for scales, s in zip(expected_scales, (ks, vs), strict=True):
         scales[slots[keep] // block_size, :, slots[keep] % block_size] = s[keep]
     assert ks[3, 1] == 0 and (kq[3, 1] == 0).all()
+    assert ks[4, 0] == 0 and (kq[4, 0] == 0).all()
+    assert not big or (vs[6, 1] == 65504 and vq[6, 1].abs().max() == 127)
     for actual, wanted in zip((key_cache, value_cache, k_scale, v_scale),
                               (*expected, *expected_scales), strict=True):  # fmt: skip
         assert torch.equal(actual.cpu(), wanted)
@@ -329,7 +337,7 @@ def test_cuda_refuses_an_int8_cache(device):
 
 
 def test_block_copies_move_int8_blocks_and_their_scales():
-    """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float32)
+    """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float16)
     move with swap_blocks like any cache."""
     q8 = make_int8_kv([40], 2, 64, 16, "cpu", extra_blocks=4)
     kv = q8.kv
