@@ -162,12 +162,6 @@ inline void check_paged_kv_scales(const std::optional<at::Tensor>& k_scale,
                   "[num_blocks, num_kv_heads, block_size]", device);
 }
 
-// The CUDA kernels read float caches only: an int8 cache is refused by name.
-inline void check_float_kv_cache(const char* op, const at::Tensor& key_cache) {
-  TORCH_CHECK_NOT_IMPLEMENTED(key_cache.scalar_type() != at::kChar, op,
-                              ": the int8 KV cache (kv_cache_dtype='int8') runs on the CPU only");
-}
-
 inline void check_contiguous_kv_scales(const std::optional<at::Tensor>& k_scale,
                                        const std::optional<at::Tensor>& v_scale,
                                        const at::Tensor& key_cache, const ContiguousKVShape& s,

@@ -5,7 +5,8 @@ reference over the dequantized keys and values.
 The attention tests build the paged cache in plain PyTorch (no pyllm kernel), set the
 scales of slots no sequence owns to NaN (a kernel must mask them by selection) and
 poison outputs with NaN, as tests/kernels/test_attention.py does for float caches.
-The CUDA kernels read float caches only: on CUDA an int8 cache is refused by name.
+Every case runs on the CPU and, where a GPU is present, on CUDA against the same
+references.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ QUERY_DTYPES = [torch.float32, torch.bfloat16]
 # Decode lengths: one token, around a block, and past one and two v2 partitions.
 DECODE_LENS = [1, 15, 17, ops.PARTITION_SIZE + 9, 2 * ops.PARTITION_SIZE + 40]
 
-# The int8 kernels are the CPU's (the CUDA ops refuse an int8 cache: see the end).
-ALL_DEVICES = [device_param("cpu")]
+ALL_DEVICES = [device_param("cpu"), device_param("cuda")]
 
 _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
@@ -323,23 +323,11 @@ def test_contiguous_decode_and_prefill_int8(device, dtype, head_size, window):
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("device", [device_param("cuda")])
-def test_cuda_refuses_an_int8_cache(device):
-    q8 = make_int8_kv([20], 2, 64, 16, device)
-    kv, query = q8.kv, random_query(1, 4, 64, torch.float32, device)
-    key = torch.randn(1, 2, 64, device=device)
-    slots = torch.zeros(1, dtype=torch.int64, device=device)
-    with pytest.raises(NotImplementedError, match="int8 KV cache.*CPU only"):
-        ops.reshape_and_cache(key, key, kv.key_cache, kv.value_cache, slots, "int8",
-                              q8.k_scale, q8.v_scale)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="int8 KV cache.*CPU only"):
-        run_decode(1, query, q8, 2, 0.125)
-
-
-def test_block_copies_move_int8_blocks_and_their_scales():
+@pytest.mark.parametrize("device", ALL_DEVICES)
+def test_block_copies_move_int8_blocks_and_their_scales(device):
     """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float16)
     move with swap_blocks like any cache."""
-    q8 = make_int8_kv([40], 2, 64, 16, "cpu", extra_blocks=4)
+    q8 = make_int8_kv([40], 2, 64, 16, device, extra_blocks=4)
     kv = q8.kv
     source, owned = int(kv.block_tables[0, 1]), set(kv.block_tables[0].tolist())
     free = min(set(range(kv.key_cache.shape[0])) - owned)  # holds other random bytes
