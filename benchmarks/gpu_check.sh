@@ -48,8 +48,8 @@ fi
 "$py" -c "import pyllm.ops as ops; assert ops.BUILT_WITH_CUDA, 'no CUDA kernels'; print('CUDA kernels built')" \
   2>&1 | tee -a "$out/summary.txt"
 
-# tests/kernels/test_kv_int8.py's CUDA case checks that the CUDA ops refuse an int8 KV
-# cache by name (its kernels are the CPU's).
+# tests/kernels/test_kv_int8.py's CUDA cases are the int8 KV cache's kernels' first run
+# on a GPU (writes, paged decode v1/v2, prefill, contiguous decode/prefill, block copies).
 step "kernel tests on CUDA (tests/kernels -k cuda, quantization and MoE apart)"
 run tests.log 150 "$py" -m pytest -q -p no:cacheprovider tests/kernels -k cuda -rf \
   --ignore=tests/kernels/test_quant.py --ignore=tests/kernels/test_moe.py

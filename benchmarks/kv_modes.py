@@ -17,7 +17,7 @@ fresh engine hands out nearly sequential blocks, which reads faster.
 
 Part 2, float vs int8 KV (kv_cache_dtype "int8"): decode attention at --int8-contexts
 (8k and 32k tokens, batch --int8-batch) in both layouts, the --dtype cache against the
-int8 one, as GB/s of KV read (int8 rows plus their float32 scales) and decode tok/s of
+int8 one, as GB/s of KV read (int8 rows plus their float16 scales) and decode tok/s of
 the attention op alone (sequences per second of one layer's call). The caches are
 sized first against MemAvailable: a run that would not fit is refused.
 

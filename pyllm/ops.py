@@ -144,7 +144,7 @@ def reshape_and_cache(
 
     key, value: ``[num_tokens, num_kv_heads, head_size]``; slot_mapping:
     ``[num_tokens]`` int64, slot = block_number * block_size + offset_in_block;
-    a slot of -1 skips that token (padding). "int8": ``round(x / s)``, ``s = absmax(x) / 127``.
+    a slot of -1 skips that token (padding). "int8": ``round(x / s)``, ``s = fp16(absmax / 127)``.
     """
     _check_args(
         _C.reshape_and_cache, key=key, value=value, key_cache=key_cache,

@@ -44,14 +44,14 @@ void check_block_tables(const char* op, const at::Tensor& block_tables, const at
 
 // The int8 cache's scales (checked by check_kv_scales), null for a float cache.
 struct KVScales {
-  const float* key = nullptr;
-  const float* value = nullptr;
+  const c10::Half* key = nullptr;
+  const c10::Half* value = nullptr;
 };
 
 KVScales kv_scales(const std::optional<at::Tensor>& k_scale,
                    const std::optional<at::Tensor>& v_scale) {
   if (!k_scale || !v_scale) return {};
-  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+  return {k_scale->data_ptr<c10::Half>(), v_scale->data_ptr<c10::Half>()};
 }
 
 template <typename scalar_t>

@@ -26,7 +26,7 @@
 //      per chunk, so value rows are used as stored, without a transpose.
 // Softmax and accumulation are float32; bf16/f16 are converted on load.
 //
-// int8 cache (x = 16, a float32 scale per token and kv head for K and for V): the
+// int8 cache (x = 16, a float16 scale per token and kv head for K and for V): the
 // scales are factored out of both products, q . k = s_k * (q . k_int8) (one multiply
 // per logit after step 1) and sum_t p_t v_t = sum_t (p_t s_v,t) v_int8_t (p scaled
 // once per chunk before step 3), so the inner loops only widen int8 to float32
@@ -114,10 +114,10 @@ struct PagedCache {
   // "logical block" t of a sequence is tile t of its slot.
   const int32_t* seq_slots = nullptr;  // [num_seqs]
   int64_t slot_stride = 0, head_stride = 0, tile_stride = 0;
-  // int8 cache: float32 scales per (block or tile, kv head, token), dense, shaped like
+  // int8 cache: float16 scales per (block or tile, kv head, token), dense, shaped like
   // the cache without head_size; null for a float cache.
-  const float* key_scale = nullptr;
-  const float* value_scale = nullptr;
+  const c10::Half* key_scale = nullptr;
+  const c10::Half* value_scale = nullptr;
   int64_t num_tiles = 0;  // contiguous layout: tiles per slot of the scales
 
   static constexpr bool kQuantized = std::is_same_v<scalar_t, int8_t>;
@@ -274,7 +274,7 @@ constexpr int vecs_in_flight(int rows, int vecs) {
 // past each row's limit -inf.
 // key_scale (int8 cache): the group's tokens' scales, factored out of q . k.
 template <typename scalar_t, int RT, int VECS>
-void qk_row_tile(const scalar_t* key, const float* key_scale, int block_size, int first_pos,
+void qk_row_tile(const scalar_t* key, const c10::Half* key_scale, int block_size, int first_pos,
                  int offset, int r0, Rows& rows, float* logits) {
   using Ops = KeyOps<scalar_t>;
   constexpr int X = Ops::kX;
@@ -331,7 +331,7 @@ void qk_row_tile(const scalar_t* key, const float* key_scale, int block_size, in
 }
 
 template <typename scalar_t, int VECS>
-void qk_all_rows(const scalar_t* key, const float* key_scale, int block_size, int first_pos,
+void qk_all_rows(const scalar_t* key, const c10::Half* key_scale, int block_size, int first_pos,
                  int offset, Rows& rows, float* logits) {
   int r = 0;
   for (; r + kMaxRowTile <= rows.count; r += kMaxRowTile) {
@@ -412,8 +412,8 @@ struct ValueGroups {
   int last_tokens = 0;  // valid tokens in the last group (1..16)
   int row_stride = 0;   // elements between head dimensions d and d + 1: block_size
   // int8 cache: the groups' value scales, as lo / hi.
-  const float* scale_lo[kMaxGroups];
-  const float* scale_hi[kMaxGroups];
+  const c10::Half* scale_lo[kMaxGroups];
+  const c10::Half* scale_hi[kMaxGroups];
 
   void build(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int chunk, int n) {
     const int bs = cache.block_size;
@@ -629,14 +629,14 @@ void attend(const PagedCache<scalar_t>& cache, int64_t seq, int kv_head, int t_b
   auto key_block = [&](int tok) {
     return cache.key_cache + cache.block_offset(seq, kv_head, tok / bs);
   };
-  auto key_scales = [&](int tok) -> const float* {
+  auto key_scales = [&](int tok) -> const c10::Half* {
     if constexpr (PagedCache<scalar_t>::kQuantized) {
       return cache.key_scale + cache.scale_offset(seq, kv_head, tok / bs) + tok % bs;
     }
     return nullptr;
   };
   // int8: a block's scales travel with it (a line per 16 tokens, a miss each if not).
-  auto prefetch = [&](const scalar_t* block, const float* scales, int tok, bool to_l1) {
+  auto prefetch = [&](const scalar_t* block, const c10::Half* scales, int tok, bool to_l1) {
     prefetch_block(block + cache.block_offset(seq, kv_head, tok / bs), block_elems, to_l1);
     if constexpr (PagedCache<scalar_t>::kQuantized) {
       prefetch_block(scales + cache.scale_offset(seq, kv_head, tok / bs), bs, to_l1);

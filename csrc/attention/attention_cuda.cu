@@ -7,7 +7,11 @@
 //
 // Only the dispatched variants are instantiated: 3 dtypes x 6 head sizes x 3
 // block sizes for paged decode, 3 x 6 for contiguous decode (tile kTokenTile),
-// 3 x 6 per layout for prefill (its block size is a runtime value).
+// 3 x 6 per layout for prefill (its block size is a runtime value), each once for
+// a cache of the query's dtype and once for an int8 cache.
+//
+// The int8 cache's kernels (the C = int8_t variants) are UNVERIFIED ON A GPU:
+// compiled and linked, not yet run.
 //
 // The sliding_window and sinks arguments (decode and prefill) are UNVERIFIED ON A
 // GPU: compiled and linked, not yet run; the rest has passed the CUDA kernel tests
@@ -41,6 +45,36 @@ void dispatch_block_size(int64_t block_size, F&& f) {
               " is not supported; supported: ", list_text(kBlockSizes));
 }
 
+// The cache's element type for the kernels: the query's device type T, or int8_t.
+template <typename C>
+struct CacheType {
+  using type = C;
+};
+
+// Runs f(CacheType<C>{}) with C = int8_t for an int8 cache, else T.
+template <typename T, typename F>
+void with_cache_type(const at::Tensor& key_cache, F&& f) {
+  if (key_cache.scalar_type() == at::kChar) {
+    f(CacheType<int8_t>{});
+  } else {
+    f(CacheType<T>{});
+  }
+}
+
+// An int8 cache's scales (checked: float16, shaped like the cache without
+// head_size), null for a float cache.
+struct KVScales {
+  const __half* key = nullptr;
+  const __half* value = nullptr;
+};
+
+KVScales kv_scales(const std::optional<at::Tensor>& k_scale,
+                   const std::optional<at::Tensor>& v_scale) {
+  if (!k_scale || !v_scale) return {};
+  return {reinterpret_cast<const __half*>(k_scale->data_ptr<at::Half>()),
+          reinterpret_cast<const __half*>(v_scale->data_ptr<at::Half>())};
+}
+
 // The sinks' data (float32 [num_heads], checked), or null.
 const float* sinks_ptr(const std::optional<at::Tensor>& sinks) {
   return sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
@@ -60,6 +94,18 @@ AttentionShape attention_shape(const at::Tensor& query, int64_t num_kv_heads,
   return AttentionShape{static_cast<int>(query.size(0)), static_cast<int>(query.size(1)),
                         static_cast<int>(query.size(2)), static_cast<int>(num_kv_heads),
                         static_cast<int>(block_size)};
+}
+
+// The paged cache's addressing: block tables, and where a block's scales are.
+PagedKV paged_kv(const at::Tensor& block_tables, const at::Tensor& value_cache,
+                 const AttentionShape& shape) {
+  PagedKV kv{};
+  kv.block_tables = block_tables.data_ptr<int>();
+  kv.block_tables_stride = block_tables.stride(0);
+  kv.block_stride = value_cache.stride(0);
+  kv.scale_head_stride = shape.block_size;
+  kv.scale_block_stride = int64_t(shape.num_kv_heads) * shape.block_size;
+  return kv;
 }
 
 // What the kernels need beyond the shared contract: CUDA tensors and caches that
@@ -91,12 +137,15 @@ ContiguousKV contiguous_kv(const at::Tensor& key_cache, const at::Tensor& value_
   kv.value_slot_stride = value_cache.stride(0);
   kv.value_head_stride = value_cache.stride(1);
   kv.value_tile_stride = value_cache.stride(2);
+  kv.scale_tile_stride = static_cast<int>(kTokenTile);
+  kv.scale_head_stride = cache.num_tiles * kTokenTile;
+  kv.scale_slot_stride = cache.num_kv_heads * kv.scale_head_stride;
   return kv;
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV>
-void launch_decode(const DecodeParams<T, KV>& params, dim3 grid, cudaStream_t stream) {
-  attention_decode_kernel<T, HEAD_SIZE, BLOCK_SIZE, KV>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV, typename C>
+void launch_decode(const DecodeParams<T, KV, C>& params, dim3 grid, cudaStream_t stream) {
+  attention_decode_kernel<T, HEAD_SIZE, BLOCK_SIZE, KV, C>
       <<<grid, kDecodeThreads, 0, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -118,7 +167,8 @@ template <typename KV, typename BlockSizeDispatch>
 void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
                 const AttentionShape& shape, double scale, const float* alibi_slopes,
-                int sliding_window, const float* sinks, BlockSizeDispatch&& dispatch_block) {
+                int sliding_window, const float* sinks, const KVScales& scales,
+                BlockSizeDispatch&& dispatch_block) {
   if (shape.num_tokens == 0 || shape.num_heads == 0) return;
   // Grid y and z are limited to 65535.
   TORCH_CHECK(shape.num_tokens <= 65535 && o.num_partitions <= 65535,
@@ -132,7 +182,9 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "attention_decode", [&] {
     using T = device_t<scalar_t>;
-    DecodeParams<T, KV> params{};
+   with_cache_type<T>(key_cache, [&](auto cache_type) {
+    using C = typename decltype(cache_type)::type;
+    DecodeParams<T, KV, C> params{};
     params.out = device_ptr<scalar_t>(*o.out);
     if (partitioned) {
       params.exp_sums = o.exp_sums->data_ptr<float>();
@@ -140,8 +192,10 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
       params.tmp_out = device_ptr<scalar_t>(*o.tmp_out);
     }
     params.query = device_ptr<scalar_t>(query);
-    params.key_cache = device_ptr<scalar_t>(key_cache);
-    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.key_cache = static_cast<const C*>(key_cache.data_ptr());
+    params.value_cache = static_cast<const C*>(value_cache.data_ptr());
+    params.k_scale = scales.key;
+    params.v_scale = scales.value;
     params.kv = kv;
     params.seq_lens = seq_lens.data_ptr<int>();
     params.alibi_slopes = alibi_slopes;
@@ -156,8 +210,8 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
 
     dispatch_head_size(shape.head_size, [&](auto head) {
       dispatch_block([&](auto block) {
-        launch_decode<T, decltype(head)::value, decltype(block)::value, KV>(params, grid,
-                                                                            stream);
+        launch_decode<T, decltype(head)::value, decltype(block)::value, KV, C>(params, grid,
+                                                                               stream);
       });
     });
     if (partitioned) {
@@ -168,6 +222,7 @@ void run_decode(const DecodeOutputs& o, const at::Tensor& query, const at::Tenso
               o.max_partitions, sliding_window);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+   });
   });
 }
 
@@ -179,7 +234,8 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
                             int64_t num_kv_heads, double scale, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
                             const std::optional<at::Tensor>& alibi_slopes,
-                            int64_t sliding_window, const std::optional<at::Tensor>& sinks) {
+                            int64_t sliding_window, const std::optional<at::Tensor>& sinks,
+                            const KVScales& scales) {
   check_cuda_caches(query, key_cache, value_cache);
   const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   DecodeOutputs outputs{&out, exp_sums, max_logits, tmp_out};
@@ -204,13 +260,10 @@ void paged_attention_decode(at::Tensor& out, at::Tensor* exp_sums, at::Tensor* m
       outputs.max_partitions = num_partitions;
     }
   }
-  PagedKV kv{};
-  kv.block_tables = block_tables.data_ptr<int>();
-  kv.block_tables_stride = block_tables.stride(0);
-  kv.block_stride = value_cache.stride(0);
-  run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale,
+  run_decode(outputs, query, key_cache, value_cache, paged_kv(block_tables, value_cache, shape),
+             seq_lens, shape, scale,
              alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
-             static_cast<int>(sliding_window), sinks_ptr(sinks),
+             static_cast<int>(sliding_window), sinks_ptr(sinks), scales,
              [&](auto&& launch) { dispatch_block_size(shape.block_size, launch); });
 }
 
@@ -227,10 +280,10 @@ bool decode_needs_partitions(int64_t pairs, int64_t max_seq_len, const at::Devic
   return pairs < kBlocksPerSm * sm_count;
 }
 
-template <typename T, int HEAD_SIZE, typename KV>
-void launch_prefill(const PrefillParams<T, KV>& params, dim3 grid, cudaStream_t stream) {
+template <typename T, int HEAD_SIZE, typename KV, typename C>
+void launch_prefill(const PrefillParams<T, KV, C>& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t kBytes = PrefillSmem<HEAD_SIZE>::kBytes;
-  auto* kernel = &attention_prefill_kernel<T, HEAD_SIZE, KV>;
+  auto* kernel = &attention_prefill_kernel<T, HEAD_SIZE, KV, C>;
   if constexpr (kBytes > 48 * 1024) {
     // Beyond the default dynamic shared memory limit: opt in (head size 256).
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -246,7 +299,7 @@ void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
                  const at::Tensor& value_cache, const KV& kv, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, const AttentionShape& shape, int num_seqs,
                  double scale, const float* alibi_slopes, int sliding_window,
-                 const float* sinks) {
+                 const float* sinks, const KVScales& scales) {
   if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -256,11 +309,15 @@ void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "attention_prefill", [&] {
     using T = device_t<scalar_t>;
-    PrefillParams<T, KV> params{};
+   with_cache_type<T>(key_cache, [&](auto cache_type) {
+    using C = typename decltype(cache_type)::type;
+    PrefillParams<T, KV, C> params{};
     params.out = device_ptr<scalar_t>(out);
     params.query = device_ptr<scalar_t>(query);
-    params.key_cache = device_ptr<scalar_t>(key_cache);
-    params.value_cache = device_ptr<scalar_t>(value_cache);
+    params.key_cache = static_cast<const C*>(key_cache.data_ptr());
+    params.value_cache = static_cast<const C*>(value_cache.data_ptr());
+    params.k_scale = scales.key;
+    params.v_scale = scales.value;
     params.kv = kv;
     params.seq_lens = seq_lens.data_ptr<int>();
     params.query_start_loc = query_start_loc.data_ptr<int>();
@@ -274,8 +331,9 @@ void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
     params.scale = static_cast<float>(scale);
     params.sliding_window = sliding_window;
     dispatch_head_size(shape.head_size, [&](auto head) {
-      launch_prefill<T, decltype(head)::value, KV>(params, grid, stream);
+      launch_prefill<T, decltype(head)::value, KV, C>(params, grid, stream);
     });
+   });
   });
 }
 
@@ -289,13 +347,13 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         const std::optional<at::Tensor>& sinks,
                         const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("paged_attention_v1", key_cache);
-  check_paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
-                           seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window,
-                           sinks);
+  const PagedKVShape cache = check_paged_attention_v1(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      block_size, max_seq_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   paged_attention_decode(out, nullptr, nullptr, nullptr, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                         alibi_slopes, sliding_window, sinks);
+                         alibi_slopes, sliding_window, sinks, kv_scales(k_scale, v_scale));
 }
 
 void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits,
@@ -307,13 +365,13 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         const std::optional<at::Tensor>& sinks,
                         const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("paged_attention_v2", key_cache);
-  check_paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache,
-                           num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                           alibi_slopes, sliding_window, sinks);
+  const PagedKVShape cache = check_paged_attention_v2(
+      out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+      block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   paged_attention_decode(out, &exp_sums, &max_logits, &tmp_out, query, key_cache, value_cache,
                          num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
-                         alibi_slopes, sliding_window, sinks);
+                         alibi_slopes, sliding_window, sinks, kv_scales(k_scale, v_scale));
 }
 
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
@@ -325,22 +383,19 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query,
                              int64_t sliding_window, const std::optional<at::Tensor>& sinks,
                              const std::optional<at::Tensor>& k_scale,
                              const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("paged_attention_prefill", key_cache);
   // max_query_len is checked but not read: tiles are found from query_start_loc.
-  check_paged_attention_prefill(out, query, key_cache, value_cache, num_kv_heads, scale,
-                                block_tables, seq_lens, query_start_loc, block_size,
-                                max_query_len, alibi_slopes, sliding_window, sinks);
+  const PagedKVShape cache = check_paged_attention_prefill(
+      out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+      query_start_loc, block_size, max_query_len, alibi_slopes, sliding_window, sinks);
+  check_paged_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   check_cuda_caches(query, key_cache, value_cache);
   const AttentionShape shape = attention_shape(query, num_kv_heads, block_size);
   const int num_seqs = static_cast<int>(block_tables.size(0));
   if (shape.num_tokens == 0 || num_seqs == 0 || shape.num_heads == 0) return;
-  PagedKV kv{};
-  kv.block_tables = block_tables.data_ptr<int>();
-  kv.block_tables_stride = block_tables.stride(0);
-  kv.block_stride = value_cache.stride(0);
-  run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape, num_seqs,
-              scale, alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
-              static_cast<int>(sliding_window), sinks_ptr(sinks));
+  run_prefill(out, query, key_cache, value_cache, paged_kv(block_tables, value_cache, shape),
+              seq_lens, query_start_loc, shape, num_seqs, scale,
+              alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr,
+              static_cast<int>(sliding_window), sinks_ptr(sinks), kv_scales(k_scale, v_scale));
 }
 
 // Decode over the contiguous layout. Unlike paged_attention_v2 it takes no
@@ -354,10 +409,10 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                                  int64_t sliding_window, const std::optional<at::Tensor>& sinks,
                                  const std::optional<at::Tensor>& k_scale,
                                  const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("contiguous_attention_decode", key_cache);
   const ContiguousKVShape cache =
       check_contiguous_attention_decode(out, query, key_cache, value_cache, num_kv_heads, scale,
                                         seq_slots, seq_lens, max_seq_len, sliding_window, sinks);
+  check_contiguous_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   check_cuda_caches(query, key_cache, value_cache);
   const int64_t num_seqs = query.size(0);
   ContiguousKV kv = contiguous_kv(key_cache, value_cache, seq_slots, cache);
@@ -382,7 +437,7 @@ void contiguous_attention_decode(at::Tensor& out, const at::Tensor& query,
                             static_cast<int>(parts)};
   }
   run_decode(outputs, query, key_cache, value_cache, kv, seq_lens, shape, scale, nullptr,
-             static_cast<int>(sliding_window), sinks_ptr(sinks),
+             static_cast<int>(sliding_window), sinks_ptr(sinks), kv_scales(k_scale, v_scale),
              [](auto&& launch) { launch(std::integral_constant<int, kTokenTile>{}); });
 }
 
@@ -395,11 +450,11 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
                                   const std::optional<at::Tensor>& sinks,
                                   const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("contiguous_attention_prefill", key_cache);
   // max_query_len is checked but not read: tiles are found from query_start_loc.
   const ContiguousKVShape cache = check_contiguous_attention_prefill(
       out, query, key_cache, value_cache, num_kv_heads, scale, seq_slots, seq_lens,
       query_start_loc, max_query_len, sliding_window, sinks);
+  check_contiguous_kv_scales(k_scale, v_scale, key_cache, cache, query.device());
   check_cuda_caches(query, key_cache, value_cache);
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(num_seqs <= INT32_MAX, "at most INT32_MAX sequences, got ", num_seqs);
@@ -407,7 +462,7 @@ void contiguous_attention_prefill(at::Tensor& out, const at::Tensor& query,
   const AttentionShape shape = attention_shape(query, num_kv_heads, kTokenTile);
   run_prefill(out, query, key_cache, value_cache, kv, seq_lens, query_start_loc, shape,
               static_cast<int>(num_seqs), scale, nullptr, static_cast<int>(sliding_window),
-              sinks_ptr(sinks));
+              sinks_ptr(sinks), kv_scales(k_scale, v_scale));
 }
 
 }  // namespace pyllm::cuda

@@ -24,10 +24,19 @@
 //   x-group, i.e. one whole 128-byte line per 8 lanes.
 // - Value block of one head: [head_size][block_size], contiguous; lane i of a
 //   pass reads the i-th 16-byte chunk, so each pass is 512 contiguous bytes.
+//
+// int8 cache (C = int8_t, x = 16, float16 scales per token): the scales are
+// factored out of both products, q . k = s_k (q . k_int8) once per logit, and
+// sum_t p_t v_t = sum_t (p_t s_v,t) v_int8,t with p_t s_v,t in block_probs (the
+// running sum l keeps the unscaled p_t). With block_size 8 a value row is 8 bytes,
+// read as 8-byte chunks.
 #pragma once
+
+#include <type_traits>
 
 #include "../cuda_utils.cuh"
 #include "kv_addressing.cuh"
+#include "kv_chunks.cuh"
 
 namespace pyllm::cuda {
 
@@ -38,15 +47,17 @@ constexpr int kTokenLanes = 8;
 // Lanes reading different x-groups of the same tokens.
 constexpr int kGroupLanes = kWarpSize / kTokenLanes;
 
-template <typename T, typename KV>
+template <typename T, typename KV, typename C = T>
 struct DecodeParams {
   T* out;               // v1: [num_seqs, num_heads, head_size]
   float* exp_sums;      // v2: [num_seqs, num_heads, max_partitions]; null for v1
   float* max_logits;    // v2: same shape as exp_sums
   T* tmp_out;           // v2: [num_seqs, num_heads, max_partitions, head_size]
   const T* query;       // [num_seqs, num_heads, head_size], token stride q_stride
-  const T* key_cache;   // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const T* value_cache; // paged [num_blocks, num_kv_heads, head_size, block_size]
+  const C* key_cache;   // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const C* value_cache; // paged [num_blocks, num_kv_heads, head_size, block_size]
+  const __half* k_scale;  // int8 cache: paged [num_blocks, num_kv_heads, block_size]
+  const __half* v_scale;
   KV kv;                // where each sequence's blocks are (kv_addressing.cuh)
   const int* seq_lens;      // [num_seqs]
   const float* alibi_slopes;  // [num_heads] or null
@@ -65,11 +76,13 @@ __device__ __forceinline__ int decode_window_start(int seq_len, int sliding_wind
   return sliding_window > 0 ? max(0, seq_len - sliding_window) : 0;
 }
 
-// Compile-time shape of the per-lane work for one (dtype, head size, block size).
+// Compile-time shape of the per-lane work for one (cache dtype, head size, block size).
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 struct DecodeShape {
   static constexpr int kX = Vec16<T>::kSize;
-  static_assert(HEAD_SIZE % kX == 0 && BLOCK_SIZE % kTokenLanes == 0 && BLOCK_SIZE % kX == 0,
+  // Tokens per value chunk: x, or 8 for int8 blocks of 8 (8-byte chunks).
+  static constexpr int kVX = kX < BLOCK_SIZE ? kX : BLOCK_SIZE;
+  static_assert(HEAD_SIZE % kX == 0 && BLOCK_SIZE % kTokenLanes == 0 && BLOCK_SIZE % kVX == 0,
                 "head size and block size must tile into 16-byte chunks");
   // Keys: x-groups per head, and how many of them each group lane multiplies.
   static constexpr int kGroups = HEAD_SIZE / kX;
@@ -77,7 +90,7 @@ struct DecodeShape {
   static constexpr int kFullGroupIters = kGroups / kGroupLanes;  // no lane out of range
   static constexpr int kTokensPerLane = BLOCK_SIZE / kTokenLanes;
   // Values: a head dimension's block_size tokens are kChunksPerRow 16-byte chunks.
-  static constexpr int kChunksPerRow = BLOCK_SIZE / kX;
+  static constexpr int kChunksPerRow = BLOCK_SIZE / kVX;
   static constexpr int kRowsPerPass = kWarpSize / kChunksPerRow;
   static constexpr int kPasses = (HEAD_SIZE + kRowsPerPass - 1) / kRowsPerPass;
   static constexpr int kFullPasses = HEAD_SIZE / kRowsPerPass;
@@ -86,11 +99,13 @@ struct DecodeShape {
   static constexpr bool kPreloadValues = kPasses <= 8;
 };
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename KV, typename C = T>
 __global__ void __launch_bounds__(kDecodeThreads)
-    attention_decode_kernel(const DecodeParams<T, KV> p) {
-  using S = DecodeShape<T, HEAD_SIZE, BLOCK_SIZE>;
+    attention_decode_kernel(const DecodeParams<T, KV, C> p) {
+  using S = DecodeShape<C, HEAD_SIZE, BLOCK_SIZE>;
   constexpr int X = S::kX;
+  constexpr int VX = S::kVX;
+  constexpr bool kQuantized = std::is_same_v<C, int8_t>;
 
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
@@ -157,11 +172,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
     return;
   }
 
-  const T* k_head = p.key_cache + tiles.key_base;
-  const T* v_head = p.value_cache + tiles.value_base;
+  const C* k_head = p.key_cache + tiles.key_base;
+  const C* v_head = p.value_cache + tiles.value_base;
 
   // This lane's value chunk inside a block: row d = pass * kRowsPerPass + v_row,
-  // tokens [v_chunk * X, v_chunk * X + X).
+  // tokens [v_chunk * VX, v_chunk * VX + VX).
   const int v_chunk = lane % S::kChunksPerRow;
   const int v_row = lane / S::kChunksPerRow;
 
@@ -180,17 +195,18 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // dependent load (the block table).
     const int next = block + kDecodeWarps;
     const Ref next_ref = next < end_block ? tiles.ref(next) : Ref{};
-    const T* k_block = k_head + p.kv.key_step(ref);
-    const T* v_block = v_head + p.kv.value_step(ref);
+    const C* k_block = k_head + p.kv.key_step(ref);
+    const C* v_block = v_head + p.kv.value_step(ref);
+    const int64_t scale_block = tiles.scale_base + p.kv.scale_step(ref);  // int8 only
     const int block_start = block * BLOCK_SIZE;
 
-    uint4 v_raw[S::kPreloadValues ? S::kPasses : 1];
+    Chunk<C, VX> v_raw[S::kPreloadValues ? S::kPasses : 1];
     if constexpr (S::kPreloadValues) {
 #pragma unroll
       for (int k = 0; k < S::kPasses; ++k) {
         const int d = k * S::kRowsPerPass + v_row;
         if (k < S::kFullPasses || d < HEAD_SIZE) {
-          v_raw[k] = load16(v_block + d * BLOCK_SIZE + v_chunk * X);
+          v_raw[k] = load_chunk<C, VX>(v_block + d * BLOCK_SIZE + v_chunk * VX);
         }
       }
     }
@@ -207,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int j = 0; j < S::kTokensPerLane; ++j) {
           const int t = token_lane + kTokenLanes * j;
           float k[X];
-          load16_as_float(k_block + (g * BLOCK_SIZE + t) * X, k);
+          load_as_float(k_block + (g * BLOCK_SIZE + t) * X, k);
 #pragma unroll
           for (int e = 0; e < X; ++e) logit[j] += q[i][e] * k[e];
         }
@@ -222,6 +238,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int j = 0; j < S::kTokensPerLane; ++j) {
       logit[j] += __shfl_xor_sync(0xffffffffu, logit[j], 8);
       logit[j] += __shfl_xor_sync(0xffffffffu, logit[j], 16);
+      if constexpr (kQuantized) {
+        // Before the mask below: the scale of an unwritten slot may be NaN.
+        logit[j] *= __half2float(p.k_scale[scale_block + token_lane + kTokenLanes * j]);
+      }
       const int pos = block_start + token_lane + kTokenLanes * j;
       logit[j] = pos < part_end && pos >= window_start
                      ? logit[j] + alibi_slope * static_cast<float>(pos - query_pos)
@@ -251,7 +271,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (group_lane == 0) {
 #pragma unroll
       for (int j = 0; j < S::kTokensPerLane; ++j) {
-        block_probs[warp][token_lane + kTokenLanes * j] = logit[j];
+        const int t = token_lane + kTokenLanes * j;
+        float prob = logit[j];
+        if constexpr (kQuantized) {
+          // p_t s_v,t; selected, not multiplied, to 0 outside the partition and
+          // window (an unwritten slot's scale may be NaN).
+          const int pos = block_start + t;
+          prob = pos < part_end && pos >= window_start
+                     ? prob * __half2float(p.v_scale[scale_block + t])
+                     : 0.f;
+        }
+        block_probs[warp][t] = prob;
       }
     }
     __syncwarp();
@@ -265,15 +295,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int d = k * S::kRowsPerPass + v_row;
       float partial = 0.f;
       if (k < S::kFullPasses || d < HEAD_SIZE) {
-        float v[X];
+        float v[VX];
         if constexpr (S::kPreloadValues) {
-          to_floats<T>(v_raw[k], v);
+          chunk_to_floats<C, VX>(v_raw[k], v);
         } else {
-          load16_as_float(v_block + d * BLOCK_SIZE + v_chunk * X, v);
+          load_as_float(v_block + d * BLOCK_SIZE + v_chunk * VX, v);
         }
 #pragma unroll
-        for (int e = 0; e < X; ++e) {
-          const int t = v_chunk * X + e;
+        for (int e = 0; e < VX; ++e) {
+          const int t = v_chunk * VX + e;
           partial += (t < valid_tokens ? v[e] : 0.f) * block_probs[warp][t];
         }
       }

@@ -22,6 +22,10 @@
 //       decode kernel issues one iteration early because later loads depend on it.
 // This shape keeps the paged kernels computing the expressions they computed
 // before the contiguous layout existed.
+//
+// An int8 cache's float16 scales (k_scale / v_scale, shaped like the cache without
+// head_size and dense) are found the same way: Seq::scale_base for the head, plus
+// scale_step(r) for tile reference r, plus the token's offset in its tile.
 #pragma once
 
 #include <cstdint>
@@ -34,10 +38,13 @@ struct PagedKV {
   const int* block_tables;     // [num_seqs, block_tables_stride]
   int64_t block_tables_stride;
   int64_t block_stride;        // elements per cache block (all kv heads)
+  int scale_head_stride;       // int8 scales: block_size
+  int64_t scale_block_stride;  // int8 scales: num_kv_heads * block_size
 
   struct Seq {
     int64_t key_base;
     int64_t value_base;
+    int64_t scale_base;
     const int* table;
     __device__ __forceinline__ int64_t ref(int tile) const { return table[tile]; }
   };
@@ -47,12 +54,16 @@ struct PagedKV {
   __device__ __forceinline__ int64_t value_step(int64_t physical) const {
     return physical * block_stride;
   }
+  __device__ __forceinline__ int64_t scale_step(int64_t physical) const {
+    return physical * scale_block_stride;
+  }
 
   // The kv heads of a block are packed: head h starts at h * tile_elems.
   __device__ __forceinline__ bool open(int seq, int kv_head, int /*seq_len*/, int64_t tile_elems,
                                        Seq* tiles) const {
     tiles->key_base = kv_head * tile_elems;
     tiles->value_base = tiles->key_base;
+    tiles->scale_base = static_cast<int64_t>(kv_head) * scale_head_stride;
     tiles->table = block_tables + seq * block_tables_stride;
     return true;
   }
@@ -68,15 +79,22 @@ struct ContiguousKV {
   int64_t capacity;      // tokens per slot: num_tiles * kTokenTile
   int64_t key_slot_stride, key_head_stride, key_tile_stride;
   int64_t value_slot_stride, value_head_stride, value_tile_stride;
+  // int8 scales [max_num_seqs, num_kv_heads, num_tiles, kTokenTile], dense.
+  int64_t scale_slot_stride, scale_head_stride;
+  int scale_tile_stride;
 
   struct Seq {
     int64_t key_base;
     int64_t value_base;
+    int64_t scale_base;
     __device__ __forceinline__ int ref(int tile) const { return tile; }
   };
   __device__ __forceinline__ int64_t key_step(int tile) const { return tile * key_tile_stride; }
   __device__ __forceinline__ int64_t value_step(int tile) const {
     return tile * value_tile_stride;
+  }
+  __device__ __forceinline__ int64_t scale_step(int tile) const {
+    return static_cast<int64_t>(tile) * scale_tile_stride;
   }
 
   __device__ __forceinline__ bool open(int seq, int kv_head, int seq_len,
@@ -85,6 +103,7 @@ struct ContiguousKV {
     if (slot < 0 || slot >= num_slots || seq_len < 0 || seq_len > capacity) return false;
     tiles->key_base = slot * key_slot_stride + kv_head * key_head_stride;
     tiles->value_base = slot * value_slot_stride + kv_head * value_head_stride;
+    tiles->scale_base = slot * scale_slot_stride + kv_head * scale_head_stride;
     return true;
   }
 };
@@ -98,6 +117,10 @@ struct TokenTarget {
   int64_t value_head_stride;
   int offset;     // token within the tile
   int tile_size;  // block_size (paged) or kTokenTile (contiguous)
+  // int8 cache: the scales of the token's tile for kv head 0, and between kv heads
+  // (the token's scale is at scale_base + h * scale_head_stride + offset).
+  int64_t scale_base;
+  int64_t scale_head_stride;
 };
 
 // reshape_and_cache: slot_mapping[t] = block * block_size + offset, -1 = padding.
@@ -106,13 +129,16 @@ struct PagedWrite {
   int block_size;
   int64_t block_stride;  // num_kv_heads * head_size * block_size
   int64_t head_stride;   // head_size * block_size
+  int64_t scale_block_stride;  // int8 scales: num_kv_heads * block_size
 
   __device__ __forceinline__ bool locate(int64_t token, TokenTarget* target) const {
     const int64_t slot = slot_mapping[token];
     if (slot < 0) return false;  // padding token
-    const int64_t block_base = (slot / block_size) * block_stride;
+    const int64_t block = slot / block_size;
+    const int64_t block_base = block * block_stride;
     *target = TokenTarget{block_base, block_base, head_stride, head_stride,
-                          static_cast<int>(slot % block_size), block_size};
+                          static_cast<int>(slot % block_size), block_size,
+                          block * scale_block_stride, block_size};
     return true;
   }
 };
@@ -128,6 +154,7 @@ struct ContiguousWrite {
   int64_t key_slot_stride, key_head_stride, key_tile_stride;
   int64_t value_slot_stride, value_head_stride, value_tile_stride;
   int tile_size;     // kTokenTile
+  int64_t scale_slot_stride, scale_head_stride;  // int8 scales (dense, as ContiguousKV)
 
   __device__ __forceinline__ bool locate(int64_t token, TokenTarget* target) const {
     const int64_t slot = token_slots[token];
@@ -139,7 +166,9 @@ struct ContiguousWrite {
                           key_head_stride,
                           value_head_stride,
                           static_cast<int>(pos % tile_size),
-                          tile_size};
+                          tile_size,
+                          slot * scale_slot_stride + tile * tile_size,
+                          scale_head_stride};
     return true;
   }
 };

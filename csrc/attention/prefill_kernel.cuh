@@ -16,10 +16,18 @@
 //
 // Sinks (one logit per head with no value, gpt-oss) change only the final
 // normalization: each row's running max and sum are rescaled to max(max, sink).
+//
+// int8 cache (C = int8_t, float16 scales per token): keys and values are
+// dequantized (times their token's scale) as the tiles are staged, so the math
+// after staging is the float caches'. Value chunks are 8 tokens for int8 (8 bytes:
+// a chunk stays inside a block of 8).
 #pragma once
+
+#include <type_traits>
 
 #include "../cuda_utils.cuh"
 #include "kv_addressing.cuh"
+#include "kv_chunks.cuh"
 
 namespace pyllm::cuda {
 
@@ -29,12 +37,14 @@ constexpr int kKeyTile = 16;
 constexpr int kRowLanes = kPrefillThreads / kQueryTile;  // 8 threads per query row
 static_assert(kKeyTile == 2 * kRowLanes, "each thread scores two keys of a tile");
 
-template <typename T, typename KV>
+template <typename T, typename KV, typename C = T>
 struct PrefillParams {
   T* out;                     // [num_tokens, num_heads, head_size], contiguous
   const T* query;             // [num_tokens, num_heads, head_size], token stride q_stride
-  const T* key_cache;         // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const T* value_cache;       // paged [num_blocks, num_kv_heads, head_size, block_size]
+  const C* key_cache;         // paged [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const C* value_cache;       // paged [num_blocks, num_kv_heads, head_size, block_size]
+  const __half* k_scale;      // int8 cache: paged [num_blocks, num_kv_heads, block_size]
+  const __half* v_scale;
   KV kv;                      // where each sequence's blocks are (kv_addressing.cuh)
   const int* seq_lens;        // [num_seqs]
   const int* query_start_loc; // [num_seqs + 1]
@@ -102,11 +112,13 @@ __device__ __forceinline__ int2 find_query_tile(const int* query_start_loc, int 
   return found;
 }
 
-template <typename T, int HEAD_SIZE, typename KV>
+template <typename T, int HEAD_SIZE, typename KV, typename C = T>
 __global__ void __launch_bounds__(kPrefillThreads)
-    attention_prefill_kernel(const PrefillParams<T, KV> p) {
+    attention_prefill_kernel(const PrefillParams<T, KV, C> p) {
   using Smem = PrefillSmem<HEAD_SIZE>;
-  constexpr int X = Vec16<T>::kSize;
+  constexpr bool kQuantized = std::is_same_v<C, int8_t>;
+  constexpr int X = Vec16<C>::kSize;
+  constexpr int VX = kQuantized ? 8 : X;  // tokens per value chunk
   constexpr int kGroups = HEAD_SIZE / X;
   // Output dimensions per thread: float4 column blocks col * 4 + 32 * k.
   constexpr int kDimBlocks = (HEAD_SIZE + 4 * kRowLanes - 1) / (4 * kRowLanes);
@@ -170,8 +182,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
     return;  // uniform across the block
   }
 
-  const T* k_head = p.key_cache + tiles.key_base;
-  const T* v_head = p.value_cache + tiles.value_base;
+  const C* k_head = p.key_cache + tiles.key_base;
+  const C* v_head = p.value_cache + tiles.value_base;
 
   float m = -INFINITY;
   float l = 0.f;
@@ -195,7 +207,12 @@ __global__ void __launch_bounds__(kPrefillThreads)
       if (pos < kv_end && pos >= kv_begin) {
         const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(k_head + p.kv.key_step(ref) + (g * p.block_size + offset) * X, k);
+        load_as_float(k_head + p.kv.key_step(ref) + (g * p.block_size + offset) * X, k);
+        if constexpr (kQuantized) {
+          const float s = __half2float(p.k_scale[tiles.scale_base + p.kv.scale_step(ref) + offset]);
+#pragma unroll
+          for (int e = 0; e < X; ++e) k[e] *= s;
+        }
       } else {
 #pragma unroll
         for (int e = 0; e < X; ++e) k[e] = 0.f;
@@ -203,28 +220,36 @@ __global__ void __launch_bounds__(kPrefillThreads)
 #pragma unroll
       for (int e = 0; e < X; ++e) k_tile[t * Smem::kKeyStride + g * X + e] = k[e];
     }
-    // Gather the value tile, transposed to [token][dim]: chunk (d, tc) holds X
-    // consecutive tokens of dimension d, all in one cache block (X divides
+    // Gather the value tile, transposed to [token][dim]: chunk (d, tc) holds VX
+    // consecutive tokens of dimension d, all in one cache block (VX divides
     // block_size, and kt0 is a multiple of kKeyTile). Tokens outside [kv_begin,
-    // kv_end) become 0: unwritten slots may hold NaN bits.
-    constexpr int kChunksPerDim = kKeyTile / X;
+    // kv_end) become 0 by selection: unwritten slots (and an int8 cache's scales
+    // of them) may hold NaN bits.
+    constexpr int kChunksPerDim = kKeyTile / VX;
     for (int c = tid; c < HEAD_SIZE * kChunksPerDim; c += kPrefillThreads) {
       const int tc = c % kChunksPerDim;
       const int d = c / kChunksPerDim;
-      const int pos = kt0 + tc * X;
-      float v[X];
-      if (pos < kv_end && pos + X > kv_begin) {
+      const int pos = kt0 + tc * VX;
+      float v[VX];
+      if (pos < kv_end && pos + VX > kv_begin) {
         const auto ref = tiles.ref(pos / p.block_size);
         const int offset = pos % p.block_size;
-        load16_as_float(v_head + p.kv.value_step(ref) + d * p.block_size + offset, v);
+        load_as_float(v_head + p.kv.value_step(ref) + d * p.block_size + offset, v);
+        if constexpr (kQuantized) {
+          const __half* s = p.v_scale + tiles.scale_base + p.kv.scale_step(ref) + offset;
 #pragma unroll
-        for (int e = 0; e < X; ++e) v[e] = pos + e < kv_end && pos + e >= kv_begin ? v[e] : 0.f;
+          for (int e = 0; e < VX; ++e) v[e] *= __half2float(s[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < VX; ++e) {
+          v[e] = pos + e < kv_end && pos + e >= kv_begin ? v[e] : 0.f;
+        }
       } else {
 #pragma unroll
-        for (int e = 0; e < X; ++e) v[e] = 0.f;
+        for (int e = 0; e < VX; ++e) v[e] = 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < X; ++e) v_tile[(tc * X + e) * HEAD_SIZE + d] = v[e];
+      for (int e = 0; e < VX; ++e) v_tile[(tc * VX + e) * HEAD_SIZE + d] = v[e];
     }
     __syncthreads();
 

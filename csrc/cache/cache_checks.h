@@ -51,13 +51,17 @@ inline void check_key_cache_shape(std::string_view name, const at::Tensor& key_c
 }
 
 // The KV cache's element type: the model's dtype, or int8 (a quantized cache whose
-// float32 scales, one per token and kv head for keys and one for values, come as
+// float16 scales, one per token and kv head for keys and one for values, come as
 // k_scale / v_scale; x = 16 then).
 inline at::ScalarType kv_element_dtype(const at::Tensor& key_cache, at::ScalarType model_dtype) {
   return key_cache.scalar_type() == at::kChar ? at::kChar : model_dtype;
 }
 
-// An int8 cache's scales: float32 of shape (the cache's shape without head_size),
+// An int8 cache's largest scale: float16's largest finite value (a row whose absmax / 127
+// is beyond it saturates at +-127 instead of storing inf).
+inline constexpr float kMaxKVScale = 65504.0f;
+
+// An int8 cache's scales: float16 of shape (the cache's shape without head_size),
 // contiguous, on device. A float cache takes none.
 inline void check_kv_scales(const std::optional<at::Tensor>& k_scale,
                             const std::optional<at::Tensor>& v_scale, const at::Tensor& key_cache,
@@ -72,9 +76,9 @@ inline void check_kv_scales(const std::optional<at::Tensor>& k_scale,
                         dtype_name(key_cache.scalar_type()));
       continue;
     }
-    TORCH_CHECK_VALUE(t->has_value(), "an int8 KV cache needs ", name, " (float32 ", layout, ")");
+    TORCH_CHECK_VALUE(t->has_value(), "an int8 KV cache needs ", name, " (float16 ", layout, ")");
     check_device(name, **t, device);
-    check_dtype(name, **t, at::kFloat);
+    check_dtype(name, **t, at::kHalf);
     check_shape(name, **t, shape, layout);
     check_contiguous(name, **t);
   }
@@ -156,12 +160,6 @@ inline void check_paged_kv_scales(const std::optional<at::Tensor>& k_scale,
                                   const at::Device& device) {
   check_kv_scales(k_scale, v_scale, key_cache, {s.num_blocks, s.num_kv_heads, s.block_size},
                   "[num_blocks, num_kv_heads, block_size]", device);
-}
-
-// The CUDA kernels read float caches only: an int8 cache is refused by name.
-inline void check_float_kv_cache(const char* op, const at::Tensor& key_cache) {
-  TORCH_CHECK_NOT_IMPLEMENTED(key_cache.scalar_type() != at::kChar, op,
-                              ": the int8 KV cache (kv_cache_dtype='int8') runs on the CPU only");
 }
 
 inline void check_contiguous_kv_scales(const std::optional<at::Tensor>& k_scale,

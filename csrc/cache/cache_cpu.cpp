@@ -89,16 +89,20 @@ void scatter_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
-// int8 cache: one row of head_size elements quantized symmetrically, q = round(x / s)
-// with s = absmax / 127 (float32 arithmetic, ties to even as torch.round); a zero row
+// int8 cache: one row of head_size elements quantized symmetrically with a float16
+// scale, s = fp16(absmax / 127) (clamped to float16's largest), q = round(x / s) in
+// float32 (ties to even as torch.round) clamped to [-127, 127]: dividing by the stored
+// scale keeps the round trip exact. A zero row, or one whose scale underflows float16,
 // gets s = 0 and zeros. Returns s.
 template <typename scalar_t>
-float quantize_row(const scalar_t* x, int64_t n, int8_t* q) {
+c10::Half quantize_row(const scalar_t* x, int64_t n, int8_t* q) {
   float absmax = 0.0f;
   for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
-  const float s = absmax / 127.0f;
+  const c10::Half s(std::min(absmax / 127.0f, kMaxKVScale));
+  const float sf = static_cast<float>(s);
   for (int64_t i = 0; i < n; ++i) {
-    q[i] = s > 0.0f ? static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) / s)) : 0;
+    const float r = std::nearbyint(static_cast<float>(x[i]) / sf);
+    q[i] = sf > 0.0f ? static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f)) : 0;
   }
   return s;
 }
@@ -114,7 +118,7 @@ struct TokenPlace {
 template <typename scalar_t>
 void write_int8_token(const scalar_t* k, const scalar_t* v, int64_t head_size, int64_t tokens,
                       const TokenPlace& where, int8_t* key_cache, int8_t* value_cache,
-                      float* k_scale, float* v_scale) {
+                      c10::Half* k_scale, c10::Half* v_scale) {
   int8_t row[kMaxHeadSize];
   k_scale[where.scale] = quantize_row(k, head_size, row);
   for (int64_t g = 0; g < head_size / 16; ++g) {
@@ -133,8 +137,8 @@ void scatter_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   auto* kc = key_cache.data_ptr<int8_t>();
   auto* vc = value_cache.data_ptr<int8_t>();
-  auto* ks = k_scale.data_ptr<float>();
-  auto* vs = v_scale.data_ptr<float>();
+  auto* ks = k_scale.data_ptr<c10::Half>();
+  auto* vs = v_scale.data_ptr<c10::Half>();
   const int64_t grain = std::max<int64_t>(1, kGrainElements / (2 * num_kv_heads * head_size));
   PYLLM_DISPATCH_FLOATING_TYPES(key.scalar_type(), "reshape_and_cache_int8", [&] {
     const auto* kd = key.data_ptr<scalar_t>();

@@ -1,6 +1,7 @@
 // CUDA cache ops: write new keys/values into the paged cache or the contiguous
-// arena views, copy blocks within each layer's cache (copy-on-write), and swap
-// blocks between devices.
+// arena views (as stored, or quantized into an int8 cache and its float16 scales),
+// copy blocks within each layer's cache (copy-on-write), and swap blocks between
+// devices.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -43,6 +44,76 @@ __global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__
   }
 }
 
+// int8 cache: one warp per (token, kv head) row pair. A row is quantized as on the
+// CPU (cache_cpu.cpp): s = fp16(min(absmax / 127, kMaxKVScale)), q = round(x / s)
+// clamped to [-127, 127] (IEEE division and round-to-nearest-even, so both devices
+// store the same bytes), s = 0 and zeros where the scale is 0.
+template <typename T>
+__device__ __forceinline__ void quantize_row_warp(const T* x, int head_size, int8_t* q_base,
+                                                  int key_x, int tile_size, __half* scale) {
+  const int lane = threadIdx.x % kWarpSize;
+  float absmax = 0.f;
+  for (int d = lane; d < head_size; d += kWarpSize) absmax = fmaxf(absmax, fabsf(to_float(x[d])));
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
+    absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, mask));
+  }
+  const __half s = __float2half_rn(fminf(__fdiv_rn(absmax, 127.f), kMaxKVScale));
+  const float sf = __half2float(s);
+  for (int d = lane; d < head_size; d += kWarpSize) {
+    const float r = rintf(__fdiv_rn(to_float(x[d]), sf));
+    const int8_t q = sf > 0.f ? static_cast<int8_t>(fminf(fmaxf(r, -127.f), 127.f)) : 0;
+    // Keys: [d / x][tile][x] (key_x = 16); values: [d][tile] (key_x = 0).
+    q_base[key_x ? (d / key_x * tile_size) * key_x + d % key_x : d * tile_size] = q;
+  }
+  if (lane == 0) *scale = s;
+}
+
+template <typename T, typename Target>
+__global__ void write_kv_int8_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                     int8_t* __restrict__ key_cache,
+                                     int8_t* __restrict__ value_cache,
+                                     __half* __restrict__ k_scale, __half* __restrict__ v_scale,
+                                     const Target target, int64_t key_stride,
+                                     int64_t value_stride, int num_kv_heads, int head_size) {
+  const int64_t token = blockIdx.x;
+  TokenTarget t;
+  if (!target.locate(token, &t)) return;  // padding token (or dropped, see ContiguousWrite)
+  constexpr int X = Vec16<int8_t>::kSize;
+  const int warps = blockDim.x / kWarpSize;
+  for (int h = threadIdx.x / kWarpSize; h < num_kv_heads; h += warps) {
+    const int64_t scale = t.scale_base + h * t.scale_head_stride + t.offset;
+    quantize_row_warp(key + token * key_stride + h * head_size, head_size,
+                      key_cache + t.key_base + h * t.key_head_stride + t.offset * X, X,
+                      t.tile_size, k_scale + scale);
+    quantize_row_warp(value + token * value_stride + h * head_size, head_size,
+                      value_cache + t.value_base + h * t.value_head_stride + t.offset, 0,
+                      t.tile_size, v_scale + scale);
+  }
+}
+
+template <typename Target>
+void launch_write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                          at::Tensor& value_cache, const at::Tensor& k_scale,
+                          const at::Tensor& v_scale, const Target& target) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = key.size(1);
+  const int64_t head_size = key.size(2);
+  if (num_tokens == 0 || num_kv_heads * head_size == 0) return;
+  const c10::cuda::CUDAGuard device_guard(key.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int threads = static_cast<int>(std::min<int64_t>(num_kv_heads, 8)) * kWarpSize;
+  auto* ks = reinterpret_cast<__half*>(k_scale.data_ptr<at::Half>());
+  auto* vs = reinterpret_cast<__half*>(v_scale.data_ptr<at::Half>());
+  PYLLM_DISPATCH_FLOATING_TYPES(key.scalar_type(), "write_kv_int8", [&] {
+    write_kv_int8_kernel<device_t<scalar_t>, Target><<<num_tokens, threads, 0, stream>>>(
+        device_ptr<scalar_t>(key), device_ptr<scalar_t>(value), key_cache.data_ptr<int8_t>(),
+        value_cache.data_ptr<int8_t>(), ks, vs, target, key.stride(0), value.stride(0),
+        static_cast<int>(num_kv_heads), static_cast<int>(head_size));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 template <typename Target>
 void launch_write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                      at::Tensor& value_cache, const Target& target) {
@@ -61,6 +132,18 @@ void launch_write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor&
         static_cast<int>(num_kv_heads), static_cast<int>(head_size));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// Writes into a float cache as stored, or into an int8 one quantized.
+template <typename Target>
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+              at::Tensor& value_cache, const std::optional<at::Tensor>& k_scale,
+              const std::optional<at::Tensor>& v_scale, const Target& target) {
+  if (key_cache.scalar_type() == at::kChar) {
+    launch_write_kv_int8(key, value, key_cache, value_cache, *k_scale, *v_scale, target);
+  } else {
+    launch_write_kv(key, value, key_cache, value_cache, target);
+  }
 }
 
 // Grid (pair, layer): copies one whole block of one layer's key and value cache,
@@ -88,7 +171,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const std::string& kv_cache_dtype,
                        const std::optional<at::Tensor>& k_scale,
                        const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("reshape_and_cache", key_cache);
   const PagedKVShape shape = check_reshape_and_cache(key, value, key_cache, value_cache,
                                                      slot_mapping, kv_cache_dtype, k_scale, v_scale);
   check_cuda(key, "key");
@@ -97,14 +179,14 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   target.block_size = static_cast<int>(shape.block_size);
   target.block_stride = shape.num_kv_heads * shape.head_size * shape.block_size;
   target.head_stride = shape.head_size * shape.block_size;
-  launch_write_kv(key, value, key_cache, value_cache, target);
+  target.scale_block_stride = shape.num_kv_heads * shape.block_size;
+  write_kv(key, value, key_cache, value_cache, k_scale, v_scale, target);
 }
 
 void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                          at::Tensor& value_cache, const at::Tensor& token_slots,
                          const at::Tensor& positions, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale) {
-  check_float_kv_cache("write_kv_contiguous", key_cache);
   const ContiguousKVShape shape = check_write_kv_contiguous(key, value, key_cache, value_cache,
                                                             token_slots, positions, k_scale, v_scale);
   check_cuda(key, "key");
@@ -122,7 +204,9 @@ void write_kv_contiguous(const at::Tensor& key, const at::Tensor& value, at::Ten
   target.value_head_stride = value_cache.stride(1);
   target.value_tile_stride = value_cache.stride(2);
   target.tile_size = static_cast<int>(kTokenTile);
-  launch_write_kv(key, value, key_cache, value_cache, target);
+  target.scale_head_stride = shape.num_tiles * kTokenTile;
+  target.scale_slot_stride = shape.num_kv_heads * target.scale_head_stride;
+  write_kv(key, value, key_cache, value_cache, k_scale, v_scale, target);
 }
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches,

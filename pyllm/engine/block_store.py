@@ -71,14 +71,16 @@ def store_identity(
 ) -> dict:
     """What the KV of a block depends on besides its tokens; tensor_parallel: (rank,
     size), each rank's cache holding its own heads."""
-    key, value = cache.layers[0][:2]
+    key, value, *scales = cache.layers[0]
+    # An int8 cache's files hold its scales too: their dtype is part of the format.
+    kv_dtype = str(key.dtype) + "".join(f" scales {s.dtype}" for s in scales[:1])
     return {
         "format": FORMAT_VERSION,
         "model": model_fingerprint(model_path),
         "dtype": str(torch_dtype),
         "quantization": quantization,
         "layout": cache.backend.name,
-        "kv_dtype": str(key.dtype),
+        "kv_dtype": kv_dtype,
         "kv_shape": [len(cache.layers), list(key.shape[1:]), list(value.shape[1:])],
         "block_size": block_size,
         "tensor_parallel": list(tensor_parallel),

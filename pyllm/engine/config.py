@@ -128,7 +128,7 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "auto: the KV cache in --dtype; int8: symmetric int8 with a float32 scale per token "
+        "auto: the KV cache in --dtype; int8: symmetric int8 with a float16 scale per token "
         "and kv head (about half of bfloat16's bytes, a quarter of float32's)",
         choices=KV_CACHE_DTYPES,
     )
@@ -207,8 +207,6 @@ class EngineConfig:
             raise ConfigError(
                 "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype == "int8" and self.torch_device.type != "cpu":
-            raise ConfigError("kv_cache_dtype", "'int8' runs on the CPU only (device cpu)")
         if self.pooling not in POOLING_TYPES:
             raise ConfigError("pooling", f"must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.kv_cache not in KV_CACHE_MODES:

@@ -5,7 +5,8 @@ reference over the dequantized keys and values.
 The attention tests build the paged cache in plain PyTorch (no pyllm kernel), set the
 scales of slots no sequence owns to NaN (a kernel must mask them by selection) and
 poison outputs with NaN, as tests/kernels/test_attention.py does for float caches.
-The CUDA kernels read float caches only: on CUDA an int8 cache is refused by name.
+Every case runs on the CPU and, where a GPU is present, on CUDA against the same
+references.
 """
 
 from __future__ import annotations
@@ -38,17 +39,18 @@ QUERY_DTYPES = [torch.float32, torch.bfloat16]
 # Decode lengths: one token, around a block, and past one and two v2 partitions.
 DECODE_LENS = [1, 15, 17, ops.PARTITION_SIZE + 9, 2 * ops.PARTITION_SIZE + 40]
 
-# The int8 kernels are the CPU's (the CUDA ops refuse an int8 cache: see the end).
-ALL_DEVICES = [device_param("cpu")]
+ALL_DEVICES = [device_param("cpu"), device_param("cuda")]
 
 _seed_and_threads = pytest.fixture(autouse=True)(seed_and_single_thread)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference int8 quantization of rows [..., D]: (q int8, scale float32 [...])."""
+    """Reference int8 quantization of rows [..., D]: (q int8, scale float16 [...]), q
+    divided by the stored (float16-rounded) scale; a scale of 0 gives zeros."""
     x = x.float()
-    scale = x.abs().amax(-1) / 127
-    q = torch.where(scale[..., None] > 0, torch.round(x / scale[..., None]), 0.0)
+    scale = (x.abs().amax(-1) / 127).clamp(max=65504).half()
+    s = scale.float()[..., None]
+    q = torch.where(s > 0, torch.round(x / s).clamp(-127, 127), 0.0)
     return q.to(torch.int8), scale
 
 
@@ -114,6 +116,10 @@ def test_reshape_and_cache_int8_matches_reference(device, dtype, head_size, bloc
     key = torch.randn(T, num_kv_heads, head_size).to(dtype)
     value = torch.randn(T, num_kv_heads, head_size).to(dtype)
     key[3, 1] = 0  # a zero row: scale 0, zeros
+    key[4, 0] = 1e-9  # absmax / 127 underflows float16: scale 0, zeros
+    big = dtype != torch.float16  # float16 rows cannot reach a scale past its largest
+    if big:
+        value[6, 1] *= 1e7  # absmax / 127 past float16's largest: the scale saturates
     slots = torch.randperm(num_blocks * block_size)[:T]
     slots[5] = -1  # padding: not written
     key_cache, value_cache = ops.allocate_kv_cache(
@@ -135,6 +141,8 @@ def test_reshape_and_cache_int8_matches_reference(device, dtype, head_size, bloc
     for scales, s in zip(expected_scales, (ks, vs), strict=True):
         scales[slots[keep] // block_size, :, slots[keep] % block_size] = s[keep]
     assert ks[3, 1] == 0 and (kq[3, 1] == 0).all()
+    assert ks[4, 0] == 0 and (kq[4, 0] == 0).all()
+    assert not big or (vs[6, 1] == 65504 and vq[6, 1].abs().max() == 127)
     for actual, wanted in zip((key_cache, value_cache, k_scale, v_scale),
                               (*expected, *expected_scales), strict=True):  # fmt: skip
         assert torch.equal(actual.cpu(), wanted)
@@ -315,23 +323,11 @@ def test_contiguous_decode_and_prefill_int8(device, dtype, head_size, window):
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("device", [device_param("cuda")])
-def test_cuda_refuses_an_int8_cache(device):
-    q8 = make_int8_kv([20], 2, 64, 16, device)
-    kv, query = q8.kv, random_query(1, 4, 64, torch.float32, device)
-    key = torch.randn(1, 2, 64, device=device)
-    slots = torch.zeros(1, dtype=torch.int64, device=device)
-    with pytest.raises(NotImplementedError, match="int8 KV cache.*CPU only"):
-        ops.reshape_and_cache(key, key, kv.key_cache, kv.value_cache, slots, "int8",
-                              q8.k_scale, q8.v_scale)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="int8 KV cache.*CPU only"):
-        run_decode(1, query, q8, 2, 0.125)
-
-
-def test_block_copies_move_int8_blocks_and_their_scales():
-    """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float32)
+@pytest.mark.parametrize("device", ALL_DEVICES)
+def test_block_copies_move_int8_blocks_and_their_scales(device):
+    """copy_blocks takes int8 caches; an int8 cache's scales ([num_blocks, ...] float16)
     move with swap_blocks like any cache."""
-    q8 = make_int8_kv([40], 2, 64, 16, "cpu", extra_blocks=4)
+    q8 = make_int8_kv([40], 2, 64, 16, device, extra_blocks=4)
     kv = q8.kv
     source, owned = int(kv.block_tables[0, 1]), set(kv.block_tables[0].tolist())
     free = min(set(range(kv.key_cache.shape[0])) - owned)  # holds other random bytes

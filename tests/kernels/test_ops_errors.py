@@ -408,7 +408,7 @@ CASES = [
                 "k_scale": lambda a: int8_cache_args(a)["k_scale"],
                 "key_cache": lambda a: cache(dtype=torch.int8)[0],
                 "value_cache": lambda a: cache(dtype=torch.int8)[1],
-                "v_scale": torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE + 1),
+                "v_scale": torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE + 1, dtype=torch.half),
             },
             ValueError,
             "v_scale",
