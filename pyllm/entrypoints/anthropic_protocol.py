@@ -12,7 +12,6 @@ OpenAI routes' are; unknown fields are ignored.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Annotated, Any, Literal
 
@@ -20,7 +19,7 @@ from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, field_val
 
 from pyllm.entrypoints.openai_protocol import ChatCompletionRequest, RequestError
 from pyllm.entrypoints.openai_protocol.base import ResponseModel, StrictRequest
-from pyllm.entrypoints.openai_protocol.errors import param_of_location
+from pyllm.entrypoints.openai_protocol.errors import fields_renamed, param_of_location
 
 # ------------------------------------------------------------------- requests
 
@@ -352,17 +351,9 @@ def _field_here(param: str | None) -> str | None:
     return _FIELDS.get(param) or _INDEXED.sub(r"\1", param)
 
 
-@contextlib.contextmanager
 def anthropic_fields():
     """RequestErrors raised inside, about the chat request, name this request's fields."""
-    try:
-        yield
-    except RequestError as error:
-        param = _field_here(error.param)
-        message = error.message
-        if error.param and param != error.param and message.startswith(error.param):
-            message = param + message[len(error.param) :]
-        raise RequestError(message, param, error.status_code, error.code, error.type) from None
+    return fields_renamed(_field_here)
 
 
 # ------------------------------------------------------------------- errors

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -24,6 +26,20 @@ class RequestError(ValueError):
         self.status_code = status_code
         self.code = code
         self.type = type
+
+
+@contextlib.contextmanager
+def fields_renamed(rename: Callable[[str | None], str | None]):
+    """RequestErrors raised inside, about a chat request another API's request became,
+    name that request's fields: rename maps a chat field to its name there."""
+    try:
+        yield
+    except RequestError as error:
+        param = rename(error.param)
+        message = error.message
+        if error.param and param != error.param and message.startswith(error.param):
+            message = param + message[len(error.param) :]
+        raise RequestError(message, param, error.status_code, error.code, error.type) from None
 
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict:
