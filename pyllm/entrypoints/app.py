@@ -90,7 +90,7 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],
         )
     # Outermost: the Messages routes' errors in Anthropic's shape, whoever made them.

@@ -18,7 +18,7 @@ ERRORS = {
     400: "An invalid request; error.param names the field at fault",
     401: "A missing or wrong API key (when the server has one)",
     403: "An Origin that is not the server's own nor allowed (code origin_not_allowed)",
-    404: "An unknown model (code model_not_found)",
+    404: "An unknown model (code model_not_found) or stored response (response_not_found)",
     408: "A request body not received within the read timeout (code request_timeout)",
     413: "A request body over the size limit",
     415: "A request body that is not application/json (code unsupported_media_type)",

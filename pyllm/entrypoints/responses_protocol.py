@@ -448,3 +448,11 @@ class ResponseObject(ResponseModel):
     truncation: Literal["disabled"] = "disabled"
     user: str | None = None
     background: bool = False
+
+
+class DeletedResponse(ResponseModel):
+    """DELETE /v1/responses/{id}'s reply."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

@@ -40,6 +40,15 @@ class ResponsesServing(ChatServing):
     async def responses(self, request: Request) -> Response:
         return await self._respond(request, ResponsesRequest)
 
+    def retrieve(self, response_id: str) -> Response:
+        """GET /v1/responses/{id}: the response object create returned."""
+        return Response(self.store.response(response_id), media_type="application/json")
+
+    def delete(self, response_id: str) -> protocol.DeletedResponse:
+        """DELETE /v1/responses/{id}: forgets a stored response."""
+        self.store.delete(response_id)
+        return protocol.DeletedResponse(id=response_id)
+
     async def _prepare(self, body: ResponsesRequest) -> list[Job]:
         history = []
         if body.previous_response_id is not None:
@@ -108,7 +117,7 @@ class ResponsesServing(ChatServing):
         start = 0 if body.instructions is None else 1
         messages = [m.model_dump(exclude_none=True) for m in chat.messages[start:]]
         messages.append(_assistant_message(response.output))
-        self.store.put(response.id, messages)
+        self.store.put(response.id, messages, response.model_dump_json())
 
     # ---------------------------------------------------------- streaming
 

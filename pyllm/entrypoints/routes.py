@@ -1,6 +1,6 @@
-"""The routes: /health and /metrics, the /v1/ API (OpenAI's /v1/responses and Anthropic's
-/v1/messages too), vLLM's
-/tokenize, /detokenize and /version, each documented for /openapi.json."""
+"""The routes: /health and /metrics, the /v1/ API (OpenAI's /v1/responses, with GET and
+DELETE of a stored one, and Anthropic's /v1/messages too), vLLM's /tokenize, /detokenize
+and /version, each documented for /openapi.json."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     _add_model_routes(app, servings.chat)
     _add_token_routes(app, servings.tokens)
     _add_messages_routes(app, servings.messages)
+    _add_stored_response_routes(app, servings.responses)
 
     @app.post(
         "/v1/responses",
@@ -97,6 +98,24 @@ def add_api_routes(app: FastAPI, servings: Servings) -> None:
     )
     async def embeddings(request: Request):
         return await servings.embedding.embeddings(request)
+
+
+def _add_stored_response_routes(app: FastAPI, serving: ResponsesServing) -> None:
+    """A response kept with store: true (responses_store.py), read back or forgotten."""
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        responses=responses(responses_protocol.ResponseObject, 401, 404, *ANY),
+    )
+    async def retrieve_response(response_id: str):
+        return serving.retrieve(response_id)
+
+    @app.delete(
+        "/v1/responses/{response_id}",
+        responses=responses(responses_protocol.DeletedResponse, 401, 404, *ANY),
+    )
+    async def delete_response(response_id: str):
+        return _json(serving.delete(response_id))
 
 
 def _add_messages_routes(app: FastAPI, serving: MessagesServing) -> None:

@@ -27,7 +27,8 @@ from pyllm.entrypoints.openai_protocol import error_body
 
 # The routes that reach the model (and take JSON bodies).
 API_PREFIXES = ("/v1", "/tokenize", "/detokenize")
-_BODILESS = frozenset({"GET", "HEAD", "OPTIONS"})
+# DELETE takes no body, and a cross-site DELETE needs a CORS preflight (Origin still checked).
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 

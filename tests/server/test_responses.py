@@ -198,6 +198,37 @@ def test_store_false_is_not_kept(client, server):
     unstored = _create(client, server, store=False)
     with pytest.raises(openai.NotFoundError):
         _create(client, server, input="More.", previous_response_id=unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_retrieve_and_delete_a_stored_response(client, server):
+    created = _create(client, server)
+    assert client.responses.retrieve(created.id) == created
+    streamed = _create(client, server, stream=True)
+    final = [event for event in streamed if event.type == "response.completed"][0].response
+    assert client.responses.retrieve(final.id) == final
+    deleted = client.responses.delete(created.id)  # the SDK returns None for it
+    assert deleted is None
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve(created.id)
+    assert caught.value.body["param"] == "response_id"
+    assert caught.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        _create(client, server, input="More.", previous_response_id=created.id)
+
+
+def test_delete_replies_as_openai(http, server):
+    created = http.post("/v1/responses", json={"model": server.model, "input": "Hi",
+                                               "max_output_tokens": 2}).json()  # fmt: skip
+    response = http.delete(f"/v1/responses/{created['id']}")
+    assert response.status_code == 200
+    assert response.json() == {"id": created["id"], "object": "response", "deleted": True}
+    missing = http.get(f"/v1/responses/{created['id']}")
+    assert missing.status_code == 404
+    assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def _error(client, server, **kwargs) -> openai.APIStatusError:
@@ -265,6 +296,12 @@ def test_openapi_declares_the_route(server):
     ok = operation["responses"]["200"]["content"]
     assert ok["application/json"]["schema"]["$ref"].endswith("/ResponseObject")
     assert ok["text/event-stream"]["schema"]["required"] == ["data"]
+    stored = document["paths"]["/v1/responses/{response_id}"]
+    for method, body in (("get", "ResponseObject"), ("delete", "DeletedResponse")):
+        [parameter] = stored[method]["parameters"]
+        assert parameter["in"] == "path" and parameter["name"] == "response_id"
+        ok = stored[method]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert ok["$ref"].endswith(f"/{body}") and "404" in stored[method]["responses"]
 
 
 def test_output_items_sent_back_are_taken():
@@ -308,3 +345,16 @@ def test_store_is_bounded():
     assert len(store) == 2 and store.bytes <= 200
     with pytest.raises(ValueError, match="max_responses"):
         ResponseStore(max_responses=0)
+
+
+def test_store_counts_the_response_object_and_deletes():
+    store = ResponseStore(max_responses=4, max_bytes=200)
+    store.put("a", [], "x" * 150)
+    assert store.bytes == 152 and store.response("a") == "x" * 150  # "[]" and the object
+    store.put("b", [], "y" * 100)  # over the bytes: "a" goes
+    with pytest.raises(ValueError, match="response 'a' not found"):
+        store.response("a")
+    store.delete("b")
+    assert len(store) == 0 and store.bytes == 0
+    with pytest.raises(ValueError, match="response 'b' not found"):
+        store.delete("b")
