@@ -172,6 +172,7 @@ class _Blocks:
         self.count = 0
         self.open: str | None = None  # "thinking", "text" or "tool_use"
         self.call = -1  # the open tool_use block's call
+        self.wrapped: bool | None = None  # the open tool_use block's input, once seen
         self.made_calls = False
 
     def step(self, delta: ReplyDelta) -> list[str]:
@@ -190,9 +191,17 @@ class _Blocks:
                 events += self._open(block, new=True)
                 self.call = call.index
             if call.arguments and call.index == self.call:
-                partial = {"type": "input_json_delta", "partial_json": call.arguments}
-                events.append(self._delta(partial))
+                events.append(self._input_delta(call.arguments))
         return events
+
+    def _input_delta(self, arguments: str) -> str:
+        """A tool_use block's input fragment; input that is not an object (a forced
+        tool's schema may ask for any value) is wrapped as {"value": ...}, as whole."""
+        if self.wrapped is None and arguments.strip():
+            self.wrapped = not arguments.lstrip().startswith("{")
+            if self.wrapped:
+                arguments = '{"value": ' + arguments
+        return self._delta({"type": "input_json_delta", "partial_json": arguments})
 
     def close(self) -> list[str]:
         if self.open is None:
@@ -200,6 +209,9 @@ class _Blocks:
         events = []
         if self.open == "thinking":  # the SDK's thinking block ends with its signature
             events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        if self.open == "tool_use" and self.wrapped:
+            events.append(self._delta({"type": "input_json_delta", "partial_json": "}"}))
+        self.wrapped = None
         self.open = None
         self.count += 1
         return [*events, event("content_block_stop", {"index": self.count - 1})]

@@ -148,6 +148,28 @@ def test_forced_tool_call_streamed(claude, server):
     jsonschema.validate(final.content[-1].input, WEATHER["input_schema"])
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "minimum": 0, "maximum": 999},
+        {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    ],
+)
+def test_forced_tool_without_an_object_schema_streams_the_same_input(claude, server, schema):
+    """Its input is wrapped as {"value": ...}, streamed or not."""
+    tool = {"name": "pick", "description": "Picks", "input_schema": schema}
+    args = {**_args(server, 30), "messages": [{"role": "user", "content": "Pick one."}]}
+    forced = dict(tools=[tool], tool_choice={"type": "tool", "name": "pick"})
+    whole = claude.messages.create(**args, **forced)
+    with claude.messages.stream(**args, **forced) as stream:
+        streamed = stream.get_final_message()
+    assert whole.stop_reason == streamed.stop_reason == "tool_use"
+    (call,) = [block for block in whole.content if block.type == "tool_use"]
+    assert set(call.input) == {"value"}
+    jsonschema.validate(call.input["value"], schema)
+    assert streamed.content[-1].type == "tool_use" and streamed.content[-1].input == call.input
+
+
 def test_tool_result_turn(claude, server):
     message = _create(claude, server, tools=[WEATHER], messages=TOOL_TURNS)
     assert message.content and message.usage.output_tokens > 0
