@@ -1,7 +1,8 @@
 """POST /v1/responses: OpenAI's Responses API, served as the chat route serves its
 equivalent chat request (responses_protocol.py); replies as reasoning, message and
 function_call output items, whole or as the API's typed stream of events; each reply
-kept (responses_store.py) for a later request's previous_response_id."""
+kept (responses_store.py) for a later request's previous_response_id and for GET and
+DELETE /v1/responses/{id}."""
 
 from __future__ import annotations
 
