@@ -179,7 +179,7 @@ def decode_call(args, layout: str, dtype, batch: int, context: int):
             slots, lens.to(args.device), context, None, None, *scales,
         )  # fmt: skip
         call.arena = arena  # keeps the views' memory alive with the call
-    row = d + 4 if quantized else d * dtype.itemsize  # bytes per token and head
+    row = d + 2 if quantized else d * dtype.itemsize  # bytes per token and head
     return call, 2 * batch * context * hkv * row
 
 
