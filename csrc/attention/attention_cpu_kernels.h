@@ -29,9 +29,8 @@
 // int8 cache (x = 16, a float16 scale per token and kv head for K and for V): the
 // scales are factored out of both products, q . k = s_k * (q . k_int8) (one multiply
 // per logit after step 1) and sum_t p_t v_t = sum_t (p_t s_v,t) v_int8_t (p scaled
-// once per chunk before step 3), so the inner loops only widen int8 and stream a
-// quarter of float32's bytes. Keys: on AVX-512 int16 pair products with an int16
-// query (KeyOps), elsewhere widened to float32; values: widened to float32.
+// once per chunk before step 3), so the inner loops only widen int8 to float32
+// (vpmovsxbd + vcvtdq2ps) and stream a quarter of float32's bytes.
 //
 // Masking is by selection, never arithmetic: logits of keys a row may not see
 // (past its causal limit, before its sliding window, or cache slots past the
@@ -144,13 +143,45 @@ struct PagedCache {
   }
 };
 
-}  // namespace
-}  // namespace pyllm::cpu
+// How key vectors meet the query in step 1. A 16-lane step consumes kElems key
+// elements: 16 converted to float32 (x head dimensions of 16/x tokens, one per
+// lane), or, for bfloat16 where the CPU has AVX512-BF16, 32 as stored, paired
+// by vdpbf16ps (x/2 lanes per token, two head dimensions per lane, exact
+// products, float32 sums). The tiled query uses the same 64 bytes per x-group
+// either way.
+template <typename scalar_t, bool kPairs>
+struct KeyOpsImpl {
+  using KeyVec = Vec16;
+  static constexpr int kElems = kLanes;
+  static KeyVec load_key(const scalar_t* p) { return Vec16::load(p); }
+  static KeyVec load_query(const float* p) { return Vec16::load(p); }
+  static Vec16 fma(Vec16 acc, KeyVec k, KeyVec q) { return Vec16::fmadd(k, q, acc); }
+  using QueryElem = float;
+};
 
-#include "attention_cpu_keyops.h"
+#ifdef __AVX512BF16__
+template <>
+struct KeyOpsImpl<c10::BFloat16, true> {
+  using KeyVec = vec::BF16x32;
+  static constexpr int kElems = 2 * kLanes;
+  static KeyVec load_key(const c10::BFloat16* p) { return KeyVec::load(p); }
+  static KeyVec load_query(const float* p) {
+    return KeyVec::load(reinterpret_cast<const c10::BFloat16*>(p));
+  }
+  static Vec16 fma(Vec16 acc, KeyVec k, KeyVec q) { return vec::dot_pairs(acc, k, q); }
+  using QueryElem = c10::BFloat16;
+};
+constexpr bool kHavePairDot = true;
+#else
+constexpr bool kHavePairDot = false;
+#endif
 
-namespace pyllm::cpu {
-namespace {
+template <typename scalar_t>
+struct KeyOps : KeyOpsImpl<scalar_t, kHavePairDot && std::is_same_v<scalar_t, c10::BFloat16>> {
+  static constexpr int kX = PagedCache<scalar_t>::kX;
+  // Lanes that hold partial sums of one token's logit.
+  static constexpr int kLanesPerToken = kX * kLanes / KeyOps::kElems;
+};
 
 // Query rows a task attends together, and their softmax state. Row-major
 // arrays of `count` rows.
@@ -166,7 +197,6 @@ struct Rows {
   std::vector<float> max_logit;  // [count] running max of the logits seen
   std::vector<float> exp_sum;    // [count] running sum of exp(logit - max_logit)
   std::vector<float> acc;        // [count][D] running sum of exp(logit - max_logit) * v
-  std::vector<float> q_scale;    // [count] int16 query (int8 keys, AVX-512): q = q_scale * q16
 
   void reset(int rows, int head_size_, int x, float scale_, bool with_alibi) {
     count = rows;
@@ -180,7 +210,6 @@ struct Rows {
     max_logit.assign(rows, kNegInf);
     exp_sum.assign(rows, 0.0f);
     acc.assign(size_t(rows) * head_size, 0.0f);
-    q_scale.assign(rows, 1.0f);
   }
 
   // Loads row r's query (head_size packed elements), each x-group repeated to
@@ -194,23 +223,9 @@ struct Rows {
     constexpr int x = Ops::kX;
     static_assert(Ops::kElems * sizeof(Elem) == kLanes * sizeof(float));
     float* dst = &q_tiled[size_t(r) * (head_size / x) * kLanes];
-    float inv = 1.0f;  // int16 query: q16 = round(q / q_scale), |q16| <= qmax
-    if constexpr (std::is_same_v<Elem, int16_t>) {
-      const float qmax = std::min(32767.0f, float(2147483647.0 / (127.0 * head_size)));
-      float amax = 0.0f;
-      for (int d = 0; d < head_size; ++d) amax = std::max(amax, std::abs(float(q[d])));
-      q_scale[r] = amax / qmax;
-      inv = amax > 0.0f ? qmax / amax : 0.0f;
-    }
     for (int c = 0; c < head_size / x; ++c) {
       Elem tile[Ops::kElems];
-      for (int i = 0; i < Ops::kElems; ++i) {
-        if constexpr (std::is_same_v<Elem, int16_t>) {
-          tile[i] = Elem(std::nearbyint(float(q[c * x + i % x]) * inv));
-        } else {
-          tile[i] = static_cast<Elem>(q[c * x + i % x]);
-        }
-      }
+      for (int i = 0; i < Ops::kElems; ++i) tile[i] = static_cast<Elem>(q[c * x + i % x]);
       std::memcpy(dst + c * kLanes, tile, sizeof(tile));
     }
   }
@@ -286,7 +301,7 @@ void qk_row_tile(const scalar_t* key, const c10::Half* key_scale, int block_size
       }
     }
     for (int r = 0; r < RT; ++r) {
-      for (int n = 0; n < NV; ++n) wide[r][v0 + n] = Ops::finish(acc[r][n]);
+      for (int n = 0; n < NV; ++n) wide[r][v0 + n] = acc[r][n];
     }
   }
   Vec16 scale = Vec16::set1(rows.scale);
@@ -298,7 +313,6 @@ void qk_row_tile(const scalar_t* key, const c10::Half* key_scale, int block_size
   for (int r = 0; r < RT; ++r) {
     const int row = r0 + r;
     Vec16 logit = fold_to_tokens<Ops::kLanesPerToken>(wide[r], VECS) * scale;
-    if constexpr (std::is_same_v<scalar_t, int8_t>) logit = logit * Vec16::set1(rows.q_scale[row]);
     if (!rows.alibi.empty()) {
       // bias = slope * (key_pos - query_pos), key_pos = first_pos + lane.
       const float slope = rows.alibi[row];
