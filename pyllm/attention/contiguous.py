@@ -97,8 +97,10 @@ class ContiguousBackend(AttentionBackend):
                 meta.max_query_len, layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
         if P < T:
+            if P:
+                out, q = out[P:], q[P:]  # a decode-only step slices nothing
             _C.contiguous_attention_decode(
-                out[P:], q[P:], key_cache, value_cache, layer.num_kv_heads, layer.scale,
+                out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale,
                 meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
                 layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip

@@ -161,23 +161,25 @@ class PagedBackend(AttentionBackend):
             self.validate(meta.group(g), cache.layers[0], device)
 
     def forward(self, layer, out, q, k, v, positions, kv_cache, meta, workspace) -> None:
-        key_cache, value_cache = kv_cache[:2]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = kv_scales(kv_cache)
         dtype = "auto" if k_scale is None else "int8"
         _C.reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, dtype, k_scale, v_scale
         )
-        block_size = value_cache.shape[3]
         P = meta.num_prefill_tokens
         if P:
+            block_size = value_cache.shape[3]
             _C.paged_attention_prefill(
                 out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
                 meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
                 block_size, meta.max_query_len, None, layer.sliding_window, layer.sinks,
                 k_scale, v_scale,
             )  # fmt: skip
-        if P < meta.num_tokens:
-            _decode(layer, out[P:], q[P:], kv_cache, meta, workspace)
+            if P == q.shape[0]:
+                return
+            out, q = out[P:], q[P:]  # a decode-only step slices nothing
+        _decode(layer, out, q, key_cache, value_cache, k_scale, v_scale, meta, workspace)
 
     # ------------------------------------------------------------------ cache
 
@@ -309,10 +311,8 @@ def _group_metadata(meta: PagedMetadata, seqs, g: int, block_size: int, device) 
     )
 
 
-def _decode(layer, out, q, kv_cache: KVPair, meta: PagedMetadata, workspace) -> None:
+def _decode(layer, out, q, key_cache, value_cache, k_scale, v_scale, meta, workspace) -> None:
     """Decode tokens, one per sequence: v1, or v2 where the step has a workspace."""
-    key_cache, value_cache = kv_cache[:2]
-    k_scale, v_scale = kv_scales(kv_cache)
     block_size = value_cache.shape[3]
     if workspace is None:
         _C.paged_attention_v1(

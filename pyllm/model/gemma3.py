@@ -26,14 +26,14 @@ class Gemma3DecoderLayer(Module):
         self.mlp = MLP(config, dtype, device)
         self.post_feedforward_layernorm = RMSNorm(size, eps, dtype, device)
 
-    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
+    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, step):
         """As the Llama layer, `residual` carries the stream and the pre-norms fuse the
         residual add; the post-norms act on each block's output before it is added."""
         hidden, residual = input_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, workspace)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, step)
         hidden = self.post_attention_layernorm(hidden)
         hidden = self.pre_feedforward_layernorm(hidden, residual)
-        hidden = self.post_feedforward_layernorm(self.mlp(hidden))
+        hidden = self.post_feedforward_layernorm(self.mlp(hidden, step))
         return hidden, residual
 
 

@@ -10,6 +10,9 @@ attention in the layout the step's metadata belongs to.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +59,44 @@ def rotary_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> tor
     return cache.contiguous().to(device)
 
 
+@dataclass(slots=True)
+class StepBuffers:
+    """A step's activations, allocated once per forward and shared by the layers: each
+    layer writes its q/k/v, attention output, MLP intermediates and block output into
+    these tensors, and each is consumed before the next layer writes it. At batch 1 the
+    six allocations and eight views a layer would make cost about as much time as its
+    small kernels. A projection whose kernel cannot write into a buffer returns its own
+    tensor, and the layer reads that instead."""
+
+    qkv: torch.Tensor  # [T, q_size + 2 kv_size]: the fused projection's output
+    q: torch.Tensor  # its row views: q [T, Hq * D], k [T, Hkv * D] (rotated in place)
+    k: torch.Tensor
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v as [T, H, D]
+    out: torch.Tensor  # [T, Hq, D]: attention's output
+    out_rows: torch.Tensor  # the same as [T, Hq * D], o_proj's input
+    hidden: torch.Tensor  # [T, hidden_size]: o_proj's and down_proj's output
+    gate_up: torch.Tensor | None  # [T, 2 I] and [T, I] (None: no dense MLP layer)
+    act: torch.Tensor | None
+    attention: Any = None  # the attention backend's scratch for the step
+
+
+def step_buffers(config: ModelConfig, num_tokens: int, dtype, device, attention) -> StepBuffers:
+    """config: the rank's (its local heads and MLP width)."""
+    T, D = num_tokens, config.head_dim
+    q_size, kv_size = config.q_size, config.kv_size
+    qkv = torch.empty(T, q_size + 2 * kv_size, dtype=dtype, device=device)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
+    heads = (q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D))
+    out = torch.empty(T, config.num_attention_heads, D, dtype=dtype, device=device)
+    hidden = torch.empty(T, config.hidden_size, dtype=dtype, device=device)
+    gate_up = act = None
+    if config.has_dense_layers:
+        act = torch.empty(T, config.intermediate_size, dtype=dtype, device=device)
+        gate_up = torch.empty(T, 2 * config.intermediate_size, dtype=dtype, device=device)
+    return StepBuffers(qkv, q, k, heads, out, out.view(T, q_size), hidden, gate_up, act,
+                       attention)  # fmt: skip
+
+
 class Attention(Module):
     """Grouped-query attention with one fused q/k/v projection.
 
@@ -96,27 +137,27 @@ class Attention(Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: KVPair,
         meta: AttentionMetadata,
-        workspace,
+        step: StepBuffers,
     ) -> torch.Tensor:
         """Projects hidden [T, hidden_size] to q/k/v, rotates q and k, and has the step's
-        backend cache k/v and attend (workspace: its per-step scratch); returns o_proj
-        of the heads' outputs."""
-        T = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
+        backend cache k/v and attend (step.attention: its per-step scratch); returns
+        o_proj of the heads' outputs."""
+        qkv = self.qkv_proj(hidden, step.qkv)
+        if qkv is step.qkv and self.q_norm is None:
+            q, k, heads = step.q, step.k, step.heads
+        else:
+            q, k, heads = self._split(qkv)
+        _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
+        meta.backend.forward(self, step.out, *heads, positions, kv_cache, meta, step.attention)
+        return self.o_proj(step.out_rows, step.hidden)
+
+    def _split(self, qkv: torch.Tensor):
+        """q and k [T, H * D] (row views of qkv, or normed copies) and q, k, v as [T, H, D]."""
+        T, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = torch.empty(
-            T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device
-        )
-        meta.backend.forward(self, out, q, k, v, positions, kv_cache, meta, workspace)
-        return self.o_proj(out.view(T, self.q_size))
+        return q, k, (q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D))
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head of x [T, H * D] (a row view of qkv): a new [T, H * D]."""
@@ -139,11 +180,15 @@ class MLP(Module):
             config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, step: StepBuffers | None = None) -> torch.Tensor:
+        """step: the buffers to write into (None: new tensors)."""
+        if step is None:
+            gate_up, out = self.gate_up_proj(x), None
+            act = torch.empty(x.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
+        else:
+            gate_up, act, out = self.gate_up_proj(x, step.gate_up), step.act, step.hidden
         if self.gelu:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        act = torch.empty(x.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), out)
         _C.silu_and_mul(act, gate_up)
-        return self.down_proj(act)
+        return self.down_proj(act, out)

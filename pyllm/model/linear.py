@@ -45,44 +45,65 @@ def linear_forward(
     qparts: list[QuantPart] | None = None,
     words: torch.Tensor | None = None,
     onednn: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] W^T (+ bias) with the kernel for the form W is held in: quantized parts,
     else word-packed, else (few rows on the CPU, plain W) small-batch, else oneDNN's
-    packed copy, else F.linear (see Linear)."""
+    packed copy, else F.linear (see Linear). out: a contiguous [rows, N] tensor for a 2-D
+    x, written where the kernel takes one (quantized, word-packed, small-batch); the
+    result is returned either way, out or a new tensor."""
     if qparts is not None:
-        return linear_quantized(x, qparts, bias)
+        return linear_quantized(x, qparts, bias, out)
     if words is not None:
-        return linear_word_packed(x, words, bias)
+        return linear_word_packed(x, words, bias, out)
     if weight is not None and takes_small_batch_path(x):
-        return linear_small_batch(x, weight, bias)
+        return linear_small_batch(x, weight, bias, out)
     if onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+
+
 def linear_quantized(
-    x: torch.Tensor, parts: list[QuantPart], bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    parts: list[QuantPart],
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] times the quantized weight of parts, each writing its output columns."""
-    out_features = sum(p.stop - p.start for p in parts)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
-    whole = len(parts) == 1
+    """x [..., K] times the quantized weight of parts (in order, covering the output
+    features), each writing its output columns."""
+    rows = _rows(x)
+    if out is None:
+        out = torch.empty(rows.shape[0], parts[-1].stop, dtype=x.dtype, device=x.device)
+    if len(parts) == 1:
+        p = parts[0]
+        _C.quant_linear(out, rows, p.qweight, p.qtype, bias)
+        return _shaped(out, x)
     for p in parts:
         part_bias = None if bias is None else bias[p.start : p.stop]
-        target = out if whole else out[:, p.start : p.stop]
-        _C.quant_linear(target, rows, p.qweight, p.qtype, part_bias)
-    return out.view(*x.shape[:-1], out_features)
+        _C.quant_linear(out[:, p.start : p.stop], rows, p.qweight, p.qtype, part_bias)
+    return _shaped(out, x)
 
 
 def linear_word_packed(
-    x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    words: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] times a weight word-packed by ops.pack_weight_words."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
+    rows = _rows(x)
+    if out is None:
+        out = torch.empty(rows.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
     _C.packed_linear(out, rows, words, bias)
-    return out.view(*x.shape[:-1], out.shape[1])
+    return _shaped(out, x)
 
 
 def takes_small_batch_path(x: torch.Tensor) -> bool:
@@ -91,10 +112,14 @@ def takes_small_batch_path(x: torch.Tensor) -> bool:
 
 
 def linear_small_batch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= ops.SMALL_BATCH_MAX_ROWS) times a plain weight, streamed."""
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _C.small_batch_linear(out, x, weight, bias)
     return out
 
@@ -153,11 +178,12 @@ class Linear(Module):
         self.qparts = sorted(parts, key=lambda p: p.start)
         self.weight = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear_forward(
-            x, self.weight, self.bias, self.qparts, self.word_weight, self.packed_weight
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b); out: where to write it if the kernel can (see linear_forward)."""
+        y = linear_forward(
+            x, self.weight, self.bias, self.qparts, self.word_weight, self.packed_weight, out
         )
-        return out if self.reduce is None else self.reduce(out)
+        return y if self.reduce is None else self.reduce(y)
 
     def pack(self, keep_plain: bool = False) -> None:
         """Adds the packed copy of the weight: word-packed where can_pack_weight_words,

@@ -17,7 +17,7 @@ import pyllm.ops as ops
 from pyllm.attention.backend import MAIN_CACHE, AttentionBackend, CacheSpec, KVCache
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
-from pyllm.model.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache
+from pyllm.model.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache, step_buffers
 from pyllm.model.linear import (
     Linear,
     QuantPart,
@@ -44,6 +44,13 @@ def input_norm(norm: RMSNorm, hidden, residual):
     return norm(hidden, residual), residual
 
 
+def _layer_metadata(meta: AttentionMetadata, kv_cache: KVCache) -> list[AttentionMetadata]:
+    """Each layer's view of the step: its KV group's."""
+    if not kv_cache.layer_groups:
+        return [meta] * len(kv_cache.layers)
+    return [meta.group(g) for g in kv_cache.layer_groups]
+
+
 def make_mlp(config: ModelConfig, dtype, device, layer: int) -> nn.Module:
     """Layer `layer`'s MLP: dense, or a router and experts where the config makes it sparse."""
     if config.is_moe_layer(layer):
@@ -61,13 +68,14 @@ class DecoderLayer(Module):
         )
         self.mlp = make_mlp(config, dtype, device, layer)
 
-    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, workspace):
+    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta, step):
         """Pre-norm block. `residual` carries the stream between layers, so each norm
-        fuses the previous layer's residual add (None before the first layer)."""
+        fuses the previous layer's residual add (None before the first layer). step: the
+        step's buffers (layers.StepBuffers)."""
         hidden, residual = input_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, workspace)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta, step)
         hidden = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, step), residual
 
 
 class LlamaModel(Module):
@@ -238,23 +246,24 @@ class LlamaForCausalLM(Module):
         metadata themselves and checked it)."""
         if validate:
             self.validate_step(input_ids, positions, attn_metadata, kv_cache)
+        T = input_ids.shape[0]
+        config, dtype, device = self.local_config, self.dtype, self.device
         workspace = attn_metadata.backend.workspace(
-            attn_metadata,
-            self.local_config.num_attention_heads,
-            self.config.head_dim,
-            self.dtype,
-            self.device,
+            attn_metadata, config.num_attention_heads, config.head_dim, dtype, device
         )
+        step = step_buffers(config, T, dtype, device, workspace)
         hidden = self.embed(input_ids)
         residual = None
-        layers = zip(self.model.layers, kv_cache.layers, strict=True)
-        groups = kv_cache.layer_groups or (0,) * len(kv_cache.layers)
-        for i, (layer, layer_cache) in enumerate(layers):
-            hidden, residual = layer(
-                positions, hidden, residual, self.layer_cos_sin(i), layer_cache,
-                attn_metadata.group(groups[i]), workspace,
-            )  # fmt: skip
+        metas = _layer_metadata(attn_metadata, kv_cache)
+        layers = zip(self.model.layers, kv_cache.layers, self._layer_cos_sin(), metas, strict=True)
+        for layer, layer_cache, cos_sin, meta in layers:
+            hidden, residual = layer(positions, hidden, residual, cos_sin, layer_cache, meta, step)
         return self.model.norm(hidden, residual)
+
+    def _layer_cos_sin(self) -> list[torch.Tensor]:
+        if self.local_cos_sin_cache is None:
+            return [self.cos_sin_cache] * len(self.model.layers)
+        return [self.layer_cos_sin(i) for i in range(len(self.model.layers))]
 
     def layer_cos_sin(self, i: int) -> torch.Tensor:
         if self.local_cos_sin_cache is not None and self.config.layer_types[i] != "full_attention":

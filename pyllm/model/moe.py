@@ -105,7 +105,8 @@ class SparseMoeBlock(Module):
         e = self.experts
         return e.gate_proj, e.up_proj, e.down_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step=None) -> torch.Tensor:
+        """step: the step's buffers (unused: the experts' output is a tensor of its own)."""
         logits = self.gate(x)
         out = torch.empty_like(x)
         gate, up, down = self.projections()
