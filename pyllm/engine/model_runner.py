@@ -101,20 +101,23 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
-        prompt_rows, pooled_rows): prompt_rows lists (seq, first position, flat token
-        indices) of the prompt positions whose logits the sequence's prompt logprobs
-        need; pooled_rows the same of embedding sequences' chunks."""
+        prompt_rows, pooled_rows): logits_indices is None where every token is sampled
+        (a step of decodes: no rows to pick); prompt_rows lists (seq, first position,
+        flat token indices) of the prompt positions whose logits the sequence's prompt
+        logprobs need; pooled_rows the same of embedding sequences' chunks."""
         flat = _flatten(batch)
         backend = self.kv_cache.backend
         metadata = backend.build(
             batch.prefills, batch.decodes, self.block_size, self.device, self.kv_cache.num_groups
         )
         device = self.device
+        # The indices rise, so as many as the tokens are every token in order.
+        every = len(flat.logits_indices) == len(flat.input_ids)
         return (
             torch.tensor(flat.input_ids, dtype=torch.int64, device=device),
             torch.tensor(flat.positions, dtype=torch.int64, device=device),
             metadata,
-            torch.tensor(flat.logits_indices, dtype=torch.int64, device=device),
+            None if every else torch.tensor(flat.logits_indices, dtype=torch.int64, device=device),
             flat.sampled,
             flat.prompt_rows,
             flat.pooled_rows,

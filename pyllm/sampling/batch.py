@@ -45,6 +45,23 @@ def split_greedy(batch: SamplingBatch) -> tuple[list[int], list[int]]:
     return greedy, sampled
 
 
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row is greedy and asks nothing else of the sampler (no grammar, bias,
+    min_tokens mask, penalty or logprobs): its token is its logits' argmax."""
+    p = row.params
+    return (
+        p.temperature < GREEDY_TEMPERATURE
+        and row.matcher is None
+        and p.logprobs is None
+        and not p.ranks_samples
+        and not p.logit_bias
+        and row.num_output_tokens >= p.min_tokens
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+    )
+
+
 def row_index(rows: list[int], num_rows: int, device: torch.device) -> torch.Tensor | None:
     """Index tensor of `rows`, or None when they are all rows in order (no gather needed)."""
     if len(rows) == num_rows:

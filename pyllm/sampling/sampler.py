@@ -29,7 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pyllm.sampling.batch import SamplingBatch, put_rows, row_index, split_greedy, take_rows
+from pyllm.sampling.batch import (
+    SamplingBatch,
+    plain_greedy,
+    put_rows,
+    row_index,
+    split_greedy,
+    take_rows,
+)
 from pyllm.sampling.cuts import candidate_pass, sampling_weights
 from pyllm.sampling.draw import Generators, inverse_cdf, inverse_cdf_exact
 from pyllm.sampling.logprobs import Logprobs, sampled_logprobs
@@ -93,6 +100,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         self._check_logits(logits, batch)
+        if all(plain_greedy(row) for row in batch):  # the usual greedy step: one argmax
+            return SamplerOutput(first_argmax(logits).tolist(), [None] * len(batch))
         # Grammar masks stay in the logits: logprobs then describe what could be drawn.
         self._mask_by_grammar(logits, batch)
         # Penalties go into the caller's logits in place and are undone before returning

@@ -32,12 +32,22 @@ def gather_blocks(x: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) (the first index of each row's max): the first block holding the row
-    max, then the first max inside it."""
-    if x.shape[1] < 4 * BLOCK:
+    max, then the first max inside it. A row or two take torch's argmax: one op costs
+    less than the block search's ten where a step's weights have just flushed the
+    caches (SmolLM2 decode, 2 cores: 0.08 against 0.14 ms a step)."""
+    rows, n = x.shape
+    if n < 4 * BLOCK or rows <= 2:
         return x.argmax(-1)
-    block = block_maxima(x).argmax(-1)
-    columns, values = gather_blocks(x, block[:, None])
-    return columns.gather(1, values.argmax(-1, keepdim=True)).squeeze(1)
+    if n % BLOCK or not x.is_contiguous():
+        block = block_maxima(x).argmax(-1)
+        columns, values = gather_blocks(x, block[:, None])
+        return columns.gather(1, values.argmax(-1, keepdim=True)).squeeze(1)
+    # Whole blocks: each row's first max block, picked out of the [rows * blocks, BLOCK] view.
+    per_row = n // BLOCK
+    block = x.view(rows, per_row, BLOCK).amax(-1).argmax(-1)
+    starts = torch.arange(0, rows * per_row, per_row, device=x.device)
+    inner = x.view(-1, BLOCK).index_select(0, block + starts).argmax(-1)
+    return block * BLOCK + inner
 
 
 def small_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from pyllm.engine.sequence import Sequence
 from pyllm.sampling import sampler as sampler_module
-from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
+from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow, plain_greedy
 from pyllm.sampling.cuts import candidate_pass, sampling_weights
 from pyllm.sampling.draw import CHUNK, inverse_cdf, inverse_cdf_exact
 from pyllm.sampling.logprobs import prompt_logprobs
@@ -417,6 +417,51 @@ def test_block_selection_equals_argmax_and_topk(vocab):
         assert torch.equal(values, x.topk(k).values)
         assert torch.equal(x.gather(1, ids), values)
         assert all(len(set(row)) == k for row in ids.tolist()) and int(ids.max()) < vocab
+
+
+@pytest.mark.parametrize(
+    "asks",
+    [
+        dict(temperature=0.5),
+        dict(logprobs=0),
+        dict(best_of=2),
+        dict(logit_bias={3: 1.0}),
+        dict(min_tokens=1),
+        dict(repetition_penalty=1.1),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(structured_output="matcher"),
+    ],
+)
+def test_plain_greedy_rows_take_one_argmax(asks):
+    """A step of greedy rows that ask nothing else is one argmax; a row that asks for
+    anything more sends the step down the full path; the greedy rows' tokens are the same
+    either way (the first of tied maxima)."""
+    vocab = 49152  # whole blocks of select.BLOCK: the block search for > 2 rows
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1, [5, 900]] = 20.0
+    sampler = Sampler(vocab, EOS)
+    greedy = [make_seq([1, 2], SamplingParams(temperature=0.0)) for _ in range(4)]
+    assert all(plain_greedy(row) for row in batch_of(greedy))
+    params = {"temperature": 0.0, **asks}
+    matcher = params.pop("structured_output", None)
+    other = batch_of([make_seq([1, 2], SamplingParams(**params))])[0]
+    other.matcher = matcher
+    assert not plain_greedy(other)
+    fast = sampler(logits[:4], batch_of(greedy))
+    assert fast.token_ids == logits[:4].argmax(-1).tolist() and fast.logprobs == [None] * 4
+    if matcher is None:  # (masks by a real matcher: tests/engine/test_structured.py)
+        full = sampler(logits, batch_of(greedy) + [other])
+        assert full.token_ids[:4] == fast.token_ids
+
+
+def test_first_argmax_of_few_rows_and_strided_rows():
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 2 * 49152, generator=gen)
+    x[0, [10, 20000]] = 9.0
+    for rows in (x[:1, :49152], x[:2, :49152], x[:, ::2], x[:, 49152:]):
+        assert torch.equal(first_argmax(rows), rows.argmax(-1))
 
 
 def test_prompt_logprobs():
