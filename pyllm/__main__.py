@@ -1,5 +1,3 @@
-import sys
+from pyllm.cli import run
 
-from pyllm.cli import main
-
-sys.exit(main())
+run()

@@ -109,11 +109,14 @@ def _generate(args: argparse.Namespace) -> int:
     from pyllm.entrypoints.llm import LLM
 
     llm = LLM(**dataclasses.asdict(config))
-    if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    try:
+        if args.chat:
+            conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    finally:
+        llm.close()  # run() skips the exit handlers that would do it
     for prompt, output in zip(args.prompts, outputs, strict=True):
         text = output.outputs[0].text
         print(text if args.chat else prompt + text, flush=True)
@@ -289,5 +292,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `pyllm` command: main, then the exit. After `generate` (its engine closed, its
+    output printed) the interpreter's own teardown is skipped: a garbage collection over
+    torch's objects and the modules' clean-up, ~0.35 s of a ~1.8 s run on 2 cores."""
+    status = main()
+    if sys.argv[1:2] == ["generate"]:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -81,6 +81,20 @@ def test_version():
     assert run.returncode == 0 and run.stdout == f"pyllm {__version__}\n"
 
 
+def test_generate_output_and_status_survive_the_quick_exit(tmp_path):
+    """`pyllm generate` skips the interpreter's teardown (cli.run): what it printed and
+    logged still reaches the pipes, and its exit status is its own."""
+    argv = [sys.executable, "-m", "pyllm", "generate", "--max-tokens", "3", "--kv-cache-memory",
+            "0.05", "Hello"]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("Hello") and ENGINE_LOADED in run.stderr
+    missing = str(tmp_path / "missing.gguf")
+    run = subprocess.run([*argv[:4], "--model", missing, "x"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "pyllm: error:" in run.stderr, run.stderr[-2000:]
+
+
 def _refused(argv: list[str], flag: str) -> str:
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "pyllm", *argv], capture_output=True,
@@ -164,6 +178,9 @@ class _FakeLLM:
         self.seen.append(("chat", params))
         return [_Output("done")] * len(conversations)
 
+    def close(self):
+        self.seen.append(("close", None))
+
 
 @dataclasses.dataclass
 class _Completion:
@@ -181,8 +198,9 @@ def test_a_chat_runs_to_its_end_of_turn_and_a_completion_to_64_tokens(monkeypatc
     assert cli.main(["generate", "--chat", "hi"]) == 0
     assert cli.main(["generate", "The sky is"]) == 0
     assert cli.main(["generate", "--chat", "--max-tokens", "5", "hi"]) == 0
-    kinds = [(kind, params.max_tokens) for kind, params in _FakeLLM.seen]
-    assert kinds == [("chat", None), ("generate", 64), ("chat", 5)]
+    kinds = [(kind, params and params.max_tokens) for kind, params in _FakeLLM.seen]
+    assert kinds == [("chat", None), ("close", None), ("generate", 64), ("close", None),
+                     ("chat", 5), ("close", None)]  # fmt: skip
     assert capsys.readouterr().out.splitlines() == ["done", "The sky is done", "done"]
 
 

@@ -30,6 +30,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any, and writes the blocks
+        queued for the prefix cache on disk (both also done at exit)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
