@@ -63,14 +63,6 @@ def linear_forward(
     return F.linear(x, weight, bias)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-
-
-def _shaped(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
-
-
 def linear_quantized(
     x: torch.Tensor,
     parts: list[QuantPart],
@@ -79,17 +71,19 @@ def linear_quantized(
 ) -> torch.Tensor:
     """x [..., K] times the quantized weight of parts (in order, covering the output
     features), each writing its output columns."""
-    rows = _rows(x)
+    if x.dim() != 2:
+        rows = linear_quantized(x.reshape(-1, x.shape[-1]), parts, bias)
+        return rows.view(*x.shape[:-1], rows.shape[1])
     if out is None:
-        out = torch.empty(rows.shape[0], parts[-1].stop, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], parts[-1].stop, dtype=x.dtype, device=x.device)
     if len(parts) == 1:
         p = parts[0]
-        _C.quant_linear(out, rows, p.qweight, p.qtype, bias)
-        return _shaped(out, x)
+        _C.quant_linear(out, x, p.qweight, p.qtype, bias)
+        return out
     for p in parts:
         part_bias = None if bias is None else bias[p.start : p.stop]
-        _C.quant_linear(out[:, p.start : p.stop], rows, p.qweight, p.qtype, part_bias)
-    return _shaped(out, x)
+        _C.quant_linear(out[:, p.start : p.stop], x, p.qweight, p.qtype, part_bias)
+    return out
 
 
 def linear_word_packed(
@@ -99,11 +93,13 @@ def linear_word_packed(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] times a weight word-packed by ops.pack_weight_words."""
-    rows = _rows(x)
+    if x.dim() != 2:
+        rows = linear_word_packed(x.reshape(-1, x.shape[-1]), words, bias)
+        return rows.view(*x.shape[:-1], rows.shape[1])
     if out is None:
-        out = torch.empty(rows.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
-    _C.packed_linear(out, rows, words, bias)
-    return _shaped(out, x)
+        out = torch.empty(x.shape[0], words.shape[0] * 16, dtype=x.dtype, device=x.device)
+    _C.packed_linear(out, x, words, bias)
+    return out
 
 
 def takes_small_batch_path(x: torch.Tensor) -> bool:
