@@ -50,16 +50,24 @@ struct QuantizedRows {
 };
 
 // The weight stream runs this far ahead of the block being decoded (a strip's rows
-// are contiguous, so it runs on across rows). The hardware prefetchers alone left
-// batch-1 decode latency-bound: all of TinyLlama Q4_K_M's projections, 2 threads,
-// 10.6 GB/s; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB 17.4, 16 KiB 16.9 (the machine
-// reads 26-30 GB/s with 2 threads; benchmarks/quant_linear.py).
+// are contiguous, so it runs on across rows); with AVX-512 into L2: its kernels read
+// two columns' rows at once, and two streams prefetched into L1 evicted each other
+// (2048x2048, 2 threads, 1 row: Q4_K 17.1 GB/s, Q8_0 19.7 into L1; 24.8 and 31.1
+// into L2; 12.8 and 16.8 with the hardware prefetchers alone). Earlier, by one
+// column into L1 (as the AVX2 kernels still do): all of TinyLlama Q4_K_M's
+// projections, 2 threads, 10.6 GB/s without; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB
+// 17.4, 16 KiB 16.9 (benchmarks/quant_linear.py).
 constexpr int kPrefetchBytes = 8192;
 
 template <int kBytes>
 inline void prefetch_ahead(const uint8_t* blk) {
-  for (int line = 0; line < kBytes; line += 64)
+  for (int line = 0; line < kBytes; line += 64) {
+#if defined(PYLLM_QUANT_ZMM)
+    vec::prefetch_l2(blk + kPrefetchBytes + line);
+#else
     vec::prefetch_l1(blk + kPrefetchBytes + line);
+#endif
+  }
 }
 
 // The K formats (blocks of 256 with small integer sub-block scales), against inputs
