@@ -50,23 +50,26 @@ struct QuantizedRows {
 };
 
 // The weight stream runs this far ahead of the block being decoded (a strip's rows
-// are contiguous, so it runs on across rows); with AVX-512 into L2: its kernels read
-// two columns' rows at once, and two streams prefetched into L1 evicted each other
-// (2048x2048, 2 threads, 1 row: Q4_K 17.1 GB/s, Q8_0 19.7 into L1; 24.8 and 31.1
-// into L2; 12.8 and 16.8 with the hardware prefetchers alone). Earlier, by one
-// column into L1 (as the AVX2 kernels still do): all of TinyLlama Q4_K_M's
-// projections, 2 threads, 10.6 GB/s without; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB
-// 17.4, 16 KiB 16.9 (benchmarks/quant_linear.py).
+// are contiguous, so it runs on across rows). The hardware prefetchers alone left
+// batch-1 decode latency-bound: all of TinyLlama Q4_K_M's projections, 2 threads,
+// 10.6 GB/s; 1 KiB ahead 12.0, 4 KiB 16.5, 8 KiB 17.4, 16 KiB 16.9 (the machine
+// reads 26-30 GB/s with 2 threads; benchmarks/quant_linear.py).
 constexpr int kPrefetchBytes = 8192;
 
+// Rows from this long are prefetched into L2 only (to_l2), where the AVX-512 kernels
+// read two of them at once: 2048x2048, 2 threads, 1 row: Q4_K 15-18 GB/s, Q8_0
+// 19-21 into L1 against 23-25 and 29-32 into L2; SmolLM2 Q4_1's projections (rows of
+// 360 and 960 bytes) 3.9-4.3 ms into L1, 4.3-4.6 into L2.
+constexpr int64_t kL2PrefetchRowBytes = 1024;
+
 template <int kBytes>
-inline void prefetch_ahead(const uint8_t* blk) {
+inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
   for (int line = 0; line < kBytes; line += 64) {
-#if defined(PYLLM_QUANT_ZMM)
-    vec::prefetch_l2(blk + kPrefetchBytes + line);
-#else
-    vec::prefetch_l1(blk + kPrefetchBytes + line);
-#endif
+    if (to_l2) {
+      vec::prefetch_l2(blk + kPrefetchBytes + line);
+    } else {
+      vec::prefetch_l1(blk + kPrefetchBytes + line);
+    }
   }
 }
 

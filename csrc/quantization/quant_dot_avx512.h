@@ -107,7 +107,7 @@ inline void kquant_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows
     __m512i iacc[R][NC];
     for (int c = 0; c < NC; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + b * F::kBytes;
-      prefetch_ahead<F::kBytes>(blk);
+      prefetch_ahead<F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
       if constexpr (T == kQ6_K) {
         d[c] = half_at(blk + F::kD);
         dmin[c] = 32.0f * d[c];
@@ -262,7 +262,7 @@ inline void block32_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRow
     __m512i u[NC][4];
     for (int c = 0; c < NC; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + b0 * F::kBytes;
-      prefetch_ahead<8 * F::kBytes>(blk);
+      prefetch_ahead<8 * F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
       scales8<T>(blk, a[c], b[c]);
       for (int j = 0; j < 4; ++j) {
         const uint8_t* pair = blk + 2 * j * F::kBytes;

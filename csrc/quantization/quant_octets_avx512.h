@@ -290,7 +290,7 @@ inline void octet_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows&
     __m512 a16[NC], min16[NC];
     for (int c = 0; c < NC; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + o * 8 * F::kBytes;
-      prefetch_ahead<8 * F::kBytes>(blk);
+      prefetch_ahead<8 * F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
 #if defined(__AVX512VBMI__)
       if constexpr (kScalefOctets<T>) {
         mxfp4_octet(blk, wv[c], a16[c]);
@@ -393,7 +393,7 @@ inline void q4k_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x
     __m512 scale16[NC], min16[NC];
     for (int c = 0; c < NC; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + b * F::kBytes;
-      prefetch_ahead<F::kBytes>(blk);
+      prefetch_ahead<F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
       q4k_weights(blk, wv[c], scale16[c], min16[c]);
     }
     for (int r = 0; r < R; ++r) {
