@@ -56,10 +56,21 @@ struct QuantizedRows {
 // reads 26-30 GB/s with 2 threads; benchmarks/quant_linear.py).
 constexpr int kPrefetchBytes = 8192;
 
+// Rows from this long are prefetched into L2 only (to_l2), where the AVX-512 kernels
+// read two of them at once: 2048x2048, 2 threads, 1 row: Q4_K 15-18 GB/s, Q8_0
+// 19-21 into L1 against 23-25 and 29-32 into L2; SmolLM2 Q4_1's projections (rows of
+// 360 and 960 bytes) 3.9-4.3 ms into L1, 4.3-4.6 into L2.
+constexpr int64_t kL2PrefetchRowBytes = 1024;
+
 template <int kBytes>
-inline void prefetch_ahead(const uint8_t* blk) {
-  for (int line = 0; line < kBytes; line += 64)
-    vec::prefetch_l1(blk + kPrefetchBytes + line);
+inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
+  for (int line = 0; line < kBytes; line += 64) {
+    if (to_l2) {
+      vec::prefetch_l2(blk + kPrefetchBytes + line);
+    } else {
+      vec::prefetch_l1(blk + kPrefetchBytes + line);
+    }
+  }
 }
 
 // The K formats (blocks of 256 with small integer sub-block scales), against inputs

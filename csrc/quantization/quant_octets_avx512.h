@@ -196,6 +196,63 @@ inline void mxfp4_octet(const uint8_t* blk, __m512i* w, __m512& exponent16) {
 }
 #endif
 
+#if defined(__AVX512VBMI__)
+// Q4_0's and Q4_1's octet (144 or 160 bytes) by byte permutes from three 64-byte
+// loads, bytes [0, 128) and its last 64: the same vectors and scales as octet_weights,
+// whose sixteen 16-byte inserts and gather of the scales were most of a batch-1
+// product's instructions.
+template <int64_t T>
+inline void nibble_octet(const uint8_t* blk, __m512i* w, __m512& a16, __m512& min16) {
+  using F = Format<T>;
+  constexpr int kFar = 8 * F::kBytes - 64;  // the third load's offset
+  constexpr int kMin = T == kQ4_1 ? Layout<kQ4_1>::kM : F::kD;
+  struct Tables {
+    std::array<uint8_t, 64> near[3], far[3];  // two code vectors, then the scales
+    uint64_t far_mask[3];
+  };
+  alignas(64) static const Tables t = [] {
+    Tables v{};
+    auto put = [&v](int k, int p, int offset) {
+      if (offset < 128) {
+        v.near[k][p] = static_cast<uint8_t>(offset);
+      } else {
+        v.far[k][p] = static_cast<uint8_t>(offset - kFar);
+        v.far_mask[k] |= uint64_t{1} << p;
+      }
+    };
+    for (int p = 0; p < 64; ++p) {
+      const int l = p / 4, b = l % 8, i = p % 4;
+      for (int h = 0; h < 2; ++h) put(h, p, b * F::kBytes + F::kQs + 4 * (2 * h + l / 8) + i);
+    }
+    // Bytes [0, 16): the eight blocks' fp16 scales d; [16, 32): Q4_1's mins m.
+    for (int p = 0; p < 32; ++p) {
+      const int b = p % 16 / 2;
+      put(2, p, b * F::kBytes + (p < 16 ? F::kD : kMin) + p % 2);
+    }
+    return v;
+  }();
+  const __m512i lo = _mm512_loadu_si512(blk), hi = _mm512_loadu_si512(blk + 64);
+  const __m512i far = _mm512_loadu_si512(blk + kFar);
+  auto gather = [&](int k) {
+    const __m512i v = _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.near[k].data()), hi);
+    return _mm512_mask_permutexvar_epi8(v, t.far_mask[k], _mm512_load_si512(t.far[k].data()), far);
+  };
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i d = gather(h);
+    w[2 * h] = _mm512_and_si512(d, nib);
+    w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(d, 4), nib);
+  }
+  const __m512i sc = gather(2);
+  const __m512 a = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(sc)));
+  a16 = _mm512_shuffle_f32x4(a, a, 0x44);
+  if constexpr (T == kQ4_1) {
+    const __m512 m = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_extracti32x4_epi32(sc, 1)));
+    min16 = _mm512_shuffle_f32x4(m, m, 0x44);
+  }
+}
+#endif
+
 // The scales of an octet's lanes for input row scales dx16: a16 * dx16, or with
 // VBMI's MXFP4 dx16 * 2^exponent16 (the same product, rounded once).
 template <int64_t T>
@@ -217,107 +274,151 @@ inline __m512i octet_dot(__m512i start, const __m512i* wv, const uint8_t* q) {
   return _mm512_add_epi32(even, odd);
 }
 
-template <int64_t T, int R>
-void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
-                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+// Columns [n, n + NC) for input rows [m0, m0 + R).
+template <int64_t T, int R, int NC>
+inline void octet_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x,
+                       const OctetRows& xr, int64_t m0, int64_t blocks, float* out,
+                       int64_t out_stride, int64_t n) {
   using F = Format<T>;
-  const int64_t blocks = K / 32, octets = blocks / 8;
-  const OctetRows xr = rearrange_rows<T>(x, m0, R, octets);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t o = 0; o < octets; ++o) {
-      const uint8_t* blk = row + o * 8 * F::kBytes;
-      prefetch_ahead<8 * F::kBytes>(blk);
-      __m512i wv[4];
-      __m512 a16, min16;
+  const int64_t octets = blocks / 8;
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t o = 0; o < octets; ++o) {
+    __m512i wv[NC][4];
+    __m512 a16[NC], min16[NC];
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* blk = w + (n + c) * row_bytes + o * 8 * F::kBytes;
+      prefetch_ahead<8 * F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
 #if defined(__AVX512VBMI__)
       if constexpr (kScalefOctets<T>) {
-        mxfp4_octet(blk, wv, a16);
+        mxfp4_octet(blk, wv[c], a16[c]);
+      } else if constexpr (T == kQ4_0 || T == kQ4_1) {
+        nibble_octet<T>(blk, wv[c], a16[c], min16[c]);
       } else
 #endif
       {
-        octet_weights<T>(blk, wv, a16, min16);
+        octet_weights<T>(blk, wv[c], a16[c], min16[c]);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512i start =
-            T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
-        const __m512i sum = octet_dot(start, wv, xr.vectors(r, o));
-        const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[(m0 + r) * blocks + 8 * o]));
-        const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i start =
+          T == kQ4_1 ? _mm512_setzero_si512() : _mm512_load_si512(xr.lane_sums(r, o));
+      const __m512 dx = _mm512_castps256_ps512(_mm256_loadu_ps(&x.d[(m0 + r) * blocks + 8 * o]));
+      const __m512 dx16 = _mm512_shuffle_f32x4(dx, dx, 0x44);
+      const uint8_t* q = xr.vectors(r, o);
+      for (int c = 0; c < NC; ++c) {
+        const __m512i sum = octet_dot(start, wv[c], q);
         const __m512 scale =
-            kScalefOctets<T> ? _mm512_scalef_ps(dx16, a16) : _mm512_mul_ps(a16, dx16);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            kScalefOctets<T> ? _mm512_scalef_ps(dx16, a16[c]) : _mm512_mul_ps(a16[c], dx16);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r][c]);
         if constexpr (T == kQ4_1) {
           const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(xr.lane_sums(r, o)));
-          acc[r] = _mm512_fmadd_ps(min16, s, acc[r]);
+          acc[r][c] = _mm512_fmadd_ps(min16[c], s, acc[r][c]);
         }
       }
     }
-    float tail[R];
-    tail_blocks<T, R>(row, x, m0, octets * 8, blocks, tail);
-    for (int r = 0; r < R; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + tail[r];
   }
+  float sums[R][NC], tail[NC][R];
+  for (int r = 0; r < R; ++r) column_sums<NC>(acc[r], sums[r]);
+  for (int c = 0; c < NC; ++c) {
+    tail_blocks<T, R>(w + (n + c) * row_bytes, x, m0, octets * 8, blocks, tail[c]);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) out[r * out_stride + n + c] = sums[r][c] + tail[c][r];
+  }
+}
+
+template <int64_t T, int R>
+void octet_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32;
+  const OctetRows xr = rearrange_rows<T>(x, m0, R, blocks / 8);
+  column_passes<kPassColumns>(n0, n1, [&](auto nc, int64_t n) {
+    octet_pass<T, R, decltype(nc)::value>(w, row_bytes, x, xr, m0, blocks, out, out_stride, n);
+  });
 }
 
 // Q4_K by the same rearrangement, a block of 256 being eight groups of 32 with 6-bit
 // scales and mins: lane l of the four vectors holds weights of group l % 8, so one
-// vpmulld by the groups' scales per row and block replaces kquant_rows' pair sums
-// (vpmaddubsw + vpdpwssd per vector), and the mins take the rows' lane sums.
-inline void q4k_weights(const uint8_t* blk, __m512i* w, __m512i& sc16, __m512& min16, float& d) {
+// float scale per lane and row replaces kquant_rows' pair sums (vpmaddubsw + vpdpwssd
+// per vector), and the mins take the rows' lane sums. The odd groups' codes stay in
+// their bytes' high nibbles (one AND per vector, no shift): their sums are 16 times
+// the codes' (at most 4 * 4 * 240 * 127, exact in float32), and their lanes' scales
+// are divided by 16.
+inline void q4k_weights(const uint8_t* blk, __m512i* w, __m512& scale16, __m512& min16) {
   using F = Format<kQ4_K>;
-  alignas(64) static const auto index = [] {
-    std::array<std::array<int32_t, 16>, 4> idx{};
-    for (int v = 0; v < 4; ++v) {
-      for (int l = 0; l < 16; ++l) idx[v][l] = 8 * (l % 8 / 2) + octet_dword<kQ4_K>(v, l);
+  struct Tables {
+    std::array<std::array<int32_t, 16>, 4> index;
+    std::array<float, 16> shift;  // 1/16 in the odd groups' lanes
+  };
+  alignas(64) static const Tables t = [] {
+    Tables v{};
+    for (int k = 0; k < 4; ++k) {
+      for (int l = 0; l < 16; ++l) v.index[k][l] = 8 * (l % 8 / 2) + octet_dword<kQ4_K>(k, l);
     }
-    return idx;
+    for (int l = 0; l < 16; ++l) v.shift[l] = l % 2 ? 1.0f / 16.0f : 1.0f;
+    return v;
   }();
   const uint8_t* qs = F::nibble_bytes(blk, 0);
   const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
-  const __mmask32 odd_groups = 0xCCCCCCCC;  // the 16-bit words of lanes 1, 3, 5, ...
+  const __m512i nibbles = _mm512_set1_epi64(0xF0F0F0F00F0F0F0FLL);  // low, high per lane pair
   for (int v = 0; v < 4; ++v) {
-    const __m512i t = _mm512_permutex2var_epi32(q0, _mm512_load_si512(index[v].data()), q1);
-    w[v] = _mm512_and_si512(_mm512_mask_srli_epi16(t, odd_groups, t, 4), _mm512_set1_epi8(0x0F));
+    const __m512i d = _mm512_permutex2var_epi32(q0, _mm512_load_si512(t.index[v].data()), q1);
+    w[v] = _mm512_and_si512(d, nibbles);
   }
   const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
-  d = _mm_cvtss_f32(dd);
   uint64_t scales, mins;
   k_scales_mins(blk + F::kScales, scales, mins);
-  sc16 = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(scales)));
+  const __m512i s16 = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(scales)));
+  scale16 = _mm512_mul_ps(_mm512_cvtepi32_ps(s16),
+                          _mm512_mul_ps(_mm512_broadcastss_ps(dd), _mm512_load_ps(t.shift.data())));
   const __m512i m16 = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<int64_t>(mins)));
   min16 = _mm512_mul_ps(_mm512_cvtepi32_ps(m16), _mm512_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+}
+
+// Columns [n, n + NC) for input rows [m0, m0 + R).
+template <int R, int NC>
+inline void q4k_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x,
+                     const OctetRows& xr, int64_t m0, int64_t blocks, float* out,
+                     int64_t out_stride, int64_t n) {
+  using F = Format<kQ4_K>;
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i wv[NC][4];
+    __m512 scale16[NC], min16[NC];
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* blk = w + (n + c) * row_bytes + b * F::kBytes;
+      prefetch_ahead<F::kBytes>(blk, row_bytes >= kL2PrefetchRowBytes);
+      q4k_weights(blk, wv[c], scale16[c], min16[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * blocks + b]);
+      const uint8_t* q = xr.vectors(r, b);
+      const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(xr.lane_sums(r, b)));
+      for (int c = 0; c < NC; ++c) {
+        const __m512i sum = octet_dot(_mm512_setzero_si512(), wv[c], q);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale16[c], dx),
+                                    acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(min16[c], s, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) column_sums<NC>(acc[r], out + r * out_stride + n);
 }
 
 template <int R>
 void q4k_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0, int64_t K,
               float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  using F = Format<kQ4_K>;
   const int64_t blocks = K / 256;
   const OctetRows xr = rearrange_rows<kQ4_K>(x, m0, R, blocks);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = row + b * F::kBytes;
-      prefetch_ahead<F::kBytes>(blk);
-      __m512i wv[4], sc16;
-      __m512 min16;
-      float d;
-      q4k_weights(blk, wv, sc16, min16, d);
-      for (int r = 0; r < R; ++r) {
-        const __m512i sum = octet_dot(_mm512_setzero_si512(), wv, xr.vectors(r, b));
-        const float dx = x.d[(m0 + r) * blocks + b];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc16)),
-                                 _mm512_set1_ps(d * dx), acc[r]);
-        const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(xr.lane_sums(r, b)));
-        acc[r] = _mm512_fmadd_ps(min16, s, acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]);
-  }
+  column_passes<kPassColumns>(n0, n1, [&](auto nc, int64_t n) {
+    q4k_pass<R, decltype(nc)::value>(w, row_bytes, x, xr, m0, blocks, out, out_stride, n);
+  });
 }
 
 }  // namespace
