@@ -264,6 +264,8 @@ def build_engines(path: str, args, notes: list[str]) -> dict:
     spec |= {"prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if args.fixed_length:
+        spec["adaptive_length"] = False
     if "plain" in args.modes or "ngram" in args.modes:
         engines["plain"] = Pyllm(path, args)
     if "ngram" in args.modes:
@@ -281,6 +283,8 @@ def draft_engines(path: str, args, notes: list[str]) -> dict:
     """The file drafting for itself widened (quantization="none"), and that widened
     engine without speculation as its baseline; {} when the config is refused."""
     spec = {"model": path, "num_speculative_tokens": args.k}
+    if args.fixed_length:
+        spec["adaptive_length"] = False
     try:
         draft = Pyllm(path, args, quantization="none", speculative_config=spec)
     except ValueError as error:
@@ -419,6 +423,11 @@ def parse_args() -> argparse.Namespace:
         help="ngram's threshold (default: the config's, 2); a large one speculates at any batch",
     )
     parser.add_argument("--repeats", type=int, default=1, help="each cell: the best of")
+    parser.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="adaptive_length off: every proposal as long as k (and a match) allow",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's")
     parser.add_argument("--llama-cpp-path", default=os.environ.get("LLAMA_CPP_PYTHONPATH"),
                         help="a folder holding the llama_cpp package (default: "

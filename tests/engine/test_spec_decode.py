@@ -70,10 +70,12 @@ def plain_outputs(tiny_model_dir):
         {"enable_prefix_caching": False},
         {"kv_cache": "contiguous"},
         {"kv_cache": "contiguous", "max_num_batched_tokens": 16},
+        {"adaptive_length": False},  # every proposal as long as a match allows
     ],
 )
 def test_greedy_output_is_the_plain_engines(tiny_model_dir, plain_outputs, options):
-    llm = _llm(tiny_model_dir, **options)
+    adaptive = options.pop("adaptive_length", True)
+    llm = _llm(tiny_model_dir, {**NGRAM, "adaptive_length": adaptive}, **options)
     assert _tokens(llm, _prompts(12)) == plain_outputs
     stats = llm.engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
@@ -316,6 +318,7 @@ def assert_draws_follow(llm: LLM, prompt, expected: dict, broken: bool, draws: i
             "disable_by_batch_size",
         ),  # noqa: E501
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "lookup"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_length": 1}, "adaptive_length"),
         (["ngram"], None),
     ],
 )

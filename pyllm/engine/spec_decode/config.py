@@ -20,6 +20,7 @@ KEYS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "adaptive_length",
 )
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -48,6 +49,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int  # shortest n-gram looked up
     disable_by_batch_size: int  # no proposals in a step with more running sequences
     model: str | None = None  # the draft model's path (method "draft_model")
+    # Propose each sequence only as many tokens as its acceptance so far makes worth
+    # verifying (spec_decode/adaptive.py); False: always up to num_speculative_tokens.
+    adaptive_length: bool = True
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -64,10 +68,13 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     method = _method(value)
     k = _positive(value, "num_speculative_tokens", None)
     batch = _positive(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    adaptive = value.get("adaptive_length", True)
+    if not isinstance(adaptive, bool):
+        raise SpeculativeConfigError("adaptive_length", f"must be true or false, got {adaptive!r}")
     if method == "draft_model":
-        return SpeculativeConfig(method, k, 0, 0, batch, _draft_path(value))
+        return SpeculativeConfig(method, k, 0, 0, batch, _draft_path(value), adaptive)
     most, least = _lookup_bounds(value)
-    return SpeculativeConfig(method, k, most, least, batch)
+    return SpeculativeConfig(method, k, most, least, batch, None, adaptive)
 
 
 def _lookup_bounds(value: dict) -> tuple[int, int]:

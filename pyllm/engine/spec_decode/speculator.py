@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from pyllm.engine.sequence import Sequence
+from pyllm.engine.spec_decode.adaptive import AcceptanceRecord, best_length
 from pyllm.engine.spec_decode.config import SpeculativeConfig
 from pyllm.engine.spec_decode.draft_loader import Target, load_draft
 from pyllm.engine.spec_decode.ngram import NgramProposer
@@ -55,6 +56,7 @@ class Speculator:
             if config.method == "draft_model"
             else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         )
+        self.records: dict[int, AcceptanceRecord] = {}  # by seq.arrival (adaptive_length)
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running decode's spec_token_ids for the coming step ([] for one
@@ -72,17 +74,29 @@ class Speculator:
             seq.spec_token_ids = (
                 tokens if seq.matcher is None else allowed_prefix(seq.matcher, tokens)
             )
+            if self.config.adaptive_length:
+                # The very list the scheduler trims in place and the step verifies.
+                record = self.records[seq.arrival]
+                record.proposed, record.position = seq.spec_token_ids, seq.num_tokens
 
     def forget(self, seq: Sequence) -> None:
         """seq finished or was aborted: the proposer's state for it goes."""
         self.proposer.forget(seq)
+        self.records.pop(seq.arrival, None)
 
     def _length(self, seq: Sequence) -> int:
         """The most tokens seq may be proposed: never past max_tokens (the token after
         the draft is emitted too) nor the context (a proposed token's position must
-        exist)."""
+        exist), and with adaptive_length what its acceptance so far makes worth it."""
+        most = self.config.num_speculative_tokens
+        if self.config.adaptive_length:
+            record = self.records.setdefault(seq.arrival, AcceptanceRecord())
+            record.observe(seq.token_ids)
+            most = best_length(record.rate, most)
+            if most == 0:
+                record.idle()
         return min(
-            self.config.num_speculative_tokens,
+            most,
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens,
         )
