@@ -58,6 +58,9 @@ class ModelConfig:
     source: str = ""  # the file this config came from, for error messages
     hidden_act: str = "silu"  # the MLP's gate: silu or gelu_tanh (GeGLU)
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    # Rope rotates each head's pairs (2i, 2i + 1) rather than (i, i + D/2): GGUF files of
+    # Llama keep q/k rows in that order (llama.cpp's), read where they lie.
+    rope_interleaved: bool = False
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     # Layers marked "sliding_attention" attend to the last sliding_window positions

@@ -111,6 +111,7 @@ class Attention(Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rope_halves = not config.rope_interleaved  # rotary_embedding's is_neox
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.attn_scale or self.head_dim**-0.5
         self.qkv_proj = Linear(
@@ -147,7 +148,7 @@ class Attention(Module):
             q, k, heads = step.q, step.k, step.heads
         else:
             q, k, heads = self._split(qkv)
-        _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, True)
+        _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, self.rope_halves)
         meta.backend.forward(self, step.out, *heads, positions, kv_cache, meta, step.attention)
         return self.o_proj(step.out_rows, step.hidden)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -80,7 +81,10 @@ def _config(gguf_file: GGUFFile, path: str) -> ModelConfig:
         for name in ("rope_freqs", "rope_factors_short", "rope_factors_long")
         if name + ".weight" in tensors
     }
-    return ModelConfig.from_gguf_metadata(_metadata(gguf_file), set(tensors), path, factors)
+    config = ModelConfig.from_gguf_metadata(_metadata(gguf_file), set(tensors), path, factors)
+    # llama.cpp's Llama q/k rows pair each head's rotary halves as rows 2i, 2i + 1;
+    # rotating those pairs keeps the rows where they lie (one mapped run with v).
+    return replace(config, rope_interleaved=config.architecture == "llama")
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -137,15 +141,6 @@ def hf_names(config: ModelConfig, slots: dict, tensors: dict[str, GGUFTensor]) -
     return names
 
 
-def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row order. Within each head of D rows, HF keeps the
-    rotary halves apart (row r pairs with r + D/2); llama.cpp stores them interleaved
-    (pair i at rows 2i, 2i+1). Row 2i+j of a head goes back to row j*D/2 + i."""
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def load_gguf(
     path: str,
     dtype: str | torch.dtype = "auto",
@@ -178,9 +173,6 @@ def load_gguf(
             _fill_experts(filler, tensor, name, path)
             continue
         values = dequantize(tensor, path)
-        rows_per_head = _permuted_heads(config, tensor.name)
-        if rows_per_head:
-            values = unpermute_rows(values, rows_per_head)
         with warnings.catch_warnings():
             # F32 tensors come back as read-only views of the memory-mapped file; they
             # are only read (copied into the parameter), never written.
@@ -222,17 +214,6 @@ def _fill_experts(filler: WeightFiller, tensor: GGUFTensor, name: str, path: str
         values = torch.from_numpy(dequantize(tensor, path, expert=e))
         filler.fill(per_expert_name(name, e), values, where=f"{path} ({tensor.name})")
     filler.mark(name)
-
-
-def _permuted_heads(config: ModelConfig, gguf_name: str) -> int:
-    """The head count of a q/k projection whose rows llama.cpp reordered, else 0."""
-    if config.architecture != "llama":
-        return 0
-    if ".attn_q." in gguf_name:
-        return config.num_attention_heads
-    if ".attn_k." in gguf_name:
-        return config.num_key_value_heads
-    return 0
 
 
 # Which GGUF tensors make up each projection, in output order: (module path, parts).
@@ -364,7 +345,7 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
     layer's (a row-parallel rank's share of the tensor's columns)."""
     from pyllm.model.linear import QuantPart
 
-    config, shard = model.config, model.shard
+    shard = model.shard
     parts, start, i = [], 0, 0
     while i < len(tensors):
         run = [tensors[i]]
@@ -392,9 +373,6 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
             cols = range(first * row_bytes, (first + 1) * row_bytes)
             dest = qweight[at : at + n].numpy()
             _read_rows(file, t, ranges, dest, cols)
-            heads = _permuted_heads(config, t.name)
-            if heads:
-                dest[:] = unpermute_rows(dest, n // config.head_dim)
             at += n
         parts.append(QuantPart(qweight.to(model.device), run[0].type_id, start, start + rows))
         start += rows
@@ -405,10 +383,10 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
 def _mapped_run(model: LlamaForCausalLM, run: list[GGUFTensor], in_features: int):
     """The blocks of `run` as one uint8 [rows, row bytes] view of the file's read-only map,
     no copy (the page cache is shared by every process that maps the file), where they lie
-    as the kernel reads them: one rank, no rows to reorder, each tensor right after the
+    as the kernel reads them: one rank, each tensor right after the
     one before. None otherwise (the caller reads a private copy). The view holds the map.
     """
-    if model.shard.size != 1 or any(_permuted_heads(model.config, t.name) for t in run):
+    if model.shard.size != 1:
         return None
     if any(t.shape[-1] != in_features for t in run):
         return None  # the caller names the shape mismatch

@@ -189,6 +189,14 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def file_qk_rows(qkv: torch.Tensor, config) -> torch.Tensor:
+    """A fused q/k/v weight (or bias) with its q and k rows in llama.cpp's order."""
+    q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size])
+    q = llama_cpp_permute(q.numpy(), config.num_attention_heads)
+    k = llama_cpp_permute(k.numpy(), config.num_key_value_heads)
+    return torch.cat((torch.from_numpy(q), torch.from_numpy(k), v))
+
+
 _GGUF_PARTS = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -369,11 +377,16 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
     assert config.architecture == arch
     assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert config.qkv_bias == (variant in ("qwen2", "gpt-oss"))
-    # The weights come back exactly (F32; Gemma's norms as the 1 + w it stores), q/k rows
-    # in HF's order ...
+    # The weights come back exactly (F32; Gemma's norms as the 1 + w it stores; Llama's
+    # q/k rows in the file's order, which its rope then pairs up) ...
     expected = expected_params(hf, config)
     if arch == "gemma3":
         expected = {k: v + 1 if k.endswith("norm.weight") else v for k, v in expected.items()}
+    assert config.rope_interleaved == (arch == "llama")
+    if config.rope_interleaved:
+        expected = {
+            k: file_qk_rows(v, config) if "qkv_proj" in k else v for k, v in expected.items()
+        }
     assert_params_equal(model, expected)
     # ... and so do the logits.
     tokens = [list(range(5, 30)), list(range(200, 209))]
@@ -511,9 +524,8 @@ def test_smollm2_greedy_matches_hf(hf_smollm2):
 
 def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
     """Projections whose blocks lie in the file as the kernel reads them (o_proj,
-    down_proj, gate+up when adjacent, the token table) point into the file's read-only
-    map, no private copy; q/k rows llama.cpp reordered are copied. Logits are exactly
-    those of the all-copies load."""
+    down_proj, q+k+v and gate+up when adjacent, the token table) point into the file's
+    read-only map, no private copy. Logits are exactly those of the all-copies load."""
     from pyllm.model import loader_gguf
     from pyllm.model.gguf_file import open_gguf
 
@@ -533,7 +545,13 @@ def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
     assert torch.equal(o_part.qweight, torch.from_numpy(np.array(raw)))
     assert in_map(layer.mlp.down_proj.qparts[0].qweight)
     assert in_map(model.model.embed_tokens.qpart.qweight)
-    assert not any(in_map(p.qweight) for p in layer.self_attn.qkv_proj.qparts)
+    # q/k rows stay in the file's order (rope pairs them up), so q, k and v are one
+    # view where they lie one after another; this file stores k first: a copy.
+    (qkv_part,) = layer.self_attn.qkv_proj.qparts
+    q, k, v = (tensors[f"blk.0.attn_{x}.weight"] for x in "qkv")
+    adjacent = k.offset == q.offset + q.nbytes and v.offset == k.offset + k.nbytes
+    assert in_map(qkv_part.qweight) == adjacent
+    assert torch.equal(qkv_part.qweight[: q.shape[0]], torch.from_numpy(np.array(q.raw)))
 
     monkeypatch.setattr(loader_gguf, "_mapped_run", lambda *args: None)
     copied, _ = load_model(path, dtype="float32")
