@@ -1,6 +1,6 @@
 """A decode step unprofiled, split three ways: the real step, its kernels alone (every
-torch.ops.pyllm call of one step recorded, then replayed back to back), and its Python
-alone (the same step with every pyllm kernel a no-op).
+pyllm op call of one step recorded, then replayed back to back), and its Python alone
+(the same step with every pyllm kernel a no-op).
 
     PYTHONPATH=. python benchmarks/step_split.py                   # bundled SmolLM2, bf16
     PYTHONPATH=. python benchmarks/step_split.py --dtype float32 --model file.gguf
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from pyllm import _C as direct
 from pyllm import LLM, SamplingParams
 
 OPS = (
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
-    engine, namespace = llm.engine, torch.ops.pyllm
+    engine, namespace = llm.engine, direct  # what the model calls (csrc/torch_bindings.cpp)
     kernels = {name: getattr(namespace, name) for name in OPS}
     budget = 16 + args.rounds * 3 * args.steps
     params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)

@@ -2,9 +2,11 @@
 //
 // Schemas follow vLLM's where vLLM has the op, so code written against
 // torch.ops._C.* ports over by changing the namespace.
-#include <Python.h>
 #include <torch/custom_class.h>
+#include <torch/extension.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "attention/sizes.h"
 #include "cache/kv_arena.h"
@@ -173,9 +175,66 @@ TORCH_LIBRARY_IMPL(pyllm, CPU, m) { PYLLM_REGISTER_IMPLS(cpu) }
 TORCH_LIBRARY_IMPL(pyllm, CUDA, m) { PYLLM_REGISTER_IMPLS(cuda) }
 #endif
 
-// `import pyllm._C` loads this library, which runs the registrations above.
-// The module itself is empty: every op is reached as torch.ops.pyllm.<name>.
-PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
+// `import pyllm._C` loads this library, which runs the registrations above. Its
+// module holds the ops the model calls in every layer again, as plain functions of
+// the same names and arguments: on CPU tensors they call the CPU kernel directly, on
+// others they go through the dispatcher as torch.ops.pyllm.<name> does. A call
+// through torch.ops costs about 1.3 us more (1.6 against 0.3 for a 64-wide
+// rms_norm), and a small model's batch-1 decode step makes some 300 calls.
+namespace {
+
+template <typename T>
+bool on_cpu(const T& arg) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, at::Tensor>) {
+    return arg.is_cpu();
+  } else if constexpr (std::is_same_v<U, std::optional<at::Tensor>>) {
+    return !arg.has_value() || arg->is_cpu();
+  } else {
+    return true;
+  }
+}
+
+template <typename Sig>
+struct Direct;
+
+template <typename... A>
+struct Direct<void(A...)> {
+  template <void (*Cpu)(A...)>
+  static auto bind(const char* name) {
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<void(A...)>();
+    return [op, name](A... args) {
+      if ((on_cpu(args) && ...)) {
+        // What the dispatcher records for the profiler (a no-op when none runs).
+        RECORD_FUNCTION(name, std::vector<c10::IValue>());
+        return Cpu(args...);
+      }
+      op.call(args...);
+    };
+  }
+};
+
+}  // namespace
+
+#define PYLLM_DIRECT(name)                                                                  \
+  m.def(#name, Direct<decltype(pyllm::cpu::name)>::bind<&pyllm::cpu::name>("pyllm::" #name), \
+        pybind11::call_guard<pybind11::gil_scoped_release>())
+
+PYBIND11_MODULE(_C, m) {
+  PYLLM_DIRECT(reshape_and_cache);
+  PYLLM_DIRECT(paged_attention_v1);
+  PYLLM_DIRECT(paged_attention_v2);
+  PYLLM_DIRECT(paged_attention_prefill);
+  PYLLM_DIRECT(rotary_embedding);
+  PYLLM_DIRECT(rms_norm);
+  PYLLM_DIRECT(fused_add_rms_norm);
+  PYLLM_DIRECT(silu_and_mul);
+  PYLLM_DIRECT(small_batch_linear);
+  PYLLM_DIRECT(packed_linear);
+  PYLLM_DIRECT(quant_linear);
+  PYLLM_DIRECT(dequantize_rows);
+  PYLLM_DIRECT(write_kv_contiguous);
+  PYLLM_DIRECT(contiguous_attention_decode);
+  PYLLM_DIRECT(contiguous_attention_prefill);
+  PYLLM_DIRECT(fused_moe);
 }

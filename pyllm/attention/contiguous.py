@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.attention.backend import (
     MAIN_CACHE,
     AttentionBackend,
@@ -23,8 +24,6 @@ from pyllm.attention.backend import (
 )
 from pyllm.attention.metadata import AttentionMetadata, index_tensor
 from pyllm.kv_cache import KVArena
-
-_C = torch.ops.pyllm
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import pyllm.ops as ops
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.attention.backend import (
     MAIN_CACHE,
     AttentionBackend,
@@ -26,8 +27,6 @@ from pyllm.attention.backend import (
 )
 from pyllm.attention.metadata import AttentionMetadata, index_tensor
 from pyllm.kv_cache import allocate_kv_cache, allocate_kv_scales, kv_token_bytes
-
-_C = torch.ops.pyllm
 
 # Decode attention switches from paged_attention_v1 (one pass per sequence and head)
 # to v2 (partitions of ops.PARTITION_SIZE tokens, merged after) past this context

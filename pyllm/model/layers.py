@@ -3,9 +3,10 @@ tables, attention and the dense MLP (projections: linear.py; sparse MLPs: moe.py
 
 A step's batch has no padding: T tokens from many sequences back to back, prefill
 tokens first (every sequence that processes a prompt or a prompt chunk this step),
-then decode tokens (one per sequence). The hot path calls ``torch.ops.pyllm.*``
-directly; the step's attention backend (pyllm.attention) writes the KV cache and runs
-attention in the layout the step's metadata belongs to.
+then decode tokens (one per sequence). The hot path calls pyllm's ops directly
+(``pyllm._C``: on CPU tensors without the dispatcher); the step's attention backend
+(pyllm.attention) writes the KV cache and runs attention in the layout the step's
+metadata belongs to.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.attention.backend import KVPair
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, rope_inv_freq
 from pyllm.model.linear import Linear, empty_param
 from pyllm.model.module import Module
-
-_C = torch.ops.pyllm
 
 
 class RMSNorm(Module):

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.model.module import Module
-
-_C = torch.ops.pyllm
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

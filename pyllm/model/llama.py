@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.attention.backend import MAIN_CACHE, AttentionBackend, CacheSpec, KVCache
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
@@ -32,8 +33,6 @@ from pyllm.model.linear import (
 from pyllm.model.module import Module
 from pyllm.model.moe import SparseMoeBlock
 from pyllm.model.shard import Shard, set_reductions, shard_config
-
-_C = torch.ops.pyllm
 
 
 def input_norm(norm: RMSNorm, hidden, residual):

@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyllm.ops as ops
+from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.model.config import ModelConfig
 from pyllm.model.linear import empty_param, linear_small_batch, takes_small_batch_path
 from pyllm.model.module import Module
-
-_C = torch.ops.pyllm
 
 
 class Router(Module):
