@@ -92,14 +92,8 @@ inline void kquant_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows
                         int64_t blocks, float* out, int64_t out_stride, int64_t n) {
   using F = Format<T>;
   const auto& idx = kquant_index<T>();
-  __m512 acc[R][NC];
-  __m256 off[R][NC];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NC; ++c) {
-      acc[r][c] = _mm512_setzero_ps();
-      off[r][c] = _mm256_setzero_ps();
-    }
-  }
+  __m512 acc[R][NC] = {};
+  __m256 off[R][NC] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i scale16[NC];  // per 16 values, against the inputs' integer sums
     __m512i words[NC];    // the integer scales as 16-bit words
@@ -249,14 +243,8 @@ inline void block32_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRow
     return v;
   }();
   const __m512i pair_sums = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[R][NC];
-  __m256 off[R][NC];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NC; ++c) {
-      acc[r][c] = _mm512_setzero_ps();
-      off[r][c] = _mm256_setzero_ps();
-    }
-  }
+  __m512 acc[R][NC] = {};
+  __m256 off[R][NC] = {};
   for (int64_t b0 = 0; b0 < whole; b0 += 8) {
     __m256 a[NC], b[NC];
     __m512i u[NC][4];

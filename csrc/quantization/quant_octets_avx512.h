@@ -281,10 +281,7 @@ inline void octet_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows&
                        int64_t out_stride, int64_t n) {
   using F = Format<T>;
   const int64_t octets = blocks / 8;
-  __m512 acc[R][NC];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  }
+  __m512 acc[R][NC] = {};
   for (int64_t o = 0; o < octets; ++o) {
     __m512i wv[NC][4];
     __m512 a16[NC], min16[NC];
@@ -384,10 +381,7 @@ inline void q4k_pass(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x
                      const OctetRows& xr, int64_t m0, int64_t blocks, float* out,
                      int64_t out_stride, int64_t n) {
   using F = Format<kQ4_K>;
-  __m512 acc[R][NC];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  }
+  __m512 acc[R][NC] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i wv[NC][4];
     __m512 scale16[NC], min16[NC];
