@@ -33,7 +33,8 @@ from pyllm.engine.block_file import write_block as write_block_file
 
 logger = logging.getLogger("pyllm")
 
-FORMAT_VERSION = 1
+# 2: GGUF Llama keys keep llama.cpp's order within each head (rope on pairs 2i, 2i + 1).
+FORMAT_VERSION = 2
 SUFFIX = ".kv"
 QUEUE_BYTES = 256 * 2**20  # blocks copied out and waiting to be written, at most
 PRUNE_TO = 0.9  # past the bound, delete down to this share of it

@@ -383,8 +383,8 @@ def _read_parts(file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_fea
 def _mapped_run(model: LlamaForCausalLM, run: list[GGUFTensor], in_features: int):
     """The blocks of `run` as one uint8 [rows, row bytes] view of the file's read-only map,
     no copy (the page cache is shared by every process that maps the file), where they lie
-    as the kernel reads them: one rank, each tensor right after the
-    one before. None otherwise (the caller reads a private copy). The view holds the map.
+    as the kernel reads them: one rank, each tensor right after the one before. None
+    otherwise (the caller reads a private copy). The view holds the map.
     """
     if model.shard.size != 1:
         return None
