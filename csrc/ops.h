@@ -105,10 +105,12 @@ namespace pyllm {
                      const std::optional<at::Tensor>& bias);                  \
                                                                                \
   /* out[M, N] = input[M, K] . W^T (+ bias), W [N, K] kept as the GGUF blocks  \
-     of GGML type qtype: qweight uint8 [N, K / block * block_bytes]. */        \
+     of GGML type qtype: qweight uint8 [N, K / block * block_bytes]. Rows      \
+     [0, many_rows) take the arithmetic of a many-row call whatever their      \
+     count (a prompt's rows compute alike however the prompt was split). */   \
   void quant_linear(at::Tensor& out, const at::Tensor& input,                 \
                     const at::Tensor& qweight, int64_t qtype,                 \
-                    const std::optional<at::Tensor>& bias);                   \
+                    const std::optional<at::Tensor>& bias, int64_t many_rows); \
                                                                                \
   /* out[R, K] = rows of the quantized weight (all N rows if rows is None). */ \
   void dequantize_rows(at::Tensor& out, const at::Tensor& qweight,            \

@@ -96,7 +96,7 @@ TORCH_LIBRARY(pyllm, m) {
   // Linear layers over GGUF-quantized weights (quantization/).
   m.def(
       "quant_linear(Tensor(a!) out, Tensor input, Tensor qweight, int qtype,"
-      " Tensor? bias) -> ()");
+      " Tensor? bias=None, int many_rows=0) -> ()");
   m.def("dequantize_rows(Tensor(a!) out, Tensor qweight, int qtype, Tensor? rows) -> ()");
 
   // Mixture of experts (moe/): routing, and a whole MoE feed-forward.

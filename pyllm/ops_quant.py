@@ -62,6 +62,7 @@ def quant_linear(
     qweight: torch.Tensor,
     qtype: int,
     bias: torch.Tensor | None = None,
+    many_rows: int = 0,
 ) -> None:
     """out = input @ W.T (+ bias) with W [N, K] kept quantized: ``qweight`` holds its N
     rows of GGUF blocks of GGML type ``qtype`` (``QUANT_TYPES``), uint8
@@ -71,11 +72,20 @@ def quant_linear(
     On the CPU each input row is quantized to int8 in groups of 32 and multiplied with
     the weights' integers (VNNI or AVX2 integer dot products), scaled per group and
     accumulated in float32: the error against a float product is bounded by half a
-    quantization step of the input per weight. Input rows and out rows may be strided
-    (row views); their elements must be packed.
+    quantization step of the input per weight. Many rows take float products of
+    dequantized weights instead where the CPU has a fast path for them. Input rows and
+    out rows may be strided (row views); their elements must be packed.
+
+    ``many_rows`` (in [0, M]): rows [0, many_rows) take the many-row arithmetic
+    whatever their count, the others that of their own count. Each path computes a row
+    the same whatever rows share the call, so a prompt's rows passed this way give the
+    same results whole, in chunks, or a few at a time.
     """
-    _check_args(_C.quant_linear, out=out, input=input, qweight=qweight, qtype=qtype, bias=bias)
-    _C.quant_linear(out, input, qweight, qtype, bias)
+    _check_args(
+        _C.quant_linear, out=out, input=input, qweight=qweight, qtype=qtype, bias=bias,
+        many_rows=many_rows,
+    )  # fmt: skip
+    _C.quant_linear(out, input, qweight, qtype, bias, many_rows)
 
 
 def dequantize_rows(

@@ -50,13 +50,15 @@ inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t i
 // part into its columns); each row must be packed.
 inline int64_t check_quant_linear(const at::Tensor& out, const at::Tensor& input,
                                   const at::Tensor& qweight, int64_t qtype,
-                                  const std::optional<at::Tensor>& bias) {
+                                  const std::optional<at::Tensor>& bias, int64_t many_rows) {
   check_linear_input(input);
   const int64_t N = check_qweight(qweight, qtype, input.size(1), input.device());
   check_like("out", out, input);
   check_shape("out", out, {input.size(0), N}, "[rows, out_features]");
   check_packed_rows("out", out);
   check_linear_bias(bias, input, N);
+  TORCH_CHECK_VALUE(many_rows >= 0 && many_rows <= input.size(0), "many_rows must be in [0, ",
+                    input.size(0), "] (input's rows), got ", many_rows);
   return N;
 }
 

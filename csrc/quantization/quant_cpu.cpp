@@ -18,7 +18,8 @@
 // Many rows (a prompt chunk, a large batch) go instead through float products of
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
 // (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
-// vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows).
+// vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows). A
+// step's prompt rows take the AMX tiles or panels at any count (many_rows).
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -42,69 +43,112 @@ std::atomic<bool> g_batch_invariant{false};
 bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
 void set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_order_relaxed); }
 
-void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
-                  int64_t qtype, const std::optional<at::Tensor>& bias) {
-  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias);
-  const int64_t M = input.size(0), K = input.size(1);
-  const auto dtype = input.scalar_type();
-  if (M == 0 || N == 0) return;
-  PYLLM_DISPATCH_FLOATING_TYPES(dtype, "quant_linear", [&] {
-    const scalar_t* in = input.const_data_ptr<scalar_t>();
-    const uint8_t* w = qweight.const_data_ptr<uint8_t>();
-    const int64_t row_bytes = qweight.size(1);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t ld = out.stride(0);
-    const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
-    // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
-    int64_t n_panel = 0;
+namespace {
+
+// The float path a call of many rows takes, where this build has one for dtype S and
+// the format (AMX tiles, or the panels), and the rows from which a call takes it by
+// its count alone; 0 where the int8 products (or, on AVX2, ATen's GEMM) take many
+// rows.
+template <typename S>
+int64_t many_row_path_from(int64_t qtype) {
 #ifdef PYLLM_QUANT_AMX
-    if (std::is_same_v<scalar_t, c10::BFloat16> && M >= kAmxMinRows && !batch_invariant() &&
-        amx_ready()) {
-      dispatch_type(qtype, [&](auto t) {
-        n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b,
-                                                 o, ld);
-      });
-    }
+  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready()) return kAmxMinRows;
 #endif
-    if constexpr (kPackedLinearVectorized<scalar_t>) {
-      if (n_panel == 0 && M >= panel_min_rows<scalar_t>(qtype)) {
-        n_panel = N / vec::kLanes * vec::kLanes;
-        dispatch_type(qtype, [&](auto t) {
-          panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
-                                           ld);
-        });
-      }
-    }
-    if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
-      if (n_panel == 0 && M >= kGemmMinRows && !batch_invariant()) {
-        dispatch_type(qtype, [&](auto t) {
-          gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
-        });
-        return;
-      }
-    }
-    const int64_t rest = N - n_panel;
-    if (rest == 0) return;
-    QuantizedRows x;
-    quantize_rows(in, input.stride(0), M, K, block_size_of(qtype), x);
-    // float32 out is written in place; other dtypes through a float32 buffer.
-    constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    std::vector<float> buffer(kFloat ? 0 : M * rest);
-    float* y = kFloat ? reinterpret_cast<float*>(o + n_panel) : buffer.data();
-    const int64_t y_ld = kFloat ? ld : rest;
+  if constexpr (kPackedLinearVectorized<S>) {
+    const int64_t from = panel_min_rows<S>(qtype);
+    if (from != INT64_MAX) return from;
+  }
+  return 0;
+}
+
+// out = input . W^T + bias for input's rows; many: by the many-row path whatever their
+// count.
+template <typename scalar_t>
+void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
+                 int64_t qtype, const std::optional<at::Tensor>& bias, bool many) {
+  const int64_t M = input.size(0), K = input.size(1), N = qweight.size(0);
+  const scalar_t* in = input.const_data_ptr<scalar_t>();
+  const uint8_t* w = qweight.const_data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t ld = out.stride(0);
+  const scalar_t* b = bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+  // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
+  int64_t n_panel = 0;
+#ifdef PYLLM_QUANT_AMX
+  if (std::is_same_v<scalar_t, c10::BFloat16> && (many || M >= kAmxMinRows) &&
+      !batch_invariant() && amx_ready()) {
     dispatch_type(qtype, [&](auto t) {
-      quant_matmul<decltype(t)::value>(w + n_panel * row_bytes, rest, K, x, M, y, y_ld);
+      n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
+                                               ld);
     });
-    if (b != nullptr || !kFloat) {
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m) {
-          for (int64_t n = 0; n < rest; ++n) {
-            const float v = y[m * y_ld + n] + (b ? static_cast<float>(b[n_panel + n]) : 0.0f);
-            o[m * ld + n_panel + n] = static_cast<scalar_t>(v);
-          }
-        }
+  }
+#endif
+  if constexpr (kPackedLinearVectorized<scalar_t>) {
+    const int64_t from = panel_min_rows<scalar_t>(qtype);
+    if (n_panel == 0 && from != INT64_MAX && (many || M >= from)) {
+      n_panel = N / vec::kLanes * vec::kLanes;
+      dispatch_type(qtype, [&](auto t) {
+        panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o, ld);
       });
     }
+  }
+  if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
+    if (n_panel == 0 && M >= kGemmMinRows && !batch_invariant()) {
+      dispatch_type(qtype, [&](auto t) {
+        gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
+      });
+      return;
+    }
+  }
+  const int64_t rest = N - n_panel;
+  if (rest == 0) return;
+  QuantizedRows x;
+  quantize_rows(in, input.stride(0), M, K, block_size_of(qtype), x);
+  // float32 out is written in place; other dtypes through a float32 buffer.
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  std::vector<float> buffer(kFloat ? 0 : M * rest);
+  float* y = kFloat ? reinterpret_cast<float*>(o + n_panel) : buffer.data();
+  const int64_t y_ld = kFloat ? ld : rest;
+  dispatch_type(qtype, [&](auto t) {
+    quant_matmul<decltype(t)::value>(w + n_panel * row_bytes, rest, K, x, M, y, y_ld);
+  });
+  if (b != nullptr || !kFloat) {
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t n = 0; n < rest; ++n) {
+          const float v = y[m * y_ld + n] + (b ? static_cast<float>(b[n_panel + n]) : 0.0f);
+          o[m * ld + n_panel + n] = static_cast<scalar_t>(v);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// Rows [0, many_rows) (a step's prompt tokens) take the many-row path whatever their
+// count, so that a prompt computes alike whole, in chunks, or after a prefix-cache hit;
+// the rest take the path of their own count. The AMX tiles, the panels and the int8
+// tiles each compute a row the same whatever rows share the call, so where both parts
+// take one path they run as one call. Where this build has no float path for many rows,
+// many_rows changes nothing.
+void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
+                  int64_t qtype, const std::optional<at::Tensor>& bias, int64_t many_rows) {
+  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias, many_rows);
+  const int64_t M = input.size(0);
+  if (M == 0 || N == 0) return;
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "quant_linear", [&] {
+    const int64_t from = many_row_path_from<scalar_t>(qtype);
+    int64_t P = from == 0 ? 0 : many_rows;
+    if (P > 0 && M - P >= from) P = M;  // the other rows take that path too
+    if (P == 0 || P == M) {
+      linear_rows<scalar_t>(out, input, qweight, qtype, bias, P == M);
+      return;
+    }
+    at::Tensor head = out.narrow(0, 0, P), tail = out.narrow(0, P, M - P);
+    linear_rows<scalar_t>(head, input.narrow(0, 0, P), qweight, qtype, bias, true);
+    linear_rows<scalar_t>(tail, input.narrow(0, P, M - P), qweight, qtype, bias, false);
   });
 }
 

@@ -194,13 +194,11 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
   launch_dequantize(out, qweight, qtype, row_ptr, 0, c10::cuda::getCurrentCUDAStream());
 }
 
-void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
-                  int64_t qtype, const std::optional<at::Tensor>& bias) {
-  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias);
-  check_cuda(input, "input");
-  const int64_t M = input.size(0), K = input.size(1);
-  check_int_sizes(qweight, K);
-  if (M == 0 || N == 0) return;
+namespace {
+
+void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
+                 int64_t qtype, const std::optional<at::Tensor>& bias, bool many) {
+  const int64_t M = input.size(0), K = input.size(1), N = qweight.size(0);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (K == 0) {  // an empty sum
@@ -212,7 +210,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     return;
   }
 
-  if (M <= kGemvMaxRows) {
+  if (!many && M <= kGemvMaxRows) {
     const int blocks = static_cast<int>(ceil_div(N, kGemvWarps));
     dispatch_format(qtype, [&](auto format) {
       using Format = decltype(format);
@@ -248,6 +246,28 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
       at::mm_out(out_chunk, input, weight.t());
     }
   }
+}
+
+}  // namespace
+
+// Rows [0, many_rows) take the many-row path (dequantize + cuBLAS) whatever their
+// count; the rest take the path of their own count, as on the CPU (quant_cpu.cpp).
+void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
+                  int64_t qtype, const std::optional<at::Tensor>& bias, int64_t many_rows) {
+  const int64_t N = check_quant_linear(out, input, qweight, qtype, bias, many_rows);
+  check_cuda(input, "input");
+  const int64_t M = input.size(0), K = input.size(1);
+  check_int_sizes(qweight, K);
+  if (M == 0 || N == 0) return;
+  int64_t P = many_rows;
+  if (P > 0 && M - P > kGemvMaxRows) P = M;  // the other rows take that path too
+  if (P == 0 || P == M) {
+    linear_rows(out, input, qweight, qtype, bias, P == M);
+    return;
+  }
+  at::Tensor head = out.narrow(0, 0, P), tail = out.narrow(0, P, M - P);
+  linear_rows(head, input.narrow(0, 0, P), qweight, qtype, bias, true);
+  linear_rows(tail, input.narrow(0, P, M - P), qweight, qtype, bias, false);
 }
 
 }  // namespace pyllm::cuda

@@ -28,6 +28,7 @@ class ScheduledSequence(Protocol):
     """What a backend reads of a scheduled sequence (pyllm.engine.sequence.Sequence)."""
 
     num_computed_tokens: int
+    num_prompt_tokens: int
     block_table: list[int]
     group_block_tables: list[list[int]]
     kv_slot: int | None
@@ -224,6 +225,10 @@ def _step_fields(
     prefill_lens = [s.num_computed_tokens + n for s, n in prefills]
     decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
     query_start_loc = list(itertools.accumulate((n for _, n in prefills), initial=0))
+    prompt_chunks = itertools.takewhile(
+        lambda chunk: chunk[0].num_computed_tokens + chunk[1] <= chunk[0].num_prompt_tokens,
+        prefills,
+    )
 
     def int32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -231,6 +236,7 @@ def _step_fields(
     return {
         "slot_mapping": torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         "num_prefill_tokens": query_start_loc[-1],
+        "num_prompt_tokens": sum(n for _, n in prompt_chunks),
         "prefill_query_start_loc": int32(query_start_loc),
         "prefill_seq_lens": int32(prefill_lens),
         "max_query_len": max((n for _, n in prefills), default=0),

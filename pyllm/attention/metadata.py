@@ -28,6 +28,9 @@ class AttentionMetadata:
     max_query_len: int = 0
     decode_seq_lens: torch.Tensor | None = None
     max_decode_seq_len: int = 0
+    # Of the prefill part, the first num_prompt_tokens tokens are prompt tokens (the
+    # model computes them alike however the prompt was split: StepBuffers.prompt_rows).
+    num_prompt_tokens: int = 0
 
     @property
     def backend(self):
@@ -48,11 +51,17 @@ class AttentionMetadata:
         return self.num_tokens - self.num_prefill_tokens
 
     def check_tokens(self, device: torch.device) -> None:
-        """slot_mapping's type and num_prefill_tokens's range (every layout's first checks)."""
+        """slot_mapping's type, num_prefill_tokens's and num_prompt_tokens's ranges
+        (every layout's first checks)."""
         T, P = self.num_tokens, self.num_prefill_tokens
         index_tensor("slot_mapping", self.slot_mapping, torch.int64, 1, device)
         if not 0 <= P <= T:
             raise ValueError(f"num_prefill_tokens must lie in [0, {T}], got {P}")
+        if not 0 <= self.num_prompt_tokens <= P:
+            raise ValueError(
+                f"num_prompt_tokens must lie in [0, {P}] (num_prefill_tokens), "
+                f"got {self.num_prompt_tokens}"
+            )
 
 
 def index_tensor(

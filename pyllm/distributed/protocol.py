@@ -28,6 +28,7 @@ class Header:
     num_decodes: int = 0
     max_query_len: int = 0
     max_decode_seq_len: int = 0
+    num_prompt_tokens: int = 0  # FORWARD: the step's prompt tokens (AttentionMetadata's)
     layout_a: int = 0  # FORWARD: the two sizes the backend packs (AttentionBackend.pack)
     layout_b: int = 0
     backend: int = 0  # ALLOC_CACHE: the backend's number (pyllm.attention.registry)
@@ -56,7 +57,7 @@ def encode_step(
     header = Header(
         FORWARD, cache.cache_id, meta.num_tokens, meta.num_prefill_tokens,
         meta.prefill_seq_lens.shape[0], meta.decode_seq_lens.shape[0], meta.max_query_len,
-        meta.max_decode_seq_len, *sizes, payload=payload.shape[0],
+        meta.max_decode_seq_len, meta.num_prompt_tokens, *sizes, payload=payload.shape[0],
     )  # fmt: skip
     return header, payload
 
@@ -83,6 +84,7 @@ def decode_step(
         "max_query_len": h.max_query_len,
         "decode_seq_lens": take(nD),
         "max_decode_seq_len": h.max_decode_seq_len,
+        "num_prompt_tokens": h.num_prompt_tokens,
     }
     meta = cache.backend.unpack(fields, (h.layout_a, h.layout_b), take, cache)
     return input_ids, positions, meta

@@ -43,6 +43,7 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[tuple[Sequence, int]] = field(default_factory=list)
     num_preempted: int = 0
+    num_prompt_chunks: int = 0  # prefills[:num_prompt_chunks] hold prompt tokens only
 
     @property
     def num_tokens(self) -> int:
@@ -59,9 +60,14 @@ class ScheduledBatch:
         """num_new of seq's pending tokens. One output token after the computed ones is
         a decode; anything else (a prompt, a chunk, even of one prompt token, a
         recomputation) runs through the prefill kernel, so a prompt token meets the
-        same kernel however the prompt was chunked (the two kernels round differently)."""
+        same kernel however the prompt was chunked (the two kernels round differently).
+        Chunks of prompt tokens only go before the other prefills (proposals to verify,
+        recomputations), so that a step's prompt tokens are its first rows."""
         if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
             self.decodes.append((seq, num_new))
+        elif seq.num_computed_tokens + num_new <= seq.num_prompt_tokens:
+            self.prefills.insert(self.num_prompt_chunks, (seq, num_new))
+            self.num_prompt_chunks += 1
         else:
             self.prefills.append((seq, num_new))
 

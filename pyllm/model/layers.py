@@ -78,9 +78,15 @@ class StepBuffers:
     gate_up: torch.Tensor | None  # [T, 2 I] and [T, I] (None: no dense MLP layer)
     act: torch.Tensor | None
     attention: Any = None  # the attention backend's scratch for the step
+    # The step's first rows that are prompt tokens: kept quantized weights compute them
+    # as a many-row call does however few they are (ops.quant_linear's many_rows), so a
+    # prompt computes alike whole, chunked or after a prefix-cache hit.
+    prompt_rows: int = 0
 
 
-def step_buffers(config: ModelConfig, num_tokens: int, dtype, device, attention) -> StepBuffers:
+def step_buffers(
+    config: ModelConfig, num_tokens: int, dtype, device, attention, prompt_rows: int = 0
+) -> StepBuffers:
     """config: the rank's (its local heads and MLP width)."""
     T, D = num_tokens, config.head_dim
     q_size, kv_size = config.q_size, config.kv_size
@@ -94,7 +100,7 @@ def step_buffers(config: ModelConfig, num_tokens: int, dtype, device, attention)
         act = torch.empty(T, config.intermediate_size, dtype=dtype, device=device)
         gate_up = torch.empty(T, 2 * config.intermediate_size, dtype=dtype, device=device)
     return StepBuffers(qkv, q, k, heads, out, out.view(T, q_size), hidden, gate_up, act,
-                       attention)  # fmt: skip
+                       attention, prompt_rows)  # fmt: skip
 
 
 class Attention(Module):
@@ -143,14 +149,14 @@ class Attention(Module):
         """Projects hidden [T, hidden_size] to q/k/v, rotates q and k, and has the step's
         backend cache k/v and attend (step.attention: its per-step scratch); returns
         o_proj of the heads' outputs."""
-        qkv = self.qkv_proj(hidden, step.qkv)
+        qkv = self.qkv_proj(hidden, step.qkv, step.prompt_rows)
         if qkv is step.qkv and self.q_norm is None:
             q, k, heads = step.q, step.k, step.heads
         else:
             q, k, heads = self._split(qkv)
         _C.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, self.rope_halves)
         meta.backend.forward(self, step.out, *heads, positions, kv_cache, meta, step.attention)
-        return self.o_proj(step.out_rows, step.hidden)
+        return self.o_proj(step.out_rows, step.hidden, step.prompt_rows)
 
     def _split(self, qkv: torch.Tensor):
         """q and k [T, H * D] (row views of qkv, or normed copies) and q, k, v as [T, H, D]."""
@@ -184,12 +190,14 @@ class MLP(Module):
     def forward(self, x: torch.Tensor, step: StepBuffers | None = None) -> torch.Tensor:
         """step: the buffers to write into (None: new tensors)."""
         if step is None:
-            gate_up, out = self.gate_up_proj(x), None
+            prompt_rows, out = 0, None
+            gate_up = self.gate_up_proj(x)
             act = torch.empty(x.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
         else:
-            gate_up, act, out = self.gate_up_proj(x, step.gate_up), step.act, step.hidden
+            prompt_rows, act, out = step.prompt_rows, step.act, step.hidden
+            gate_up = self.gate_up_proj(x, step.gate_up, prompt_rows)
         if self.gelu:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), out)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), out, prompt_rows)
         _C.silu_and_mul(act, gate_up)
-        return self.down_proj(act, out)
+        return self.down_proj(act, out, prompt_rows)

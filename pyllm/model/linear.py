@@ -45,14 +45,16 @@ def linear_forward(
     words: torch.Tensor | None = None,
     onednn: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    many_rows: int = 0,
 ) -> torch.Tensor:
     """x [..., K] W^T (+ bias) with the kernel for the form W is held in: quantized parts,
     else word-packed, else (few rows on the CPU, plain W) small-batch, else oneDNN's
     packed copy, else F.linear (see Linear). out: a contiguous [rows, N] tensor for a 2-D
     x, written where the kernel takes one (quantized, word-packed, small-batch); the
-    result is returned either way, out or a new tensor."""
+    result is returned either way, out or a new tensor. many_rows: quantized parts
+    compute x's first many_rows rows as a many-row call would (ops.quant_linear)."""
     if qparts is not None:
-        return linear_quantized(x, qparts, bias, out)
+        return linear_quantized(x, qparts, bias, out, many_rows)
     if words is not None:
         return linear_word_packed(x, words, bias, out)
     if weight is not None and takes_small_batch_path(x):
@@ -67,9 +69,11 @@ def linear_quantized(
     parts: list[QuantPart],
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    many_rows: int = 0,
 ) -> torch.Tensor:
     """x [..., K] times the quantized weight of parts (in order, covering the output
-    features), each writing its output columns."""
+    features), each writing its output columns; x's first many_rows rows (a step's
+    prompt tokens) as a many-row call computes them."""
     if x.dim() != 2:
         rows = linear_quantized(x.reshape(-1, x.shape[-1]), parts, bias)
         return rows.view(*x.shape[:-1], rows.shape[1])
@@ -77,11 +81,11 @@ def linear_quantized(
         out = torch.empty(x.shape[0], parts[-1].stop, dtype=x.dtype, device=x.device)
     if len(parts) == 1:
         p = parts[0]
-        _C.quant_linear(out, x, p.qweight, p.qtype, bias)
+        _C.quant_linear(out, x, p.qweight, p.qtype, bias, many_rows)
         return out
     for p in parts:
         part_bias = None if bias is None else bias[p.start : p.stop]
-        _C.quant_linear(out[:, p.start : p.stop], x, p.qweight, p.qtype, part_bias)
+        _C.quant_linear(out[:, p.start : p.stop], x, p.qweight, p.qtype, part_bias, many_rows)
     return out
 
 
@@ -173,11 +177,15 @@ class Linear(Module):
         self.qparts = sorted(parts, key=lambda p: p.start)
         self.weight = None
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b); out: where to write it if the kernel can (see linear_forward)."""
+    def forward(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, many_rows: int = 0
+    ) -> torch.Tensor:
+        """x W^T (+ b); out: where to write it if the kernel can; many_rows: x's rows
+        that are prompt tokens, first (see linear_forward)."""
         y = linear_forward(
-            x, self.weight, self.bias, self.qparts, self.word_weight, self.packed_weight, out
-        )
+            x, self.weight, self.bias, self.qparts, self.word_weight, self.packed_weight, out,
+            many_rows,
+        )  # fmt: skip
         return y if self.reduce is None else self.reduce(y)
 
     def pack(self, keep_plain: bool = False) -> None:

@@ -250,7 +250,7 @@ class LlamaForCausalLM(Module):
         workspace = attn_metadata.backend.workspace(
             attn_metadata, config.num_attention_heads, config.head_dim, dtype, device
         )
-        step = step_buffers(config, T, dtype, device, workspace)
+        step = step_buffers(config, T, dtype, device, workspace, attn_metadata.num_prompt_tokens)
         hidden = self.embed(input_ids)
         residual = None
         metas = _layer_metadata(attn_metadata, kv_cache)

@@ -46,9 +46,10 @@ def test_results_equal_torch_ops(dtype):
     qweight = blocks.reshape(N, -1).contiguous()
     bias = torch.randn(N, dtype=dtype)
     a, b = torch.empty(3, N, dtype=dtype), torch.empty(3, N, dtype=dtype)
-    direct.quant_linear(a, x, qweight, qtype, bias)
-    torch.ops.pyllm.quant_linear(b, x, qweight, qtype, bias)
-    assert torch.equal(a, b)
+    for many_rows in (0, 2):
+        direct.quant_linear(a, x, qweight, qtype, bias, many_rows)
+        torch.ops.pyllm.quant_linear(b, x, qweight, qtype, bias, many_rows)
+        assert torch.equal(a, b)
 
 
 def test_errors_are_those_of_torch_ops():

@@ -177,6 +177,7 @@ def valid_quant_linear():
     return dict(
         out=torch.empty(2, 8), input=torch.randn(2, 256),
         qweight=torch.zeros(8, 144, dtype=torch.uint8), qtype=Q4_K, bias=torch.randn(8),
+        many_rows=0,
     )  # fmt: skip
 
 
@@ -985,6 +986,9 @@ CASES += [
         "quant_linear",
         ("qtype_unknown", {"qtype": 99}, ValueError, "qtype"),
         ("qtype_bool", {"qtype": True}, TypeError, "qtype"),
+        ("many_rows_negative", {"many_rows": -1}, ValueError, "many_rows"),
+        ("many_rows_past_input", {"many_rows": 3}, ValueError, "many_rows"),
+        ("many_rows_float", {"many_rows": 1.0}, TypeError, "many_rows"),
         ("in_features_not_blocks", {"input": torch.randn(2, 96)}, ValueError, "in_features"),
         ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
         ("input_on_meta", {"input": lambda a: on_meta(a["input"])}, ValueError, "input"),

@@ -320,3 +320,29 @@ def test_batch_invariant_switch():
         ops.set_batch_invariant(False)
     with pytest.raises(ValueError, match="on must be True or False"):
         ops.set_batch_invariant(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_many_rows_compute_as_a_many_row_call(type_name, dtype):
+    """Rows passed as many_rows give bitwise what the same rows give in a call of 40
+    (past where panels or AMX tiles take over, short of ATen's GEMM), alone or ahead of
+    rows that take the path of their own count."""
+    in_features, out_features = shapes(type_name)[1]
+    type_id = ops.QUANT_TYPES[type_name][0]
+    qweight, _ = random_weight(type_name, out_features, in_features)
+    x = torch.randn(40, in_features).to(dtype)
+    whole = torch.empty(40, out_features, dtype=dtype)
+    ops.quant_linear(whole, x, qweight, type_id)
+    few = torch.empty(3, out_features, dtype=dtype)
+    ops.quant_linear(few, x[37:].clone(), qweight, type_id)
+    for first, last in ((0, 1), (5, 12), (20, 37)):
+        part = torch.empty(last - first, out_features, dtype=dtype)
+        ops.quant_linear(part, x[first:last].clone(), qweight, type_id, many_rows=last - first)
+        assert torch.equal(part, whole[first:last]), (first, last)
+        # Followed by three rows of their own count.
+        rows = torch.cat([x[first:last], x[37:]])
+        mixed = torch.empty(rows.shape[0], out_features, dtype=dtype)
+        ops.quant_linear(mixed, rows, qweight, type_id, many_rows=last - first)
+        assert torch.equal(mixed[: last - first], whole[first:last]), (first, last)
+        assert torch.equal(mixed[last - first :], few), (first, last)
