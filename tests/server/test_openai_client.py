@@ -11,9 +11,10 @@ import json
 import math
 import time
 
+import httpx
 import pytest
 
-from tests.server.conftest import read_metrics
+from tests.server.conftest import read_metrics, start_server, stop_server
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT = "The three primary colors are"
@@ -418,3 +419,28 @@ def test_metrics_count_a_request(client, server):
     assert after["pyllm:kv_cache_usage_perc"] == 0
     # Paged: the whole cache is committed at start and stays so.
     assert after["pyllm:kv_cache_committed_bytes"] == before["pyllm:kv_cache_committed_bytes"] > 0
+
+
+def test_the_readme_chat_request_gets_one_reply(tmp_path):
+    """The README's request at temperature 0, again and again, to a server with the
+    defaults (the bundled model's weights kept quantized, the CPU's dtype): the prefix
+    cache serves the later prompts, and every reply is the same."""
+    server = start_server(tmp_path, ["--dtype", "auto", "--quantization", "auto"])
+    try:
+        body = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 64,
+            "temperature": 0,
+        }
+        headers = {"Authorization": f"Bearer {server.api_key}"}
+        replies = []
+        for _ in range(3):
+            hits = read_metrics(server.base_url).get("pyllm:prefix_cache_hits_total", 0.0)
+            r = httpx.post(
+                f"{server.base_url}/v1/chat/completions", json=body, headers=headers, timeout=120
+            )
+            replies.append(r.json()["choices"][0]["message"]["content"])
+        assert read_metrics(server.base_url)["pyllm:prefix_cache_hits_total"] > hits
+        assert len(set(replies)) == 1, replies
+    finally:
+        stop_server(server.process)
