@@ -156,7 +156,8 @@ namespace pyllm {
                                                                                \
   /* out [T, H] = sum over each token's top_k experts e (of router_logits,     \
      those in [expert_start, expert_start + w_gate.size(0))) of weight *       \
-     down_e(act(gate_e(x), up_e(x))); weights GGUF blocks or floats. */        \
+     down_e(act(gate_e(x), up_e(x))); weights GGUF blocks or floats. Tokens    \
+     [0, many_rows) take each expert's many-row path (as quant_linear's). */  \
   void fused_moe(at::Tensor& out, const at::Tensor& hidden,                   \
                  const at::Tensor& router_logits, int64_t top_k,              \
                  bool renormalize, const at::Tensor& w_gate,                  \
@@ -166,7 +167,7 @@ namespace pyllm {
                  const std::optional<at::Tensor>& up_bias,                    \
                  const std::optional<at::Tensor>& down_bias,                  \
                  const std::string& activation, double alpha, double limit,   \
-                 int64_t expert_start);
+                 int64_t expert_start, int64_t many_rows);
 
 // The same set of functions, once for each device the library is built for.
 namespace cpu {

@@ -108,7 +108,7 @@ TORCH_LIBRARY(pyllm, m) {
       " bool renormalize, Tensor w_gate, Tensor w_up, Tensor w_down, int gate_type,"
       " int up_type, int down_type, Tensor? gate_bias, Tensor? up_bias,"
       " Tensor? down_bias, str activation=\"silu\", float alpha=1.702, float limit=7.0,"
-      " int expert_start=0) -> ()");
+      " int expert_start=0, int many_rows=0) -> ()");
 
   // Sampling: the grammar masks of structured output (sampling/).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");

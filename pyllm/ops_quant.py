@@ -150,6 +150,7 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     expert_start: int = 0,
+    many_rows: int = 0,
 ) -> None:
     """A mixture-of-experts feed-forward in one op:
     ``out[t] = sum_j w[t, j] * (down_e(act(gate_e(x_t), up_e(x_t))) + down_bias[e])``
@@ -170,6 +171,8 @@ def fused_moe(
     On the CPU, GGUF weights multiply int8-quantized activations (as quant_linear's) for
     an expert with few rows, dequantized weights for one with many; each token sums its
     experts in its own top-k order, so results do not depend on the thread count.
+    Tokens ``[0, many_rows)`` (a step's prompt tokens) take each expert's many-row path
+    whatever its rows, as quant_linear's many_rows (the CPU; CUDA checks and ignores it).
     """
     # In the schema's order: _check_args names them, the op takes them in turn.
     args = dict(
@@ -177,7 +180,7 @@ def fused_moe(
         renormalize=renormalize, w_gate=w_gate, w_up=w_up, w_down=w_down, gate_type=gate_type,
         up_type=up_type, down_type=down_type, gate_bias=gate_bias, up_bias=up_bias,
         down_bias=down_bias, activation=activation, alpha=alpha, limit=limit,
-        expert_start=expert_start,
+        expert_start=expert_start, many_rows=many_rows,
     )  # fmt: skip
     _check_args(_C.fused_moe, **args)
     _C.fused_moe(*{**args, "alpha": float(alpha), "limit": float(limit)}.values())

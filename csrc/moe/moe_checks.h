@@ -134,7 +134,7 @@ inline MoeShape check_fused_moe(const at::Tensor& out, const at::Tensor& hidden,
                                 const std::optional<at::Tensor>& up_bias,
                                 const std::optional<at::Tensor>& down_bias,
                                 const std::string& activation, double alpha, double limit,
-                                int64_t expert_start) {
+                                int64_t expert_start, int64_t many_rows) {
   check_float_dtype("hidden", hidden);
   check_ndim("hidden", hidden, 2, "[num_tokens, hidden_size]");
   check_packed_rows("hidden", hidden);
@@ -160,6 +160,8 @@ inline MoeShape check_fused_moe(const at::Tensor& out, const at::Tensor& hidden,
   check_expert_bias("up_bias", up_bias, E, I, hidden);
   check_expert_bias("down_bias", down_bias, E, H, hidden);
   const MoeActivation act = check_moe_activation(activation, alpha, limit);
+  TORCH_CHECK_VALUE(many_rows >= 0 && many_rows <= hidden.size(0), "many_rows must be in [0, ",
+                    hidden.size(0), "] (hidden's tokens), got ", many_rows);
   return {hidden.size(0), H, I, E, total, act};
 }
 

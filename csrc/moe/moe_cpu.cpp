@@ -4,7 +4,8 @@
 //
 // fused_moe runs in five phases, two of them parallel regions:
 //  1. routing: each token's softmax and top-k;
-//  2. grouping: the (token, expert) pairs sorted by local expert (a counting sort),
+//  2. grouping: the (token, expert) pairs sorted by local expert (a counting sort; an
+//     expert's pairs of prompt tokens apart from its others where their paths differ),
 //     each token's activations quantized to int8 once and copied to the rows of
 //     its pairs whose expert takes the int8 tiles (or its float row, where the
 //     expert takes a float path: moe_cpu_columns.h picks it from the expert's rows
@@ -133,14 +134,17 @@ struct MoeStep {
   MoeActivation activation;
   float alpha, limit;
   MoeWeight gate, up, down;
+  int64_t prompt_tokens;  // tokens [0, prompt_tokens) take the many-row paths
   // Routing: weights and ids [T * k]; the grouped row of each pair (-1: not local).
   std::vector<float> weights;
   std::vector<int32_t> ids;
   std::vector<int64_t> row;
-  // Grouping: expert e's rows are [start[e], start[e + 1]), row r is token token[r].
+  // Grouping, E groups of rows, two per local expert: group 2e holds expert e's rows of
+  // prompt tokens, 2e + 1 its other rows where their paths differ (else group 2e holds
+  // them all). Group g's rows are [start[g], start[g + 1]), row r is token token[r].
   std::vector<int64_t> start, token;
-  std::vector<int32_t> order;  // the experts with rows, most rows first
-  std::vector<MoePath> gate_path, up_path, down_path;
+  std::vector<int32_t> order;  // the groups with rows, most rows first
+  std::vector<MoePath> gate_path, up_path, down_path;  // per group
   // Gate/up inputs per grouped row: int8 (per type's span, G of gate / up) or S.
   QuantizedRows tokens_q, gate_q, up_q;
   std::vector<S> x;
@@ -154,7 +158,8 @@ struct MoeStep {
   // Down outputs [n, H] float32 (+ bias).
   std::vector<float> y;
 
-  int64_t rows(int64_t e) const { return start[e + 1] - start[e]; }
+  int64_t rows(int64_t g) const { return start[g + 1] - start[g]; }
+  static int64_t expert(int64_t g) { return g / 2; }
 };
 
 // Frees buffers past this many bytes when a call ends, so that one prefill does not
@@ -196,39 +201,65 @@ inline int64_t grain_rows(int64_t width) {
   return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(width, 1));
 }
 
-// Counting sort of the pairs by local expert, and each expert's paths.
+// Whether expert e's prompt rows (a of them) and other rows (b) take one path in each
+// projection, so that they run as one group (the expert's weights read once).
+template <typename S>
+bool one_group(const MoeStep<S>& s, int64_t a, int64_t b) {
+  if (a == 0 || b == 0) return true;
+  for (const MoeWeight* w : {&s.gate, &s.up, &s.down}) {
+    if (moe_path<S>(w->type, a, true) != moe_path<S>(w->type, b)) return false;
+  }
+  return true;
+}
+
+// Counting sort of the pairs by group (local expert, and prompt token or not), and
+// each group's paths.
 template <typename S>
 void group_pairs(MoeStep<S>& s, int64_t expert_start) {
-  const int64_t P = s.T * s.k, E = s.E;
-  s.start.assign(E + 1, 0);
+  const int64_t P = s.T * s.k, G = s.E, experts = G / 2;
+  thread_local std::vector<int64_t> group;  // of each pair (-1: not local)
+  group.assign(P, -1);
+  s.start.assign(G + 1, 0);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t e = s.ids[p] - expert_start;
-    if (e >= 0 && e < E) ++s.start[e + 1];
+    if (e >= 0 && e < experts) ++s.start[2 * e + 1 + (p / s.k >= s.prompt_tokens)];
+  }
+  // start[2e + 1], start[2e + 2]: expert e's prompt and other rows, for now.
+  thread_local std::vector<bool> split;
+  split.assign(experts, false);
+  for (int64_t e = 0; e < experts; ++e) split[e] = !one_group(s, s.start[2 * e + 1], s.start[2 * e + 2]);
+  s.start.assign(G + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t e = s.ids[p] - expert_start;
+    if (e < 0 || e >= experts) continue;
+    group[p] = 2 * e + (split[e] && p / s.k >= s.prompt_tokens);
+    ++s.start[group[p] + 1];
   }
   std::partial_sum(s.start.begin(), s.start.end(), s.start.begin());
-  const int64_t n = s.start[E];
+  const int64_t n = s.start[G];
   s.row.resize(P);
   s.token.resize(n);
   thread_local std::vector<int64_t> next;
   next.assign(s.start.begin(), s.start.end() - 1);
   for (int64_t p = 0; p < P; ++p) {
-    const int64_t e = s.ids[p] - expert_start;
-    s.row[p] = e >= 0 && e < E ? next[e]++ : -1;
+    s.row[p] = group[p] >= 0 ? next[group[p]]++ : -1;
     if (s.row[p] >= 0) s.token[s.row[p]] = p / s.k;
   }
   s.order.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    if (s.rows(e) > 0) s.order.push_back(static_cast<int32_t>(e));
+  for (int64_t g = 0; g < G; ++g) {
+    if (s.rows(g) > 0) s.order.push_back(static_cast<int32_t>(g));
   }
   std::stable_sort(s.order.begin(), s.order.end(),
                    [&](int32_t a, int32_t b) { return s.rows(a) > s.rows(b); });
-  s.gate_path.resize(E);
-  s.up_path.resize(E);
-  s.down_path.resize(E);
-  for (int32_t e : s.order) {
-    s.gate_path[e] = moe_path<S>(s.gate.type, s.rows(e));
-    s.up_path[e] = moe_path<S>(s.up.type, s.rows(e));
-    s.down_path[e] = moe_path<S>(s.down.type, s.rows(e));
+  s.gate_path.resize(G);
+  s.up_path.resize(G);
+  s.down_path.resize(G);
+  for (int32_t g : s.order) {
+    // Group 2e holds prompt rows where the expert has any: its first row's token says.
+    const bool many = g % 2 == 0 && s.token[s.start[g]] < s.prompt_tokens;
+    s.gate_path[g] = moe_path<S>(s.gate.type, s.rows(g), many);
+    s.up_path[g] = moe_path<S>(s.up.type, s.rows(g), many);
+    s.down_path[g] = moe_path<S>(s.down.type, s.rows(g), many);
   }
 }
 
@@ -297,11 +328,11 @@ void gather_inputs(MoeStep<S>& s, const S* hidden, int64_t hidden_ld) {
 // The parallel regions: items (expert, columns [n0, n1)) from one shared counter.
 
 struct Item {
-  int32_t expert;
+  int32_t group;  // of an expert's rows (MoeStep)
   int32_t n0, n1;
 };
 
-// Items over N columns of each expert in s.order (the busiest first, so that the
+// Items over N columns of each group in s.order (the busiest first, so that the
 // longest items are not the last ones taken), `columns` wide.
 template <typename S, typename Width>
 void make_items(const MoeStep<S>& s, int64_t N, Width columns, std::vector<Item>& items) {
@@ -386,16 +417,16 @@ void complete_spans(MoeStep<S>& s, int64_t e, int64_t n0, int64_t n1) {
 
 template <typename S>
 void gate_up_item(MoeStep<S>& s, const Item& it) {
-  const int64_t e = it.expert, n0 = it.n0, n1 = it.n1, W = n1 - n0;
+  const int64_t e = it.group, x_e = s.expert(e), n0 = it.n0, n1 = it.n1, W = n1 - n0;
   const int64_t m0 = s.start[e], R = s.rows(e), H = s.H, I = s.I;
   thread_local std::vector<float> gate_buf, up_buf;
   float* g = scratch(gate_buf, size_t(R) * W);
   float* u = scratch(up_buf, size_t(R) * W);
   const S* x = s.x.empty() ? nullptr : s.x.data() + m0 * H;
-  expert_columns<S>(s.gate, s.gate_path[e], e, H, {&s.gate_q, m0, x, H}, R, n0, n1, g, W);
-  expert_columns<S>(s.up, s.up_path[e], e, H, {s.up_in, m0, x, H}, R, n0, n1, u, W);
-  const S* gate_bias = s.gate.bias ? static_cast<const S*>(s.gate.bias) + e * I + n0 : nullptr;
-  const S* up_bias = s.up.bias ? static_cast<const S*>(s.up.bias) + e * I + n0 : nullptr;
+  expert_columns<S>(s.gate, s.gate_path[e], x_e, H, {&s.gate_q, m0, x, H}, R, n0, n1, g, W);
+  expert_columns<S>(s.up, s.up_path[e], x_e, H, {s.up_in, m0, x, H}, R, n0, n1, u, W);
+  const S* gate_bias = s.gate.bias ? static_cast<const S*>(s.gate.bias) + x_e * I + n0 : nullptr;
+  const S* up_bias = s.up.bias ? static_cast<const S*>(s.up.bias) + x_e * I + n0 : nullptr;
   const bool int8_down = takes_int8(s.down_path[e]);
   for (int64_t r = 0; r < R; ++r) {
     float* a = int8_down ? s.act.data() + (m0 + r) * I + n0 : g + r * W;
@@ -410,13 +441,13 @@ void gate_up_item(MoeStep<S>& s, const Item& it) {
 
 template <typename S>
 void down_item(MoeStep<S>& s, const Item& it) {
-  const int64_t e = it.expert, n0 = it.n0, n1 = it.n1;
+  const int64_t e = it.group, n0 = it.n0, n1 = it.n1;
   const int64_t m0 = s.start[e], R = s.rows(e), H = s.H, I = s.I;
   float* y = s.y.data() + m0 * H + n0;
   const MoeRows<S> in{&s.act_q, m0, s.act_s.empty() ? nullptr : s.act_s.data() + m0 * I, I};
-  expert_columns<S>(s.down, s.down_path[e], e, I, in, R, n0, n1, y, H);
+  expert_columns<S>(s.down, s.down_path[e], s.expert(e), I, in, R, n0, n1, y, H);
   if (s.down.bias == nullptr) return;
-  const S* b = static_cast<const S*>(s.down.bias) + e * H;
+  const S* b = static_cast<const S*>(s.down.bias) + s.expert(e) * H;
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t n = n0; n < n1; ++n) y[r * H + n - n0] += static_cast<float>(b[n]);
   }
@@ -525,10 +556,11 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
                const std::optional<at::Tensor>& gate_bias,
                const std::optional<at::Tensor>& up_bias,
                const std::optional<at::Tensor>& down_bias, const std::string& activation,
-               double alpha, double limit, int64_t expert_start) {
+               double alpha, double limit, int64_t expert_start, int64_t many_rows) {
   const MoeShape shape = check_fused_moe(out, hidden, router_logits, top_k, w_gate, w_up, w_down,
                                          gate_type, up_type, down_type, gate_bias, up_bias,
-                                         down_bias, activation, alpha, limit, expert_start);
+                                         down_bias, activation, alpha, limit, expert_start,
+                                         many_rows);
   if (shape.tokens == 0) return;
   PhaseTimes phases;
   PYLLM_DISPATCH_FLOATING_TYPES(hidden.scalar_type(), "fused_moe", [&] {
@@ -536,7 +568,8 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
     s.T = shape.tokens;
     s.H = shape.hidden;
     s.I = shape.inter;
-    s.E = shape.experts;
+    s.E = 2 * shape.experts;  // groups (MoeStep)
+    s.prompt_tokens = many_rows;
     s.k = top_k;
     s.activation = shape.activation;
     s.alpha = static_cast<float>(alpha);

@@ -510,10 +510,12 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
                const std::optional<at::Tensor>& gate_bias,
                const std::optional<at::Tensor>& up_bias,
                const std::optional<at::Tensor>& down_bias, const std::string& activation,
-               double alpha, double limit, int64_t expert_start) {
+               double alpha, double limit, int64_t expert_start, int64_t many_rows) {
+  // many_rows is checked and not used: each expert's path here is its row count's.
   const MoeShape s = check_fused_moe(out, hidden, router_logits, top_k, w_gate, w_up, w_down,
                                      gate_type, up_type, down_type, gate_bias, up_bias,
-                                     down_bias, activation, alpha, limit, expert_start);
+                                     down_bias, activation, alpha, limit, expert_start,
+                                     many_rows);
   check_cuda(hidden, "hidden");
   TORCH_CHECK_VALUE(up_type == gate_type, "up_type (", up_type, ") must equal gate_type (",
                     gate_type, ") on CUDA");

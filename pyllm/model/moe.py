@@ -105,13 +105,14 @@ class SparseMoeBlock(Module):
         return e.gate_proj, e.up_proj, e.down_proj
 
     def forward(self, x: torch.Tensor, step=None) -> torch.Tensor:
-        """step: the step's buffers (unused: the experts' output is a tensor of its own)."""
+        """step: the step's buffers (its prompt_rows: the experts' output is a tensor of
+        its own)."""
         logits = self.gate(x)
         out = torch.empty_like(x)
         gate, up, down = self.projections()
         _C.fused_moe(
             out, x, logits, self.top_k, self.renormalize, gate.data, up.data, down.data,
             gate.qtype, up.qtype, down.qtype, gate.bias, up.bias, down.bias, self.activation,
-            self.alpha, self.limit, self.expert_start,
+            self.alpha, self.limit, self.expert_start, 0 if step is None else step.prompt_rows,
         )  # fmt: skip
         return out if self.reduce is None else self.reduce(out)

@@ -390,3 +390,30 @@ def test_moe_topk_ties_take_the_lower_id():
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0]])
     _, ids = ops.moe_topk(logits, 2)
     assert ids.tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K"])
+def test_prompt_tokens_compute_alike_however_split(type_name, dtype):
+    """Tokens passed as many_rows give bitwise what they give in a call whose experts
+    have rows enough for the many-row path by count (72 tokens, each of 4 experts 36),
+    alone or ahead of tokens that take their own rows' paths (as four alone)."""
+    hidden, inter = (256, 256) if type_name == "Q4_K" else (96, 160)
+    (w_gate, w_up, w_down), ids, _ = make_weights(type_name, dtype, 4, hidden, inter)
+    x = torch.randn(76, hidden).to(dtype)
+    # Token t chooses experts t % 4 and (t + 1) % 4.
+    logits = torch.tensor([[1.0, 0.5, -0.5, -1.0]]).repeat(76, 1)
+    logits = torch.stack([row.roll(t % 4) for t, row in enumerate(logits)])
+
+    def run(rows, prompt):
+        out = torch.empty(len(rows), hidden, dtype=dtype)
+        ops.fused_moe(out, x[rows], logits[rows], 2, w_gate, w_up, w_down, *ids, many_rows=prompt)
+        return out
+
+    whole = run(list(range(72)), 0)
+    few = run([72, 73, 74, 75], 0)
+    for first, last in ((0, 1), (5, 12), (20, 40)):
+        assert torch.equal(run(list(range(first, last)), last - first), whole[first:last])
+        mixed = run(list(range(first, last)) + [72, 73, 74, 75], last - first)
+        assert torch.equal(mixed[: last - first], whole[first:last]), (first, last)
+        assert torch.equal(mixed[last - first :], few), (first, last)

@@ -200,7 +200,7 @@ def valid_fused_moe():
         w_up=torch.zeros(4, 16, 144, dtype=torch.uint8), w_down=torch.randn(4, 256, 16),
         gate_type=Q4_K, up_type=Q4_K, down_type=0, renormalize=False,
         gate_bias=torch.randn(4, 16), up_bias=torch.randn(4, 16), down_bias=torch.randn(4, 256),
-        activation="swigluoai", alpha=1.702, limit=7.0, expert_start=2,
+        activation="swigluoai", alpha=1.702, limit=7.0, expert_start=2, many_rows=0,
     )  # fmt: skip
 
 
@@ -1062,6 +1062,8 @@ CASES += [
     *cases_for(
         "fused_moe",
         ("top_k_over_experts", {"top_k": 9}, ValueError, "top_k"),
+        ("many_rows_past_hidden", {"many_rows": 4}, ValueError, "many_rows"),
+        ("many_rows_negative", {"many_rows": -2}, ValueError, "many_rows"),
         ("logits_rows", {"router_logits": torch.randn(2, 8)}, ValueError, "router_logits"),
         ("hidden_float64", {"hidden": lambda a: a["hidden"].double()}, TypeError, "hidden"),
         ("out_shape", {"out": torch.empty(3, 128)}, ValueError, "out"),
