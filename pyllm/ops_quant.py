@@ -166,16 +166,13 @@ def fused_moe(
     up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``). The weights hold
     experts ``[expert_start, expert_start + E)`` of the E_total the router scores (expert
     parallelism); a token's choices outside them add nothing. On CUDA, up_type must equal
-    gate_type (gate and up are multiplied in one pass).
-
-    On the CPU, GGUF weights multiply int8-quantized activations (as quant_linear's) for
-    an expert with few rows, dequantized weights for one with many; each token sums its
-    experts in its own top-k order, so results do not depend on the thread count.
-    Tokens ``[0, many_rows)`` (a step's prompt tokens) take each expert's many-row path
-    whatever its rows, as quant_linear's many_rows (the CPU; CUDA checks and ignores it).
+    gate_type (gate and up are multiplied in one pass). On the CPU, GGUF weights multiply
+    int8-quantized activations (as quant_linear's) for an expert with few rows,
+    dequantized weights for one with many (tokens ``[0, many_rows)``: whatever its rows,
+    as quant_linear's many_rows; CUDA ignores it); each token sums its experts in its own
+    top-k order, whatever the thread count.
     """
-    # In the schema's order: _check_args names them, the op takes them in turn.
-    args = dict(
+    args = dict(  # in the schema's order: _check_args names them, the op takes them in turn
         out=out, hidden=hidden, router_logits=router_logits, top_k=top_k,
         renormalize=renormalize, w_gate=w_gate, w_up=w_up, w_down=w_down, gate_type=gate_type,
         up_type=up_type, down_type=down_type, gate_bias=gate_bias, up_bias=up_bias,

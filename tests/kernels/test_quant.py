@@ -294,21 +294,30 @@ def batch_invariant():
     ops.set_batch_invariant(False)
 
 
+def weight_and_rows(type_name, dtype, rows):
+    """(product, x): product(x_rows, many_rows=0) multiplies x_rows by a random weight
+    of the type (shapes()'s second) with quant_linear; x: `rows` random input rows."""
+    in_features, out_features = shapes(type_name)[1]
+    type_id = ops.QUANT_TYPES[type_name][0]
+    qweight, _ = random_weight(type_name, out_features, in_features)
+
+    def product(x, many_rows=0):
+        out = torch.empty(x.shape[0], out_features, dtype=dtype)
+        ops.quant_linear(out, x.clone(), qweight, type_id, many_rows=many_rows)
+        return out
+
+    return product, torch.randn(rows, in_features).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_batch_invariant_rows_do_not_depend_on_the_others(type_name, dtype, batch_invariant):
     """64 rows (past where panels, AMX tiles or GEMMs would take over) give each row
     bitwise what that row gives alone or in a small call."""
-    in_features, out_features = shapes(type_name)[1]
-    type_id = ops.QUANT_TYPES[type_name][0]
-    qweight, _ = random_weight(type_name, out_features, in_features)
-    x = torch.randn(64, in_features).to(dtype)
-    whole = torch.empty(64, out_features, dtype=dtype)
-    ops.quant_linear(whole, x, qweight, type_id)
+    product, x = weight_and_rows(type_name, dtype, 64)
+    whole = product(x)
     for first, last in ((0, 1), (5, 12), (31, 64)):
-        part = torch.empty(last - first, out_features, dtype=dtype)
-        ops.quant_linear(part, x[first:last].clone(), qweight, type_id)
-        assert torch.equal(part, whole[first:last]), (first, last)
+        assert torch.equal(product(x[first:last]), whole[first:last]), (first, last)
 
 
 def test_batch_invariant_switch():
@@ -328,21 +337,12 @@ def test_many_rows_compute_as_a_many_row_call(type_name, dtype):
     """Rows passed as many_rows give bitwise what the same rows give in a call of 40
     (past where panels or AMX tiles take over, short of ATen's GEMM), alone or ahead of
     rows that take the path of their own count."""
-    in_features, out_features = shapes(type_name)[1]
-    type_id = ops.QUANT_TYPES[type_name][0]
-    qweight, _ = random_weight(type_name, out_features, in_features)
-    x = torch.randn(40, in_features).to(dtype)
-    whole = torch.empty(40, out_features, dtype=dtype)
-    ops.quant_linear(whole, x, qweight, type_id)
-    few = torch.empty(3, out_features, dtype=dtype)
-    ops.quant_linear(few, x[37:].clone(), qweight, type_id)
+    product, x = weight_and_rows(type_name, dtype, 40)
+    whole, few = product(x), product(x[37:])
     for first, last in ((0, 1), (5, 12), (20, 37)):
-        part = torch.empty(last - first, out_features, dtype=dtype)
-        ops.quant_linear(part, x[first:last].clone(), qweight, type_id, many_rows=last - first)
-        assert torch.equal(part, whole[first:last]), (first, last)
+        n = last - first
+        assert torch.equal(product(x[first:last], n), whole[first:last]), (first, last)
         # Followed by three rows of their own count.
-        rows = torch.cat([x[first:last], x[37:]])
-        mixed = torch.empty(rows.shape[0], out_features, dtype=dtype)
-        ops.quant_linear(mixed, rows, qweight, type_id, many_rows=last - first)
-        assert torch.equal(mixed[: last - first], whole[first:last]), (first, last)
-        assert torch.equal(mixed[last - first :], few), (first, last)
+        mixed = product(torch.cat([x[first:last], x[37:]]), n)
+        assert torch.equal(mixed[:n], whole[first:last]), (first, last)
+        assert torch.equal(mixed[n:], few), (first, last)
