@@ -217,22 +217,23 @@ bool one_group(const MoeStep<S>& s, int64_t a, int64_t b) {
 template <typename S>
 void group_pairs(MoeStep<S>& s, int64_t expert_start) {
   const int64_t P = s.T * s.k, G = s.E, experts = G / 2;
-  thread_local std::vector<int64_t> group;  // of each pair (-1: not local)
+  // Per expert: its rows of prompt tokens (count[2e]) and its others (count[2e + 1]),
+  // and whether they run apart.
+  thread_local std::vector<int64_t> count, group;  // group: of each pair (-1: not local)
+  thread_local std::vector<bool> apart;
+  count.assign(G, 0);
   group.assign(P, -1);
-  s.start.assign(G + 1, 0);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t e = s.ids[p] - expert_start;
-    if (e >= 0 && e < experts) ++s.start[2 * e + 1 + (p / s.k >= s.prompt_tokens)];
+    if (e >= 0 && e < experts) ++count[2 * e + (p / s.k >= s.prompt_tokens)];
   }
-  // start[2e + 1], start[2e + 2]: expert e's prompt and other rows, for now.
-  thread_local std::vector<bool> split;
-  split.assign(experts, false);
-  for (int64_t e = 0; e < experts; ++e) split[e] = !one_group(s, s.start[2 * e + 1], s.start[2 * e + 2]);
+  apart.resize(experts);
+  for (int64_t e = 0; e < experts; ++e) apart[e] = !one_group(s, count[2 * e], count[2 * e + 1]);
   s.start.assign(G + 1, 0);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t e = s.ids[p] - expert_start;
     if (e < 0 || e >= experts) continue;
-    group[p] = 2 * e + (split[e] && p / s.k >= s.prompt_tokens);
+    group[p] = 2 * e + (apart[e] && p / s.k >= s.prompt_tokens);
     ++s.start[group[p] + 1];
   }
   std::partial_sum(s.start.begin(), s.start.end(), s.start.begin());
