@@ -75,7 +75,7 @@ def linear_quantized(
     features), each writing its output columns; x's first many_rows rows (a step's
     prompt tokens) as a many-row call computes them."""
     if x.dim() != 2:
-        rows = linear_quantized(x.reshape(-1, x.shape[-1]), parts, bias)
+        rows = linear_quantized(x.reshape(-1, x.shape[-1]), parts, bias, many_rows=many_rows)
         return rows.view(*x.shape[:-1], rows.shape[1])
     if out is None:
         out = torch.empty(x.shape[0], parts[-1].stop, dtype=x.dtype, device=x.device)

@@ -105,8 +105,8 @@ class SparseMoeBlock(Module):
         return e.gate_proj, e.up_proj, e.down_proj
 
     def forward(self, x: torch.Tensor, step=None) -> torch.Tensor:
-        """step: the step's buffers (its prompt_rows: the experts' output is a tensor of
-        its own)."""
+        """step: the step's buffers, read for its prompt_rows (the experts write a tensor
+        of their own)."""
         logits = self.gate(x)
         out = torch.empty_like(x)
         gate, up, down = self.projections()
