@@ -6,6 +6,7 @@ float kernels on the same weights widened (the model's path with quantization="n
     PYTHONPATH=. python benchmarks/quant_linear.py --device cuda
     PYTHONPATH=. python benchmarks/quant_linear.py --shape tinyllama-1.1b --type Q4_K_M
     PYTHONPATH=. python benchmarks/quant_linear.py --matrix 2880x2880 --types Q4_0,Q8_0,MXFP4
+    PYTHONPATH=. python benchmarks/quant_linear.py --matrix 2048x2048 --types Q4_K,Q4_K_STRIPS
 
 --shape and --type take random blocks of a real model's projection shapes and types
 (benchmarks/make_gguf.py's, without writing a file) instead of a GGUF file's weights.
@@ -79,9 +80,13 @@ def random_weights(shape_name: str, file_type: str, layers: int | None, device: 
 
 
 def matrix_weights(matrix: str, type_name: str, device: str, total_bytes: int = 256 << 20):
-    """Random blocks of `type_name` for distinct [N, K] weights adding up to total_bytes."""
+    """Random blocks of `type_name` for distinct [N, K] weights adding up to total_bytes
+    (Q4_K_STRIPS: Q4_K's, packed by ops.pack_q4k_strips)."""
     import make_gguf
 
+    if type_name == "Q4_K_STRIPS":
+        weights = matrix_weights(matrix, "Q4_K", device, total_bytes)
+        return [(ops.Q4_K_STRIPS, ops.pack_q4k_strips(w), k) for _, w, k in weights]
     n, k = (int(v) for v in matrix.lower().split("x"))
     type_id, block, _ = ops.QUANT_TYPES[type_name]
     blocks = make_gguf.RandomBlocks(make_gguf.Q(type_id), seed=0)

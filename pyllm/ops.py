@@ -1,38 +1,32 @@
 """pyllm's kernels: thin Python wrappers over ``torch.ops.pyllm``.
 
 Each op's argument contract (device, dtype, shape, layout, supported sizes, scalar
-arguments) is checked in C++ by both its CPU and CUDA implementation, one checks
-header per family (``csrc/<family>/<family>_checks.h``): a bad argument raises
+arguments) is checked in C++ by both its CPU and CUDA implementation, one checks header
+per family (``csrc/<family>/<family>_checks.h``): a bad argument raises
 ``TypeError``/``ValueError`` naming it, however the op is called. The wrappers here add
 the arguments' Python types and the values of index tensors (slot and block numbers in
 range, seq_lens, query_start_loc, ...), which they read: a device sync on CUDA. Engines
 that validate their batch metadata once per step may call ``torch.ops.pyllm.<name>``
-directly with the same arguments to skip these value checks.
+directly, skipping these value checks.
 
 KV cache layout, one pair of tensors per layer (``x = 16 // element_size``):
-
 - ``key_cache``:   ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``
 - ``value_cache``: ``[num_blocks, num_kv_heads, head_size, block_size]``
 
-Contiguous KV layout (the virtual KV arena, ``pyllm.kv_cache.KVArena``), one pair of
-views per layer, indexed by sequence slot instead of through a block table
-(``TOKEN_TILE = 16``):
+Contiguous KV layout (the virtual KV arena, ``pyllm.kv_cache.KVArena``), one pair of views
+per layer, indexed by sequence slot instead of through a block table (``TOKEN_TILE = 16``):
 
 - ``key_cache``:   ``[max_num_seqs, num_kv_heads, num_tiles, head_size // x, TOKEN_TILE, x]``
 - ``value_cache``: ``[max_num_seqs, num_kv_heads, num_tiles, head_size, TOKEN_TILE]``
 
-Token t of a slot sits in tile ``t // TOKEN_TILE`` at offset ``t % TOKEN_TILE``; each
-tile is dense and laid out like a paged block of TOKEN_TILE tokens, while the outer
-(slot, kv head, tile) strides are the arena's choice and must be the same for the key
-and the value view.
+Token t of a slot sits in tile ``t // TOKEN_TILE`` at offset ``t % TOKEN_TILE``; each tile
+is dense and laid out like a paged block of TOKEN_TILE tokens; the outer (slot, kv head,
+tile) strides are the arena's choice, the same for the key and the value view.
 
-Token-major inputs (``query``, ``key``, ``value``) may be row views of a larger
-tensor (for example the q/k/v parts of one fused projection): their token stride is
-free, but the heads and head dimension of one token must be packed (``[H, D]``
-contiguous). Outputs must be contiguous.
-
-The ops over GGUF-quantized weights (quant_linear, dequantize_rows, fused_moe, ...) live
-in ``pyllm.ops_quant`` and are re-exported here.
+Token-major inputs (``query``, ``key``, ``value``) may be row views of a larger tensor
+(for example the q/k/v parts of one fused projection): their token stride is free, but
+the heads and head dimension of one token must be packed (``[H, D]`` contiguous).
+Outputs must be contiguous. The quantized-weight ops are ``pyllm.ops_quant``'s, re-exported.
 """
 
 from __future__ import annotations
@@ -71,11 +65,14 @@ from pyllm.kv_cache import (
 )
 from pyllm.ops_quant import (
     FLOAT_WEIGHT_TYPES,
+    Q4_K_STRIPS,
     QUANT_TYPES,
     batch_invariant,
     dequantize_rows,
     fused_moe,
     moe_topk,
+    pack_q4k_strips,
+    q4k_strips_native,
     quant_linear,
     quant_row_bytes,
     set_batch_invariant,
@@ -88,6 +85,7 @@ __all__ = [
     "FLOAT_WEIGHT_TYPES",
     "KVArena",
     "PARTITION_SIZE",
+    "Q4_K_STRIPS",
     "QUANT_TYPES",
     "SMALL_BATCH_MAX_ROWS",
     "SUPPORTED_BLOCK_SIZES",
@@ -106,6 +104,7 @@ __all__ = [
     "fused_moe",
     "kv_cache_x",
     "moe_topk",
+    "pack_q4k_strips",
     "pack_weight_words",
     "packed_linear",
     "packed_linear_vectorized",
@@ -113,6 +112,7 @@ __all__ = [
     "paged_attention_v1",
     "paged_attention_v2",
     "paged_attention_v2_workspace",
+    "q4k_strips_native",
     "quant_linear",
     "quant_row_bytes",
     "reshape_and_cache",

@@ -22,6 +22,11 @@ _QUANT_BY_ID = {
     type_id: (name, block, nbytes) for name, (type_id, block, nbytes) in QUANT_TYPES.items()
 }
 
+# Q4_K rows rearranged in strips of 16 (pack_q4k_strips): a CPU layout of the same bytes,
+# outside GGML's type ids, that quant_linear and dequantize_rows read on the CPU.
+Q4_K_STRIPS = 1012
+_QUANT_BY_ID[Q4_K_STRIPS] = ("Q4_K_STRIPS", *QUANT_TYPES["Q4_K"][1:])
+
 
 def quant_row_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one weight row of in_features values in GGML type qtype."""
@@ -47,6 +52,25 @@ def set_batch_invariant(on: bool) -> None:
 def batch_invariant() -> bool:
     """Whether batch-invariant mode is on (set_batch_invariant)."""
     return bool(_C.batch_invariant())
+
+
+def pack_q4k_strips(qweight: torch.Tensor) -> torch.Tensor:
+    """A Q4_K weight (qtype 12, uint8 ``[N, K / 256 * 144]`` on the CPU) in strips of 16
+    rows, qtype ``Q4_K_STRIPS``: each strip's blocks interleaved so that the AVX-512
+    kernels read eight weights of 16 output features per 64-byte load, with no sums
+    across lanes (csrc/quantization/q4k_strips.h). Same bytes and shape; rows past the
+    last whole strip stay as they were. Results equal the GGUF rows' up to float
+    rounding. Worth it where ``q4k_strips_native()``; other builds turn the strips back
+    into GGUF rows on every call."""
+    qweight = _tensor("qweight", qweight)
+    strips = qweight.clone()
+    _C.pack_q4k_strips_(strips)
+    return strips
+
+
+def q4k_strips_native() -> bool:
+    """Whether this build's kernels read Q4_K strips as they lie (AVX-512 VNNI)."""
+    return bool(_C.q4k_strips_native())
 
 
 def _quant_type(qtype: object) -> tuple[str, int, int]:

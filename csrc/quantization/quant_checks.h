@@ -12,6 +12,7 @@
 #include "../check_utils.h"
 #include "../layers/layers_checks.h"
 #include "gguf_formats.h"
+#include "q4k_strips.h"
 
 namespace pyllm {
 
@@ -27,7 +28,8 @@ inline const QuantType& check_qtype(int64_t qtype) {
 }
 
 // qweight [out_features, row bytes] uint8 holding rows of in_features values of type
-// qtype, contiguous, on device. Returns out_features.
+// qtype (or, on the CPU, Q4_K strips: q4k_strips.h), contiguous, on device. Returns
+// out_features.
 inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t in_features,
                              const at::Device& device) {
   check_device("qweight", qweight, device);
@@ -35,7 +37,11 @@ inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t i
                     "qweight must be uint8 (the GGUF blocks' bytes), got ",
                     dtype_name(qweight.scalar_type()));
   check_ndim("qweight", qweight, 2, "[out_features, row_bytes]");
-  const QuantType& type = check_qtype(qtype);
+  const bool strips = qtype == quant::kQ4_K_Strips;
+  TORCH_CHECK_VALUE(!strips || device.is_cpu(), "qtype ", qtype,
+                    " (Q4_K strips) is a CPU layout; on ", device.str(),
+                    " pass the GGUF rows (qtype 12)");
+  const QuantType& type = check_qtype(strips ? int64_t{quant::kQ4_K} : qtype);
   TORCH_CHECK_VALUE(in_features % type.block == 0, "in_features (", in_features,
                     ") must be a multiple of ", type.name, "'s block of ", type.block);
   const int64_t row_bytes = in_features / type.block * type.bytes;

@@ -22,6 +22,7 @@
 // step's prompt rows take the AMX tiles or panels at any count (many_rows).
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -65,7 +66,9 @@ int64_t many_row_path_from(int64_t qtype) {
 // count.
 template <typename scalar_t>
 void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
-                 int64_t qtype, const std::optional<at::Tensor>& bias, bool many) {
+                 int64_t type, const std::optional<at::Tensor>& bias, bool many) {
+  const bool strips = type == kQ4_K_Strips;  // read by the strip kernels (kStripsNative)
+  const int64_t qtype = strips ? int64_t{kQ4_K} : type;
   const int64_t M = input.size(0), K = input.size(1), N = qweight.size(0);
   const scalar_t* in = input.const_data_ptr<scalar_t>();
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();
@@ -80,7 +83,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
       !batch_invariant() && amx_ready()) {
     dispatch_type(qtype, [&](auto t) {
       n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
-                                               ld);
+                                               ld, strips);
     });
   }
 #endif
@@ -89,7 +92,8 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
     if (n_panel == 0 && from != INT64_MAX && (many || M >= from)) {
       n_panel = N / vec::kLanes * vec::kLanes;
       dispatch_type(qtype, [&](auto t) {
-        panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o, ld);
+        panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o, ld,
+                                         strips);
       });
     }
   }
@@ -111,7 +115,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   float* y = kFloat ? reinterpret_cast<float*>(o + n_panel) : buffer.data();
   const int64_t y_ld = kFloat ? ld : rest;
   dispatch_type(qtype, [&](auto t) {
-    quant_matmul<decltype(t)::value>(w + n_panel * row_bytes, rest, K, x, M, y, y_ld);
+    quant_matmul<decltype(t)::value>(w + n_panel * row_bytes, rest, K, x, M, y, y_ld, strips);
   });
   if (b != nullptr || !kFloat) {
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -125,7 +129,50 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   }
 }
 
+// Q4_K strips (q4k_strips.h) are read natively by the AVX-512 VNNI kernels; other
+// builds take them back to GGUF's layout per call.
+#ifdef PYLLM_QUANT_ZMM
+constexpr bool kStripsNative = true;
+#else
+constexpr bool kStripsNative = false;
+#endif
+
+// Every whole strip of 16 rows of qweight between GGUF's layout and the strips', in
+// place (a strip at a time through a copy).
+void convert_strips(at::Tensor& qweight, bool pack) {
+  const int64_t row_bytes = qweight.size(1), strips = qweight.size(0) / Q4KStrip::kColumns;
+  uint8_t* w = qweight.data_ptr<uint8_t>();
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<uint8_t> copy(Q4KStrip::kColumns * row_bytes);
+    for (int64_t i = s0; i < s1; ++i) {
+      uint8_t* strip = w + i * Q4KStrip::kColumns * row_bytes;
+      std::memcpy(copy.data(), strip, copy.size());
+      if (pack) {
+        pack_strip(copy.data(), row_bytes, strip);
+      } else {
+        unpack_strip(copy.data(), row_bytes, strip);
+      }
+    }
+  });
+}
+
+at::Tensor unpack_q4k_strips(const at::Tensor& qweight) {
+  at::Tensor plain = qweight.clone();
+  convert_strips(plain, false);
+  return plain;
+}
+
 }  // namespace
+
+void pack_q4k_strips_(at::Tensor& qweight) {
+  const int64_t row_bytes = qweight.dim() == 2 ? qweight.size(1) : 0;
+  TORCH_CHECK_VALUE(row_bytes % 144 == 0, "qweight must hold Q4_K rows (whole blocks of 144 ",
+                    "bytes), got rows of ", row_bytes, " bytes");
+  check_qweight(qweight, kQ4_K, row_bytes / 144 * 256, at::kCPU);
+  convert_strips(qweight, true);
+}
+
+bool q4k_strips_native() { return kStripsNative; }
 
 // Rows [0, many_rows) (a step's prompt tokens) take the many-row path whatever their
 // count, so that a prompt computes alike whole, in chunks, or after a prefix-cache hit;
@@ -138,8 +185,12 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
   const int64_t N = check_quant_linear(out, input, qweight, qtype, bias, many_rows);
   const int64_t M = input.size(0);
   if (M == 0 || N == 0) return;
+  if (qtype == kQ4_K_Strips && !kStripsNative) {
+    quant_linear(out, input, unpack_q4k_strips(qweight), kQ4_K, bias, many_rows);
+    return;
+  }
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "quant_linear", [&] {
-    const int64_t from = many_row_path_from<scalar_t>(qtype);
+    const int64_t from = many_row_path_from<scalar_t>(qtype == kQ4_K_Strips ? kQ4_K : qtype);
     int64_t P = from == 0 ? 0 : many_rows;
     if (P > 0 && M - P >= from) P = M;  // the other rows take that path too
     if (P == 0 || P == M) {
@@ -164,6 +215,10 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
       TORCH_CHECK(index[i] >= 0 && index[i] < N, "rows[", i, "] = ", index[i],
                   " is outside [0, ", N, ")");
     }
+  }
+  if (qtype == kQ4_K_Strips) {
+    dequantize_rows(out, unpack_q4k_strips(qweight), kQ4_K, rows);
+    return;
   }
   const int64_t row_bytes = qweight.size(1);
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();

@@ -9,7 +9,8 @@
 // Each defines dot_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1): the
 // float32 sums of output columns [n0, n1) for input rows [m0, m0 + R). Where
 // PYLLM_QUANT_AVX2 is defined, group_vector<T> (quant_groups_avx2.h) also serves
-// the dequantization paths.
+// the dequantization paths. The AVX-512 back end also reads Q4_K strips
+// (q4k_strips.h, quant_strips_avx512.h).
 #pragma once
 
 #include <cstdint>
@@ -85,6 +86,7 @@ inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
 
 #if defined(PYLLM_QUANT_ZMM)
 #include "quant_dot_avx512.h"
+#include "quant_strips_avx512.h"
 #elif defined(PYLLM_QUANT_AVX2)
 #include "quant_dot_avx2.h"
 #else

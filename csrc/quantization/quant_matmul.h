@@ -30,6 +30,7 @@
 #include "../cpu/packed_tile.h"
 #include "../ops.h"  // batch_invariant
 #include "gguf_blocks.h"
+#include "q4k_strips.h"
 #include "quant_dot.h"  // dot_rows; with PYLLM_QUANT_AVX2 also <immintrin.h>
 
 namespace pyllm::cpu {
@@ -117,12 +118,40 @@ void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows
 // the other at the end of every call on a virtual machine's shared cores: two
 // single-threaded processes streamed 13.6 GB/s together where one call split in
 // halves made 9.5.
+// Columns [n0, n1) of Q4_K strips: whole strips by the strip kernel, the rows past
+// the last whole strip (GGUF's layout) by dot_tile.
+inline void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N,
+                       const QuantizedRows& x, int64_t m0, int64_t K, float* out,
+                       int64_t out_stride, int64_t n0, int64_t n1) {
+#ifdef PYLLM_QUANT_ZMM
+  const int64_t whole = std::min(n1, N / Q4KStrip::kColumns * Q4KStrip::kColumns);
+  if (n0 < whole) {
+    auto run = [&](auto r) {
+      strip_rows<decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole);
+    };
+    switch (rows) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 7: run(std::integral_constant<int, 7>{}); break;
+      default: run(std::integral_constant<int, kTileRows>{}); break;
+    }
+    n0 = whole;
+  }
+#endif
+  if (n0 < n1) dot_tile<kQ4_K>(rows, w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+}
+
 template <int64_t T>
 void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
-                  float* out, int64_t out_stride) {
+                  float* out, int64_t out_stride, bool strips = false) {
   using F = Format<T>;
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
-  const int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
+  int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
+  if (strips) strip = std::max<int64_t>(Q4KStrip::kColumns, strip / Q4KStrip::kColumns * Q4KStrip::kColumns);
   const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -130,7 +159,12 @@ void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x
       const int64_t n1 = std::min(N, n0 + strip);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        dot_tile<T>(rows, w, row_bytes, x, m0, K, out + m0 * out_stride, out_stride, n0, n1);
+        float* o = out + m0 * out_stride;
+        if (strips) {
+          strip_tile(rows, w, row_bytes, N, x, m0, K, o, out_stride, n0, n1);
+        } else {
+          dot_tile<T>(rows, w, row_bytes, x, m0, K, o, out_stride, n0, n1);
+        }
       }
     }
   });
@@ -322,9 +356,11 @@ void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t
 }
 
 // Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
+// strips: W is Q4_K strips (T = kQ4_K; a build with PYLLM_QUANT_ZMM).
 template <int64_t T, typename S>
 void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
-                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
+                  bool strips = false) {
   constexpr int NB = tile_blocks(kTileRows);
   const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
   // Panels from a shared counter, as quant_matmul's strips.
@@ -335,8 +371,17 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
-      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data(),
-                          nb * vec::kLanes);
+      if (strips) {
+#ifdef PYLLM_QUANT_ZMM
+        for (int b = 0; b < nb; ++b) {
+          dequantize_strip_panel(w + (n0 + b * vec::kLanes) * row_bytes, K,
+                                 panel.data() + b * K * vec::kLanes);
+        }
+#endif
+      } else {
+        dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data(),
+                            nb * vec::kLanes);
+      }
       const S* b = bias ? bias + n0 : nullptr;
       if (nb == NB) {
         panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
@@ -432,20 +477,29 @@ inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t
 }
 
 // Columns [0, N / 32 * 32) of out = x . W^T (+ bias); returns how many.
+// strips: W is Q4_K strips (T = kQ4_K), two of them per panel of 32 rows.
 template <int64_t T, typename S>
 int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
-                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
+                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
+                   bool strips = false) {
   const int64_t panels = N / 32;
   const std::vector<uint32_t> pairs = pair_inputs(x, x_stride, M, K);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     load_tile_config();
     std::vector<c10::BFloat16> wrows(32 * K);
+    std::vector<uint8_t> plain(strips ? 32 * row_bytes : 0);
     alignas(64) float sums[32 * 32];
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * 32;
+      const uint8_t* rows = w + n0 * row_bytes;
+      if (strips) {
+        unpack_strip(rows, row_bytes, plain.data());
+        unpack_strip(rows + 16 * row_bytes, row_bytes, plain.data() + 16 * row_bytes);
+        rows = plain.data();
+      }
       for (int n = 0; n < 32; ++n) {
-        dequantize_row_bf16<T>(w + (n0 + n) * row_bytes, K, wrows.data() + n * K);
+        dequantize_row_bf16<T>(rows + n * row_bytes, K, wrows.data() + n * K);
       }
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         amx_chunk(wrows.data(), pairs.data() + m0 * K / 2, K, sums);

@@ -165,6 +165,14 @@ def valid_batch_invariant():
     return {}
 
 
+def valid_q4k_strips_native():
+    return {}
+
+
+def valid_pack_q4k_strips():
+    return dict(qweight=torch.zeros(16, 144, dtype=torch.uint8))
+
+
 def valid_set_batch_invariant():
     return dict(on=False)  # the default: leaves the process as it was
 
@@ -289,6 +297,8 @@ VALID = {
     "apply_token_bitmask": valid_apply_token_bitmask,
     "quant_row_bytes": valid_quant_row_bytes,
     "batch_invariant": valid_batch_invariant,
+    "q4k_strips_native": valid_q4k_strips_native,
+    "pack_q4k_strips": valid_pack_q4k_strips,
     "set_batch_invariant": valid_set_batch_invariant,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
@@ -1084,7 +1094,30 @@ CASES += [
     *cases_for(
         "quant_row_bytes",
         ("qtype_unknown", {"qtype": 1}, ValueError, "qtype"),
+        (
+            "qtype_strips_block",
+            {"qtype": ops.Q4_K_STRIPS, "in_features": 100},
+            ValueError,
+            "in_features",
+        ),
         ("in_features_not_blocks", {"in_features": 100}, ValueError, "in_features"),
+    ),
+    *cases_for(
+        "pack_q4k_strips",
+        ("qweight_not_tensor", {"qweight": [0] * 144}, TypeError, "qweight"),
+        ("qweight_float", {"qweight": torch.zeros(16, 144)}, ValueError, "qweight"),
+        (
+            "qweight_3d",
+            {"qweight": torch.zeros(2, 16, 144, dtype=torch.uint8)},
+            ValueError,
+            "qweight",
+        ),
+        (
+            "qweight_row_bytes",
+            {"qweight": torch.zeros(16, 100, dtype=torch.uint8)},
+            ValueError,
+            "qweight",
+        ),
     ),
 ]
 

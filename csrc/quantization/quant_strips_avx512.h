@@ -1,0 +1,191 @@
+// Q4_K strips (q4k_strips.h) under AVX-512 VNNI: 32-bit lane c of every product is
+// column c's, so a 64-byte load of weights takes two ANDs, a shift and one vpdpbusd
+// per input row and nibble half, against a broadcast of four of the row's int8
+// values; a sub-block's sums take its scales by one multiply per row, the mins
+// their inputs' sums by vpdpwssd, and no sum crosses lanes.
+#pragma once
+
+#include <type_traits>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+
+#include "q4k_strips.h"
+
+namespace pyllm::cpu {
+namespace {
+
+// Per input row and block, the int8 inputs' sums per 32 (sub-block), as int16 pairs
+// (sub-blocks 2p, 2p + 1 in dword p): the mins' vpdpwssd operand.
+inline const int32_t* strip_input_sums(const QuantizedRows& x, int64_t m0, int R,
+                                       int64_t blocks) {
+  thread_local std::vector<int32_t> pairs;
+  pairs.resize(static_cast<size_t>(R * blocks * 4));
+  for (int r = 0; r < R; ++r) {
+    const int16_t* isum = x.isum_row(m0 + r);
+    for (int64_t i = 0; i < blocks * 4; ++i) {
+      const int32_t lo = isum[4 * i] + isum[4 * i + 1], hi = isum[4 * i + 2] + isum[4 * i + 3];
+      pairs[r * blocks * 4 + i] = static_cast<int32_t>(static_cast<uint16_t>(lo) |
+                                                       static_cast<uint32_t>(hi) << 16);
+    }
+  }
+  return pairs.data();
+}
+
+// Sub-block pair p's scales (lane c: words sc[2p], sc[2p + 1]) and mins (the same).
+inline void strip_scales(const uint8_t* blk, int p, __m512i& scales, __m512i& mins) {
+  using S = quant::Q4KStrip;
+  const __m512i bytes = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kScales + 32 * p)));
+  scales = _mm512_and_si512(bytes, _mm512_set1_epi16(63));
+  const __m512i high = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + S::kMinHigh + 16 * p)));
+  const __m512i nibbles = _mm512_or_si512(
+      _mm512_and_si512(high, _mm512_set1_epi32(0x0F)),
+      _mm512_slli_epi32(_mm512_and_si512(high, _mm512_set1_epi32(0xF0)), 12));
+  mins = _mm512_or_si512(_mm512_srli_epi16(bytes, 6), _mm512_slli_epi16(nibbles, 2));
+}
+
+// Strip columns [n, n + 16) for input rows [m0, m0 + R). No software prefetch: a
+// thread reads one linear stream, which the hardware prefetchers follow (2 threads,
+// TinyLlama's projections: the same GB/s with or without L2 prefetches 8 KiB ahead).
+template <int R>
+inline void strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
+                       int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+  using S = quant::Q4KStrip;
+  // Independent sums per row: a lone row's vpdpbusd chain was latency-bound.
+  constexpr int kChains = R >= 4 ? 1 : 4 / R;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = strip + b * S::kBytes;
+    __m512i total[R], mins[R];
+    for (int r = 0; r < R; ++r) total[r] = mins[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      __m512i scale_words, min_words;
+      strip_scales(blk, p, scale_words, min_words);
+      for (int r = 0; r < R; ++r) {
+        mins[r] = _mm512_dpwssd_epi32(mins[r], min_words,
+                                      _mm512_set1_epi32(sums[(r * blocks + b) * 4 + p]));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * p + h;
+        __m512i part[R][kChains];
+        for (int r = 0; r < R; ++r) {
+          for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
+        }
+        for (int v = 0; v < 4; ++v) {
+          const __m512i w = _mm512_loadu_si512(blk + S::kQs + 64 * (4 * s + v));
+          const __m512i half[2] = {_mm512_and_si512(w, low),
+                                   _mm512_and_si512(_mm512_srli_epi16(w, 4), low)};
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q_row(m0 + r) + b * 256 + 32 * s + 8 * v;
+            for (int i = 0; i < 2; ++i) {
+              int32_t x4;
+              std::memcpy(&x4, xq + 4 * i, 4);
+              __m512i& chain = part[r][(2 * v + i) % kChains];
+              chain = _mm512_dpbusd_epi32(chain, half[i], _mm512_set1_epi32(x4));
+            }
+          }
+        }
+        const __m512i scale = h ? _mm512_srli_epi32(scale_words, 16)
+                                : _mm512_and_si512(scale_words, _mm512_set1_epi32(0xFFFF));
+        for (int r = 0; r < R; ++r) {
+          __m512i sum = part[r][0];
+          for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, part[r][i]);
+          total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(sum, scale));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kD)));
+    const __m512 dmin = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kDmin)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
+}
+
+// Columns [n0, n1) (whole strips: n0, n1 multiples of 16) for input rows [m0, m0 + R).
+template <int R>
+void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
+                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 256;
+  const int32_t* sums = strip_input_sums(x, m0, R, blocks);
+  for (int64_t n = n0; n < n1; n += quant::Q4KStrip::kColumns) {
+    strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n);
+  }
+}
+
+// A strip's 16 columns dequantized straight into a panel block of packed_linear's
+// layout (word i of column c at panel[16 i + c]; a word is one float32, or bf16
+// values 2i and 2i + 1): lane c of every vector is already column c. Each value is
+// d * scale * q - dmin * min, as Format<kQ4_K> and dequantize_row_* compute it, so
+// the panels match those of the GGUF layout bit for bit.
+template <typename S>
+void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
+  using L = quant::Q4KStrip;
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  auto* dst = reinterpret_cast<uint32_t*>(panel);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = strip + b * L::kBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 dmin = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kDmin)));
+    for (int p = 0; p < 4; ++p) {
+      __m512i scale_words, min_words;
+      strip_scales(blk, p, scale_words, min_words);
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * p + h;
+        auto word = [&](__m512i words) {
+          return h ? _mm512_srli_epi32(words, 16)
+                   : _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
+        };
+        const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(word(scale_words)));
+        const __m512 off = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
+                                         _mm512_cvtepi32_ps(word(min_words)));
+        for (int v = 0; v < 4; ++v) {
+          const __m512i w = _mm512_loadu_si512(blk + L::kQs + 64 * (4 * s + v));
+          __m512 y[8];  // weight 32s + 8v + t of each column
+          for (int t = 0; t < 8; ++t) {
+            const __m512i q =
+                _mm512_and_si512(_mm512_srli_epi32(w, 8 * (t % 4) + 4 * (t / 4)), nibble);
+            y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, off);
+          }
+          const int64_t k0 = b * 256 + 32 * s + 8 * v;
+          if constexpr (std::is_same_v<S, float>) {
+            for (int t = 0; t < 8; ++t) {
+              _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k0 + t) * 16), y[t]);
+            }
+          } else {
+            for (int t = 0; t < 8; t += 2) {
+              __m512i pair[2];  // the bf16 bits of values k0 + t, k0 + t + 1 per lane
+              for (int i = 0; i < 2; ++i) {
+#ifdef __AVX512BF16__
+                pair[i] = _mm512_cvtepu16_epi32(
+                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y[t + i])));
+#else
+                alignas(64) float f[16];
+                alignas(64) uint32_t bits[16];
+                _mm512_store_ps(f, y[t + i]);
+                for (int c = 0; c < 16; ++c) bits[c] = c10::BFloat16(f[c]).x;
+                pair[i] = _mm512_load_si512(bits);
+#endif
+              }
+              _mm512_storeu_si512(dst + (k0 + t) / 2 * 16,
+                                  _mm512_or_si512(pair[0], _mm512_slli_epi32(pair[1], 16)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pyllm::cpu
