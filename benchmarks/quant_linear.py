@@ -81,12 +81,12 @@ def random_weights(shape_name: str, file_type: str, layers: int | None, device: 
 
 def matrix_weights(matrix: str, type_name: str, device: str, total_bytes: int = 256 << 20):
     """Random blocks of `type_name` for distinct [N, K] weights adding up to total_bytes
-    (Q4_K_STRIPS: Q4_K's, packed by ops.pack_q4k_strips)."""
+    (Q4_K_STRIPS and the like: Q4_K's, packed by ops.pack_strips)."""
     import make_gguf
 
-    if type_name == "Q4_K_STRIPS":
-        weights = matrix_weights(matrix, "Q4_K", device, total_bytes)
-        return [(ops.Q4_K_STRIPS, ops.pack_q4k_strips(w), k) for _, w, k in weights]
+    if type_name.endswith("_STRIPS"):
+        weights = matrix_weights(matrix, type_name.removesuffix("_STRIPS"), device, total_bytes)
+        return [(ops.STRIPS_TYPES[t], ops.pack_strips(w, t), k) for t, w, k in weights]
     n, k = (int(v) for v in matrix.lower().split("x"))
     type_id, block, _ = ops.QUANT_TYPES[type_name]
     blocks = make_gguf.RandomBlocks(make_gguf.Q(type_id), seed=0)
@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-float", action="store_true", help="skip the float kernels")
+    parser.add_argument(
+        "--strips", action="store_true", help="pack the weights into strips as the loader does"
+    )
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, torch threads "
           f"{torch.get_num_threads()}, device {args.device}")  # fmt: skip
@@ -142,6 +145,11 @@ def main() -> None:
             next(v for k, v in open_gguf(path).metadata.items() if k.endswith(".block_count"))
         )
         weights = load_weights(path, layers, args.device)
+    if args.strips:
+        weights = [
+            (ops.STRIPS_TYPES[t], ops.pack_strips(w, t), k) if t in ops.STRIPS_TYPES else (t, w, k)
+            for t, w, k in weights
+        ]
     measure(
         weights, f"{os.path.basename(path)}: {len(weights)} projections of {layers} layers", args
     )
@@ -192,6 +200,7 @@ def measure(weights, label: str, args) -> None:
     nbytes = sum(q.numel() for _, q, _ in weights)
     flops_per_row = 2 * sum(q.shape[0] * k for _, q, k in weights)
     names = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
+    names.update({s: names[t] + "_STRIPS" for t, s in ops.STRIPS_TYPES.items()})
     types = sorted({names[t] for t, _, _ in weights})
     print(f"# {label}, {'/'.join(types)}, {nbytes / 1e6:.1f} MB quantized")  # fmt: skip
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:

@@ -183,12 +183,14 @@ bool packed_linear_vectorized_for(at::ScalarType dtype);
 // Process-wide, set by the engine (EngineConfig.batch_invariant). In quant_cpu.cpp.
 bool batch_invariant();
 void set_batch_invariant(bool on);
-// Q4_K weights rearranged in place into strips of 16 rows (quantization/q4k_strips.h),
-// which quant_linear and dequantize_rows read as qtype 1012 on the CPU; q4k_strips_native:
-// whether this build's kernels read them as they lie (AVX-512 VNNI), where the
-// others turn them back into GGUF's rows on each call. In quant_cpu.cpp.
-void pack_q4k_strips_(at::Tensor& qweight);
-bool q4k_strips_native();
+// Q4_0, Q4_1 or Q4_K weights rearranged in place into strips of 16 rows
+// (quantization/quant_strips.h), which quant_linear and dequantize_rows read as qtype
+// 1000 + qtype on the CPU; strips_native: whether this build's kernels read them as
+// they lie (AVX-512 VNNI), where the others turn them back into GGUF's rows on each
+// call. In quant_cpu.cpp.
+void pack_strips_(at::Tensor& qweight, int64_t qtype);
+bool strips_native();
+std::vector<int64_t> strip_types();  // the GGML type ids that have strips
 }  // namespace cpu
 
 #ifdef PYLLM_WITH_CUDA

@@ -65,17 +65,17 @@ from pyllm.kv_cache import (
 )
 from pyllm.ops_quant import (
     FLOAT_WEIGHT_TYPES,
-    Q4_K_STRIPS,
     QUANT_TYPES,
+    STRIPS_TYPES,
     batch_invariant,
     dequantize_rows,
     fused_moe,
     moe_topk,
-    pack_q4k_strips,
-    q4k_strips_native,
+    pack_strips,
     quant_linear,
     quant_row_bytes,
     set_batch_invariant,
+    strips_native,
 )
 
 _C = torch.ops.pyllm
@@ -85,8 +85,8 @@ __all__ = [
     "FLOAT_WEIGHT_TYPES",
     "KVArena",
     "PARTITION_SIZE",
-    "Q4_K_STRIPS",
     "QUANT_TYPES",
+    "STRIPS_TYPES",
     "SMALL_BATCH_MAX_ROWS",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
@@ -104,7 +104,7 @@ __all__ = [
     "fused_moe",
     "kv_cache_x",
     "moe_topk",
-    "pack_q4k_strips",
+    "pack_strips",
     "pack_weight_words",
     "packed_linear",
     "packed_linear_vectorized",
@@ -112,7 +112,6 @@ __all__ = [
     "paged_attention_v1",
     "paged_attention_v2",
     "paged_attention_v2_workspace",
-    "q4k_strips_native",
     "quant_linear",
     "quant_row_bytes",
     "reshape_and_cache",
@@ -121,6 +120,7 @@ __all__ = [
     "set_batch_invariant",
     "silu_and_mul",
     "small_batch_linear",
+    "strips_native",
     "swap_blocks",
     "write_kv_contiguous",
 ]

@@ -22,10 +22,13 @@ _QUANT_BY_ID = {
     type_id: (name, block, nbytes) for name, (type_id, block, nbytes) in QUANT_TYPES.items()
 }
 
-# Q4_K rows rearranged in strips of 16 (pack_q4k_strips): a CPU layout of the same bytes,
-# outside GGML's type ids, that quant_linear and dequantize_rows read on the CPU.
-Q4_K_STRIPS = 1012
-_QUANT_BY_ID[Q4_K_STRIPS] = ("Q4_K_STRIPS", *QUANT_TYPES["Q4_K"][1:])
+# GGML type id -> the id of its rows rearranged in strips of 16 (pack_strips): a CPU
+# layout of the same bytes, outside GGML's ids, that quant_linear and dequantize_rows read.
+# 1000 + the GGML id (csrc/quantization/quant_strips.h).
+STRIPS_TYPES: dict[int, int] = {type_id: 1000 + type_id for type_id in _C.strip_types()}
+for _plain, _strips in STRIPS_TYPES.items():
+    _name, _block, _bytes = _QUANT_BY_ID[_plain]
+    _QUANT_BY_ID[_strips] = (f"{_name}_STRIPS", _block, _bytes)
 
 
 def quant_row_bytes(qtype: int, in_features: int) -> int:
@@ -54,23 +57,23 @@ def batch_invariant() -> bool:
     return bool(_C.batch_invariant())
 
 
-def pack_q4k_strips(qweight: torch.Tensor) -> torch.Tensor:
-    """A Q4_K weight (qtype 12, uint8 ``[N, K / 256 * 144]`` on the CPU) in strips of 16
-    rows, qtype ``Q4_K_STRIPS``: each strip's blocks interleaved so that the AVX-512
-    kernels read eight weights of 16 output features per 64-byte load, with no sums
-    across lanes (csrc/quantization/q4k_strips.h). Same bytes and shape; rows past the
-    last whole strip stay as they were. Results equal the GGUF rows' up to float
-    rounding. Worth it where ``q4k_strips_native()``; other builds turn the strips back
-    into GGUF rows on every call."""
+def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A Q4_0, Q4_1 or Q4_K weight (uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU)
+    in strips of 16 rows, of type ``STRIPS_TYPES[qtype]``: each strip's blocks
+    interleaved so that the AVX-512 kernels read eight weights of 16 output features
+    per 64-byte load, with no sums across lanes (csrc/quantization/quant_strips.h).
+    Same bytes and shape; rows past the last whole strip stay as they were. Results
+    equal the GGUF rows' up to float rounding. Worth it where ``strips_native()``;
+    other builds turn the strips back into GGUF rows on every call."""
     qweight = _tensor("qweight", qweight)
     strips = qweight.clone()
-    _C.pack_q4k_strips_(strips)
+    _C.pack_strips_(strips, qtype)
     return strips
 
 
-def q4k_strips_native() -> bool:
-    """Whether this build's kernels read Q4_K strips as they lie (AVX-512 VNNI)."""
-    return bool(_C.q4k_strips_native())
+def strips_native() -> bool:
+    """Whether this build's kernels read strips (pack_strips) as they lie (AVX-512 VNNI)."""
+    return bool(_C.strips_native())
 
 
 def _quant_type(qtype: object) -> tuple[str, int, int]:

@@ -12,7 +12,7 @@
 #include "../check_utils.h"
 #include "../layers/layers_checks.h"
 #include "gguf_formats.h"
-#include "q4k_strips.h"
+#include "quant_strips.h"
 
 namespace pyllm {
 
@@ -28,7 +28,7 @@ inline const QuantType& check_qtype(int64_t qtype) {
 }
 
 // qweight [out_features, row bytes] uint8 holding rows of in_features values of type
-// qtype (or, on the CPU, Q4_K strips: q4k_strips.h), contiguous, on device. Returns
+// qtype (or, on the CPU, their strips: quant_strips.h), contiguous, on device. Returns
 // out_features.
 inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t in_features,
                              const at::Device& device) {
@@ -37,11 +37,11 @@ inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t i
                     "qweight must be uint8 (the GGUF blocks' bytes), got ",
                     dtype_name(qweight.scalar_type()));
   check_ndim("qweight", qweight, 2, "[out_features, row_bytes]");
-  const bool strips = qtype == quant::kQ4_K_Strips;
-  TORCH_CHECK_VALUE(!strips || device.is_cpu(), "qtype ", qtype,
-                    " (Q4_K strips) is a CPU layout; on ", device.str(),
-                    " pass the GGUF rows (qtype 12)");
-  const QuantType& type = check_qtype(strips ? int64_t{quant::kQ4_K} : qtype);
+  const bool strips = quant::is_strips(qtype);
+  const int64_t plain = strips ? qtype - quant::kStripsBase : qtype;
+  TORCH_CHECK_VALUE(!strips || device.is_cpu(), "qtype ", qtype, " (strips of GGML type ",
+                    plain, ") is a CPU layout; on ", device.str(), " pass the GGUF rows");
+  const QuantType& type = check_qtype(plain);
   TORCH_CHECK_VALUE(in_features % type.block == 0, "in_features (", in_features,
                     ") must be a multiple of ", type.name, "'s block of ", type.block);
   const int64_t row_bytes = in_features / type.block * type.bytes;

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -67,8 +68,8 @@ int64_t many_row_path_from(int64_t qtype) {
 template <typename scalar_t>
 void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
                  int64_t type, const std::optional<at::Tensor>& bias, bool many) {
-  const bool strips = type == kQ4_K_Strips;  // read by the strip kernels (kStripsNative)
-  const int64_t qtype = strips ? int64_t{kQ4_K} : type;
+  const bool strips = is_strips(type);  // read by the strip kernels (kStripsNative)
+  const int64_t qtype = strips ? type - kStripsBase : type;
   const int64_t M = input.size(0), K = input.size(1), N = qweight.size(0);
   const scalar_t* in = input.const_data_ptr<scalar_t>();
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();
@@ -129,50 +130,77 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   }
 }
 
-// Q4_K strips (q4k_strips.h) are read natively by the AVX-512 VNNI kernels; other
-// builds take them back to GGUF's layout per call.
+// Strips (quant_strips.h) are read natively by the AVX-512 VNNI kernels; other builds
+// take them back to GGUF's layout per call.
 #ifdef PYLLM_QUANT_ZMM
 constexpr bool kStripsNative = true;
 #else
 constexpr bool kStripsNative = false;
 #endif
 
-// Every whole strip of 16 rows of qweight between GGUF's layout and the strips', in
-// place (a strip at a time through a copy).
-void convert_strips(at::Tensor& qweight, bool pack) {
-  const int64_t row_bytes = qweight.size(1), strips = qweight.size(0) / Q4KStrip::kColumns;
+// Every whole strip of 16 rows of a weight of GGML type `type` between GGUF's layout
+// and the strips', in place (a strip at a time through a copy).
+void convert_strips(at::Tensor& qweight, int64_t type, bool pack) {
+  const int64_t row_bytes = qweight.size(1), strips = qweight.size(0) / kStripColumns;
   uint8_t* w = qweight.data_ptr<uint8_t>();
-  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<uint8_t> copy(Q4KStrip::kColumns * row_bytes);
-    for (int64_t i = s0; i < s1; ++i) {
-      uint8_t* strip = w + i * Q4KStrip::kColumns * row_bytes;
-      std::memcpy(copy.data(), strip, copy.size());
-      if (pack) {
-        pack_strip(copy.data(), row_bytes, strip);
-      } else {
-        unpack_strip(copy.data(), row_bytes, strip);
-      }
+  dispatch_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    if constexpr (has_strips(T)) {
+      at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+        std::vector<uint8_t> copy(kStripColumns * row_bytes);
+        for (int64_t i = s0; i < s1; ++i) {
+          uint8_t* strip = w + i * kStripColumns * row_bytes;
+          std::memcpy(copy.data(), strip, copy.size());
+          if (pack) {
+            pack_strip<T>(copy.data(), row_bytes, strip);
+          } else {
+            unpack_strip<T>(copy.data(), row_bytes, strip);
+          }
+        }
+      });
     }
   });
 }
 
-at::Tensor unpack_q4k_strips(const at::Tensor& qweight) {
+// "Q4_0, Q4_1, ...": the types with strips, for messages.
+std::string strip_type_names() {
+  std::string names;
+  for (const QuantType& t : kQuantTypes) {
+    if (has_strips(t.id)) names += (names.empty() ? "" : ", ") + std::string(t.name);
+  }
+  return names;
+}
+
+// GGUF rows of a strips weight (of strips type `type`).
+at::Tensor unpack_strips(const at::Tensor& qweight, int64_t type) {
   at::Tensor plain = qweight.clone();
-  convert_strips(plain, false);
+  convert_strips(plain, type - kStripsBase, false);
   return plain;
 }
 
 }  // namespace
 
-void pack_q4k_strips_(at::Tensor& qweight) {
+void pack_strips_(at::Tensor& qweight, int64_t qtype) {
+  const QuantType& type = check_qtype(qtype);
+  TORCH_CHECK_VALUE(has_strips(qtype), "qtype must be one with a strip layout (",
+                    strip_type_names(), "), got ", qtype, " (", type.name, ")");
   const int64_t row_bytes = qweight.dim() == 2 ? qweight.size(1) : 0;
-  TORCH_CHECK_VALUE(row_bytes % 144 == 0, "qweight must hold Q4_K rows (whole blocks of 144 ",
-                    "bytes), got rows of ", row_bytes, " bytes");
-  check_qweight(qweight, kQ4_K, row_bytes / 144 * 256, at::kCPU);
-  convert_strips(qweight, true);
+  TORCH_CHECK_VALUE(row_bytes % type.bytes == 0, "qweight must hold ", type.name,
+                    " rows (whole blocks of ", type.bytes, " bytes), got rows of ", row_bytes,
+                    " bytes");
+  check_qweight(qweight, qtype, row_bytes / type.bytes * type.block, at::kCPU);
+  convert_strips(qweight, qtype, true);
 }
 
-bool q4k_strips_native() { return kStripsNative; }
+bool strips_native() { return kStripsNative; }
+
+std::vector<int64_t> strip_types() {
+  std::vector<int64_t> ids;
+  for (const QuantType& t : kQuantTypes) {
+    if (has_strips(t.id)) ids.push_back(t.id);
+  }
+  return ids;
+}
 
 // Rows [0, many_rows) (a step's prompt tokens) take the many-row path whatever their
 // count, so that a prompt computes alike whole, in chunks, or after a prefix-cache hit;
@@ -185,12 +213,13 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
   const int64_t N = check_quant_linear(out, input, qweight, qtype, bias, many_rows);
   const int64_t M = input.size(0);
   if (M == 0 || N == 0) return;
-  if (qtype == kQ4_K_Strips && !kStripsNative) {
-    quant_linear(out, input, unpack_q4k_strips(qweight), kQ4_K, bias, many_rows);
+  if (is_strips(qtype) && !kStripsNative) {
+    quant_linear(out, input, unpack_strips(qweight, qtype), qtype - kStripsBase, bias, many_rows);
     return;
   }
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "quant_linear", [&] {
-    const int64_t from = many_row_path_from<scalar_t>(qtype == kQ4_K_Strips ? kQ4_K : qtype);
+    const int64_t from =
+        many_row_path_from<scalar_t>(is_strips(qtype) ? qtype - kStripsBase : qtype);
     int64_t P = from == 0 ? 0 : many_rows;
     if (P > 0 && M - P >= from) P = M;  // the other rows take that path too
     if (P == 0 || P == M) {
@@ -216,8 +245,8 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
                   " is outside [0, ", N, ")");
     }
   }
-  if (qtype == kQ4_K_Strips) {
-    dequantize_rows(out, unpack_q4k_strips(qweight), kQ4_K, rows);
+  if (is_strips(qtype)) {
+    dequantize_rows(out, unpack_strips(qweight, qtype), qtype - kStripsBase, rows);
     return;
   }
   const int64_t row_bytes = qweight.size(1);

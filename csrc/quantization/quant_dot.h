@@ -9,8 +9,8 @@
 // Each defines dot_rows<T, R>(w, row_bytes, x, m0, K, out, out_stride, n0, n1): the
 // float32 sums of output columns [n0, n1) for input rows [m0, m0 + R). Where
 // PYLLM_QUANT_AVX2 is defined, group_vector<T> (quant_groups_avx2.h) also serves
-// the dequantization paths. The AVX-512 back end also reads Q4_K strips
-// (q4k_strips.h, quant_strips_avx512.h).
+// the dequantization paths. The AVX-512 back end also reads strips
+// (quant_strips.h, quant_strips_avx512.h).
 #pragma once
 
 #include <cstdint>

@@ -30,8 +30,8 @@
 #include "../cpu/packed_tile.h"
 #include "../ops.h"  // batch_invariant
 #include "gguf_blocks.h"
-#include "q4k_strips.h"
 #include "quant_dot.h"  // dot_rows; with PYLLM_QUANT_AVX2 also <immintrin.h>
+#include "quant_strips.h"
 
 namespace pyllm::cpu {
 namespace {
@@ -118,31 +118,33 @@ void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows
 // the other at the end of every call on a virtual machine's shared cores: two
 // single-threaded processes streamed 13.6 GB/s together where one call split in
 // halves made 9.5.
-// Columns [n0, n1) of Q4_K strips: whole strips by the strip kernel, the rows past
-// the last whole strip (GGUF's layout) by dot_tile.
-inline void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N,
-                       const QuantizedRows& x, int64_t m0, int64_t K, float* out,
-                       int64_t out_stride, int64_t n0, int64_t n1) {
+// Columns [n0, n1) of strips of type T: whole strips by the strip kernels, the rows
+// past the last whole strip (GGUF's layout) by dot_tile.
+template <int64_t T>
+void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N, const QuantizedRows& x,
+                int64_t m0, int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
 #ifdef PYLLM_QUANT_ZMM
-  const int64_t whole = std::min(n1, N / Q4KStrip::kColumns * Q4KStrip::kColumns);
-  if (n0 < whole) {
-    auto run = [&](auto r) {
-      strip_rows<decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole);
-    };
-    switch (rows) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      case 6: run(std::integral_constant<int, 6>{}); break;
-      case 7: run(std::integral_constant<int, 7>{}); break;
-      default: run(std::integral_constant<int, kTileRows>{}); break;
+  if constexpr (has_strips(T)) {
+    const int64_t whole = std::min(n1, N / kStripColumns * kStripColumns);
+    if (n0 < whole) {
+      auto run = [&](auto r) {
+        strip_rows<T, decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole);
+      };
+      switch (rows) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 5: run(std::integral_constant<int, 5>{}); break;
+        case 6: run(std::integral_constant<int, 6>{}); break;
+        case 7: run(std::integral_constant<int, 7>{}); break;
+        default: run(std::integral_constant<int, kTileRows>{}); break;
+      }
+      n0 = whole;
     }
-    n0 = whole;
   }
 #endif
-  if (n0 < n1) dot_tile<kQ4_K>(rows, w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  if (n0 < n1) dot_tile<T>(rows, w, row_bytes, x, m0, K, out, out_stride, n0, n1);
 }
 
 template <int64_t T>
@@ -151,7 +153,7 @@ void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x
   using F = Format<T>;
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
   int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
-  if (strips) strip = std::max<int64_t>(Q4KStrip::kColumns, strip / Q4KStrip::kColumns * Q4KStrip::kColumns);
+  if (strips) strip = std::max<int64_t>(kStripColumns, strip / kStripColumns * kStripColumns);
   const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -161,7 +163,7 @@ void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         float* o = out + m0 * out_stride;
         if (strips) {
-          strip_tile(rows, w, row_bytes, N, x, m0, K, o, out_stride, n0, n1);
+          strip_tile<T>(rows, w, row_bytes, N, x, m0, K, o, out_stride, n0, n1);
         } else {
           dot_tile<T>(rows, w, row_bytes, x, m0, K, o, out_stride, n0, n1);
         }
@@ -356,7 +358,7 @@ void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t
 }
 
 // Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
-// strips: W is Q4_K strips (T = kQ4_K; a build with PYLLM_QUANT_ZMM).
+// strips: W is strips of type T (a build with PYLLM_QUANT_ZMM).
 template <int64_t T, typename S>
 void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
                   int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
@@ -374,8 +376,10 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
       if (strips) {
 #ifdef PYLLM_QUANT_ZMM
         for (int b = 0; b < nb; ++b) {
-          dequantize_strip_panel(w + (n0 + b * vec::kLanes) * row_bytes, K,
-                                 panel.data() + b * K * vec::kLanes);
+          if constexpr (has_strips(T)) {
+            dequantize_strip_panel<T>(w + (n0 + b * vec::kLanes) * row_bytes, K,
+                                      panel.data() + b * K * vec::kLanes);
+          }
         }
 #endif
       } else {
@@ -477,7 +481,7 @@ inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t
 }
 
 // Columns [0, N / 32 * 32) of out = x . W^T (+ bias); returns how many.
-// strips: W is Q4_K strips (T = kQ4_K), two of them per panel of 32 rows.
+// strips: W is strips of type T, two of them per panel of 32 rows.
 template <int64_t T, typename S>
 int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
                    int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
@@ -493,10 +497,12 @@ int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, co
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * 32;
       const uint8_t* rows = w + n0 * row_bytes;
-      if (strips) {
-        unpack_strip(rows, row_bytes, plain.data());
-        unpack_strip(rows + 16 * row_bytes, row_bytes, plain.data() + 16 * row_bytes);
-        rows = plain.data();
+      if constexpr (has_strips(T)) {
+        if (strips) {
+          unpack_strip<T>(rows, row_bytes, plain.data());
+          unpack_strip<T>(rows + 16 * row_bytes, row_bytes, plain.data() + 16 * row_bytes);
+          rows = plain.data();
+        }
       }
       for (int n = 0; n < 32; ++n) {
         dequantize_row_bf16<T>(rows + n * row_bytes, K, wrows.data() + n * K);

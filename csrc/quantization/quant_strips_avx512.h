@@ -1,8 +1,10 @@
-// Q4_K strips (q4k_strips.h) under AVX-512 VNNI: 32-bit lane c of every product is
+// Strips (quant_strips.h) under AVX-512 VNNI: 32-bit lane c of every product is
 // column c's, so a 64-byte load of weights takes two ANDs, a shift and one vpdpbusd
 // per input row and nibble half, against a broadcast of four of the row's int8
-// values; a sub-block's sums take its scales by one multiply per row, the mins
-// their inputs' sums by vpdpwssd, and no sum crosses lanes.
+// values, and no sum crosses lanes. Q4_K's sub-block sums take their scales by one
+// multiply per row, its mins their inputs' sums by vpdpwssd; Q4_0's and Q4_1's
+// block sums become float per block (Q4_0 less 8 times the inputs' sum first, as
+// integers; Q4_1 plus m times it).
 #pragma once
 
 #include <type_traits>
@@ -10,10 +12,42 @@
 
 #include <c10/util/BFloat16.h>
 
-#include "q4k_strips.h"
+#include "quant_strips.h"
 
 namespace pyllm::cpu {
 namespace {
+
+// Independent sums per row: a lone row's vpdpbusd chain was latency-bound.
+constexpr int strip_chains(int rows) { return rows >= 4 ? 1 : 4 / rows; }
+
+// part[r][i] += the products of 32 weights of 16 columns (the 4 vectors at w) with
+// inputs [k, k + 32) of row m0 + r, spread over kChains sums.
+template <int R, int kChains>
+inline void strip_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, int64_t k,
+                       __m512i (&part)[R][kChains]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i wv = _mm512_loadu_si512(w + 64 * v);
+    const __m512i half[2] = {_mm512_and_si512(wv, low),
+                             _mm512_and_si512(_mm512_srli_epi16(wv, 4), low)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q_row(m0 + r) + k + 8 * v;
+      for (int i = 0; i < 2; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, xq + 4 * i, 4);
+        __m512i& chain = part[r][(2 * v + i) % kChains];
+        chain = _mm512_dpbusd_epi32(chain, half[i], _mm512_set1_epi32(x4));
+      }
+    }
+  }
+}
+
+template <int R, int kChains>
+inline __m512i strip_sum(const __m512i (&part)[kChains]) {
+  __m512i sum = part[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, part[i]);
+  return sum;
+}
 
 // Per input row and block, the int8 inputs' sums per 32 (sub-block), as int16 pairs
 // (sub-blocks 2p, 2p + 1 in dword p): the mins' vpdpwssd operand.
@@ -46,16 +80,14 @@ inline void strip_scales(const uint8_t* blk, int p, __m512i& scales, __m512i& mi
   mins = _mm512_or_si512(_mm512_srli_epi16(bytes, 6), _mm512_slli_epi16(nibbles, 2));
 }
 
-// Strip columns [n, n + 16) for input rows [m0, m0 + R). No software prefetch: a
+// Q4_K strip columns [n, n + 16) for input rows [m0, m0 + R). No software prefetch: a
 // thread reads one linear stream, which the hardware prefetchers follow (2 threads,
 // TinyLlama's projections: the same GB/s with or without L2 prefetches 8 KiB ahead).
 template <int R>
-inline void strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
+inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
                        int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n) {
   using S = quant::Q4KStrip;
-  // Independent sums per row: a lone row's vpdpbusd chain was latency-bound.
-  constexpr int kChains = R >= 4 ? 1 : 4 / R;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int kChains = strip_chains(R);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -75,25 +107,11 @@ inline void strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32
         for (int r = 0; r < R; ++r) {
           for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
         }
-        for (int v = 0; v < 4; ++v) {
-          const __m512i w = _mm512_loadu_si512(blk + S::kQs + 64 * (4 * s + v));
-          const __m512i half[2] = {_mm512_and_si512(w, low),
-                                   _mm512_and_si512(_mm512_srli_epi16(w, 4), low)};
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xq = x.q_row(m0 + r) + b * 256 + 32 * s + 8 * v;
-            for (int i = 0; i < 2; ++i) {
-              int32_t x4;
-              std::memcpy(&x4, xq + 4 * i, 4);
-              __m512i& chain = part[r][(2 * v + i) % kChains];
-              chain = _mm512_dpbusd_epi32(chain, half[i], _mm512_set1_epi32(x4));
-            }
-          }
-        }
+        strip_dots<R, kChains>(blk + S::kQs + 256 * s, x, m0, b * 256 + 32 * s, part);
         const __m512i scale = h ? _mm512_srli_epi32(scale_words, 16)
                                 : _mm512_and_si512(scale_words, _mm512_set1_epi32(0xFFFF));
         for (int r = 0; r < R; ++r) {
-          __m512i sum = part[r][0];
-          for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, part[r][i]);
+          const __m512i sum = strip_sum<R, kChains>(part[r]);
           total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(sum, scale));
         }
       }
@@ -111,37 +129,134 @@ inline void strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
 }
 
-// Columns [n0, n1) (whole strips: n0, n1 multiples of 16) for input rows [m0, m0 + R).
-template <int R>
+// Q4_0 or Q4_1 strip columns [n, n + 16) for input rows [m0, m0 + R).
+template <int64_t T, int R>
+inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
+                         int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+  using S = quant::Strip32<T>;
+  constexpr int kChains = strip_chains(R);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* unit = strip + b * S::kBytes;
+    __m512i part[R][kChains];
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
+    }
+    strip_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kD)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      __m512i sum = strip_sum<R, kChains>(part[r]);
+      if constexpr (T == quant::kQ4_0) {
+        const int16_t* isum = x.isum_row(m) + 2 * b;
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * (isum[0] + isum[1])));
+      }
+      const __m512 dx = _mm512_set1_ps(x.d[m * blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
+      if constexpr (T == quant::kQ4_1) {
+        const __m512 mins = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kM)));
+        const float* s = x.s_row(m) + 2 * b;
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(s[0] + s[1]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
+}
+
+// Columns [n0, n1) (whole strips: n0, n1 multiples of 16) of strips of type T for
+// input rows [m0, m0 + R).
+template <int64_t T, int R>
 void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 256;
-  const int32_t* sums = strip_input_sums(x, m0, R, blocks);
-  for (int64_t n = n0; n < n1; n += quant::Q4KStrip::kColumns) {
-    strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n);
+  if constexpr (T == quant::kQ4_K) {
+    const int64_t blocks = K / 256;
+    const int32_t* sums = strip_input_sums(x, m0, R, blocks);
+    for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
+      q4k_strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n);
+    }
+  } else {
+    for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
+      strip32_pass<T, R>(w + n * row_bytes, x, m0, K / 32, out, out_stride, n);
+    }
   }
 }
 
-// A strip's 16 columns dequantized straight into a panel block of packed_linear's
-// layout (word i of column c at panel[16 i + c]; a word is one float32, or bf16
-// values 2i and 2i + 1): lane c of every vector is already column c. Each value is
-// d * scale * q - dmin * min, as Format<kQ4_K> and dequantize_row_* compute it, so
-// the panels match those of the GGUF layout bit for bit.
+// Values k0..k0+7 of a strip's 16 columns (y[t]: value k0 + t per lane) into a
+// panel block of packed_linear's layout: word i of column c at panel[16 i + c], a
+// word being one float32, or bf16 values 2i and 2i + 1 (k0 even).
 template <typename S>
-void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
-  using L = quant::Q4KStrip;
+inline void store_panel_words(uint32_t* dst, int64_t k0, const __m512 (&y)[8]) {
+  if constexpr (std::is_same_v<S, float>) {
+    for (int t = 0; t < 8; ++t) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k0 + t) * 16), y[t]);
+  } else {
+    for (int t = 0; t < 8; t += 2) {
+      __m512i pair[2];  // the bf16 bits of values k0 + t, k0 + t + 1 per lane
+      for (int i = 0; i < 2; ++i) {
+#ifdef __AVX512BF16__
+        pair[i] = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y[t + i])));
+#else
+        alignas(64) float f[16];
+        alignas(64) uint32_t bits[16];
+        _mm512_store_ps(f, y[t + i]);
+        for (int c = 0; c < 16; ++c) bits[c] = c10::BFloat16(f[c]).x;
+        pair[i] = _mm512_load_si512(bits);
+#endif
+      }
+      _mm512_storeu_si512(dst + (k0 + t) / 2 * 16,
+                          _mm512_or_si512(pair[0], _mm512_slli_epi32(pair[1], 16)));
+    }
+  }
+}
+
+// 32 values (the 4 weight vectors at w) of a strip's columns, a * q + off per lane,
+// into the panel from value k0.
+template <typename S>
+inline void dequantize_strip_group(const uint8_t* w, __m512 a, __m512 off, int64_t k0,
+                                   uint32_t* dst) {
   const __m512i nibble = _mm512_set1_epi32(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i wv = _mm512_loadu_si512(w + 64 * v);
+    __m512 y[8];  // value 8v + t of each column
+    for (int t = 0; t < 8; ++t) {
+      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(wv, 8 * (t % 4) + 4 * (t / 4)), nibble);
+      y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, off);
+    }
+    store_panel_words<S>(dst, k0 + 8 * v, y);
+  }
+}
+
+// A strip's 16 columns dequantized straight into a panel block: lane c of every
+// vector is already column c. Each value is a * q + b with Format<T>'s a and b (Q4_K:
+// d * scale, -dmin * min), as dequantize_row_* compute it, so the panels match those
+// of the GGUF layout bit for bit.
+template <int64_t T, typename S>
+void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
   auto* dst = reinterpret_cast<uint32_t*>(panel);
+  auto half16 = [](const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  if constexpr (T != quant::kQ4_K) {
+    using L = quant::Strip32<T>;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* unit = strip + b * L::kBytes;
+      const __m512 d = half16(unit + L::kD);
+      const __m512 off = T == quant::kQ4_1 ? half16(unit + L::kM)
+                                            : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      dequantize_strip_group<S>(unit + L::kQs, d, off, 32 * b, dst);
+    }
+    return;
+  }
+  using L = quant::Q4KStrip;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* blk = strip + b * L::kBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    const __m512 dmin = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kDmin)));
+    const __m512 d = half16(blk + L::kD), dmin = half16(blk + L::kDmin);
     for (int p = 0; p < 4; ++p) {
       __m512i scale_words, min_words;
       strip_scales(blk, p, scale_words, min_words);
       for (int h = 0; h < 2; ++h) {
-        const int s = 2 * p + h;
         auto word = [&](__m512i words) {
           return h ? _mm512_srli_epi32(words, 16)
                    : _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
@@ -149,39 +264,8 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
         const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(word(scale_words)));
         const __m512 off = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
                                          _mm512_cvtepi32_ps(word(min_words)));
-        for (int v = 0; v < 4; ++v) {
-          const __m512i w = _mm512_loadu_si512(blk + L::kQs + 64 * (4 * s + v));
-          __m512 y[8];  // weight 32s + 8v + t of each column
-          for (int t = 0; t < 8; ++t) {
-            const __m512i q =
-                _mm512_and_si512(_mm512_srli_epi32(w, 8 * (t % 4) + 4 * (t / 4)), nibble);
-            y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, off);
-          }
-          const int64_t k0 = b * 256 + 32 * s + 8 * v;
-          if constexpr (std::is_same_v<S, float>) {
-            for (int t = 0; t < 8; ++t) {
-              _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k0 + t) * 16), y[t]);
-            }
-          } else {
-            for (int t = 0; t < 8; t += 2) {
-              __m512i pair[2];  // the bf16 bits of values k0 + t, k0 + t + 1 per lane
-              for (int i = 0; i < 2; ++i) {
-#ifdef __AVX512BF16__
-                pair[i] = _mm512_cvtepu16_epi32(
-                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y[t + i])));
-#else
-                alignas(64) float f[16];
-                alignas(64) uint32_t bits[16];
-                _mm512_store_ps(f, y[t + i]);
-                for (int c = 0; c < 16; ++c) bits[c] = c10::BFloat16(f[c]).x;
-                pair[i] = _mm512_load_si512(bits);
-#endif
-              }
-              _mm512_storeu_si512(dst + (k0 + t) / 2 * 16,
-                                  _mm512_or_si512(pair[0], _mm512_slli_epi32(pair[1], 16)));
-            }
-          }
-        }
+        const int s = 2 * p + h;
+        dequantize_strip_group<S>(blk + L::kQs + 256 * s, a, off, b * 256 + 32 * s, dst);
       }
     }
   }

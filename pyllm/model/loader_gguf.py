@@ -344,9 +344,9 @@ def _read_parts(
 ) -> list:
     """QuantParts for consecutive tensors (their rows one after another in the output),
     each run of one type read from the file into one uint8 tensor. in_features: the
-    layer's (a row-parallel rank's share of the tensor's columns). strips: Q4_K runs
-    become Q4_K strips (ops.pack_q4k_strips) where this build reads them natively, in a
-    private copy packed in place."""
+    layer's (a row-parallel rank's share of the tensor's columns). strips: runs of a
+    type with strips (ops.pack_strips) become strips where this build reads them
+    natively, in a private copy packed in place."""
     from pyllm.model.linear import QuantPart
 
     shard = model.shard
@@ -381,8 +381,8 @@ def _read_parts(
             at += n
         type_id = run[0].type_id
         if pack:
-            torch.ops.pyllm.pack_q4k_strips_(qweight)
-            type_id = ops.Q4_K_STRIPS
+            torch.ops.pyllm.pack_strips_(qweight, type_id)
+            type_id = ops.STRIPS_TYPES[type_id]
         parts.append(QuantPart(qweight.to(model.device), type_id, start, start + rows))
         start += rows
         i += len(run)
@@ -390,13 +390,13 @@ def _read_parts(
 
 
 def _packs_strips(model: LlamaForCausalLM, type_id: int) -> bool:
-    """Whether Q4_K rows are read as strips: on a CPU build whose kernels read them as
-    they lie (one Zen 4 core, weights in L2: the int8 products of 1 / 4 / 8 rows at
-    1.7x / 1.8x / 1.7x the GGUF rows' rate)."""
+    """Whether rows of this type are read as strips (ops.pack_strips): on a CPU build
+    whose kernels read them as they lie (one Zen 4 core, Q4_K weights in L2: the int8
+    products of 1 / 4 / 8 rows at 1.7x / 1.8x / 1.7x the GGUF rows' rate)."""
     return (
-        type_id == ops.QUANT_TYPES["Q4_K"][0]
+        type_id in ops.STRIPS_TYPES
         and torch.device(model.device).type == "cpu"
-        and ops.q4k_strips_native()
+        and ops.strips_native()
     )
 
 

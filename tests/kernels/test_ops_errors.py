@@ -165,12 +165,12 @@ def valid_batch_invariant():
     return {}
 
 
-def valid_q4k_strips_native():
+def valid_strips_native():
     return {}
 
 
-def valid_pack_q4k_strips():
-    return dict(qweight=torch.zeros(16, 144, dtype=torch.uint8))
+def valid_pack_strips():
+    return dict(qweight=torch.zeros(16, 144, dtype=torch.uint8), qtype=Q4_K)
 
 
 def valid_set_batch_invariant():
@@ -297,8 +297,8 @@ VALID = {
     "apply_token_bitmask": valid_apply_token_bitmask,
     "quant_row_bytes": valid_quant_row_bytes,
     "batch_invariant": valid_batch_invariant,
-    "q4k_strips_native": valid_q4k_strips_native,
-    "pack_q4k_strips": valid_pack_q4k_strips,
+    "strips_native": valid_strips_native,
+    "pack_strips": valid_pack_strips,
     "set_batch_invariant": valid_set_batch_invariant,
     "write_kv_contiguous": valid_write_kv_contiguous,
     "contiguous_attention_decode": valid_contiguous_attention_decode,
@@ -1096,14 +1096,15 @@ CASES += [
         ("qtype_unknown", {"qtype": 1}, ValueError, "qtype"),
         (
             "qtype_strips_block",
-            {"qtype": ops.Q4_K_STRIPS, "in_features": 100},
+            {"qtype": ops.STRIPS_TYPES[Q4_K], "in_features": 100},
             ValueError,
             "in_features",
         ),
         ("in_features_not_blocks", {"in_features": 100}, ValueError, "in_features"),
     ),
     *cases_for(
-        "pack_q4k_strips",
+        "pack_strips",
+        ("qtype_no_strips", {"qtype": ops.QUANT_TYPES["Q8_0"][0]}, ValueError, "qtype"),
         ("qweight_not_tensor", {"qweight": [0] * 144}, TypeError, "qweight"),
         ("qweight_float", {"qweight": torch.zeros(16, 144)}, ValueError, "qweight"),
         (

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+import pyllm.ops as ops
 from pyllm.model import default_model as default_model_module
 from pyllm.model.config import ModelConfig
 from pyllm.model.default_model import default_model_path
@@ -525,9 +526,12 @@ def test_smollm2_greedy_matches_hf(hf_smollm2):
 def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
     """Projections whose blocks lie in the file as the kernel reads them (o_proj,
     down_proj, q+k+v and gate+up when adjacent, the token table) point into the file's
-    read-only map, no private copy. Logits are exactly those of the all-copies load."""
+    read-only map, no private copy, where they are not packed into strips (off here).
+    Logits are exactly those of the all-copies load."""
     from pyllm.model import loader_gguf
     from pyllm.model.gguf_file import open_gguf
+
+    monkeypatch.setattr(loader_gguf, "_packs_strips", lambda *args: False)
 
     path = default_model_path()
     mapped = open_gguf(path)._map
@@ -562,3 +566,34 @@ def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
     assert ours.generated == ref.generated
     for a, b in zip(ours.logits, ref.logits, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not ops.strips_native(), reason="this build's kernels read no strips")
+def test_projections_load_as_strips_where_the_kernels_read_them():
+    """On AVX-512 VNNI builds the Q4_1 projections are packed into strips (a private
+    copy); the token table stays as the file has it. The int8 inputs' rounding makes
+    a model's logits jump with any change of float rounding (a projection's outputs
+    agree to 1e-6 relative, logits differ by up to a few units), so both loads are
+    held to the widened weights' logits: the strips at least as close as the rows."""
+    from pyllm.model import loader_gguf
+
+    path = default_model_path()
+    strips, _ = load_model(path, dtype="float32")
+    q4_1 = ops.QUANT_TYPES["Q4_1"][0]
+    layer = strips.model.layers[0]
+    for module in (layer.self_attn.o_proj, layer.mlp.down_proj, layer.self_attn.qkv_proj):
+        assert [p.qtype for p in module.qparts] == [ops.STRIPS_TYPES[q4_1]]
+    assert strips.model.embed_tokens.qpart.qtype not in ops.STRIPS_TYPES.values()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader_gguf, "_packs_strips", lambda *args: False)
+        rows, _ = load_model(path, dtype="float32")
+    widened, _ = load_model(path, dtype="float32", quantization=None)
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    logits = {
+        name: torch.cat(run_sequences(model, tokens, [2, 2], chunk_size=8).logits)
+        for name, model in (("strips", strips), ("rows", rows), ("widened", widened))
+    }
+    error = {k: float((logits[k] - logits["widened"]).abs().mean()) for k in ("strips", "rows")}
+    assert error["strips"] <= 1.25 * error["rows"], error
+    top1 = {k: int((logits[k].argmax(-1) == logits["widened"].argmax(-1)).sum()) for k in error}
+    assert top1["strips"] >= top1["rows"] - 1, top1

@@ -1,0 +1,195 @@
+// Quantized weights in strips of 16 rows (output columns), for the CPU: each strip's
+// blocks interleaved so that one 64-byte load holds eight weights of each of its 16
+// columns, and an integer dot product per load leaves one column's sum in each
+// 32-bit lane (quant_strips_avx512.h). GGUF's layout keeps a column's weights in
+// their own blocks, so a kernel over it either sums across lanes or rearranges bytes
+// per block (quant_octets_avx512.h); that work, not the memory, bounded decode of
+// 4-bit files on AVX-512 at small row counts.
+//
+// Same bytes as GGUF, same tensor shape [N, row_bytes]: strip i (rows 16i..16i+15)
+// occupies the strip's 16 * row_bytes bytes, as unit after unit of 16 columns (a
+// unit: one block of 256 weights for Q4_K, of 32 for Q4_0 and Q4_1). Rows past the
+// last whole strip stay in GGUF's layout. In every unit the weights come as 64-byte
+// vectors of 8 weights of the 16 columns: vector v, lane c (4 bytes), byte j holds
+// weight 8v + j of column c (low nibble) and 8v + 4 + j (high nibble).
+//
+// Q4_0, Q4_1 (16 x 18 or 20 bytes): d (fp16) of column c at 2c; Q4_1's m at 32 + 2c;
+// then the 4 weight vectors.
+//
+// Q4_K (16 x 144 bytes), column c, sub-block s (weights 32s..32s+31 of the block):
+//   [0, 32)      d (fp16) of column c at 2c
+//   [32, 64)     dmin (fp16) at 32 + 2c
+//   [64, 192)    for each pair p = s / 2: 32 bytes, (scale, min) byte of sub-block
+//                2p then 2p + 1 of column c at 64 + 32p + 2c + s % 2; a byte holds
+//                the 6-bit scale and the min's low 2 bits (bits 6, 7)
+//   [192, 256)   the min's high 4 bits: byte 192 + 16p + c, low nibble for
+//                sub-block 2p, high nibble for 2p + 1
+//   [256, 2304)  the weight vectors, 4 per sub-block (vector 4s + v: weights
+//                32s + 8v + ...)
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_formats.h"
+
+namespace pyllm::quant {
+
+inline constexpr int kStripColumns = 16;
+
+// A strip layout's type id for quant_linear: 1000 + its GGML type's (outside GGML's).
+inline constexpr int64_t kStripsBase = 1000;
+constexpr bool has_strips(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
+constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
+
+// A block of Q4_K strips.
+struct Q4KStrip {
+  static constexpr int kColumns = kStripColumns, kBytes = kColumns * 144;
+  static constexpr int kD = 0, kDmin = 32, kScales = 64, kMinHigh = 192, kQs = 256;
+};
+
+// A unit of Q4_0 or Q4_1 strips.
+template <int64_t T>
+struct Strip32 {
+  static_assert(T == kQ4_0 || T == kQ4_1);
+  static constexpr int kColumns = kStripColumns, kBytes = kColumns * Layout<T>::kBytes;
+  static constexpr int kD = 0, kM = 32, kQs = T == kQ4_1 ? 64 : 32;
+};
+
+// The strip dword of weights 8v..8v+3 (low nibbles) and 8v+4..8v+7 (high) from the
+// GGUF bytes lo, hi that hold them in their high (high_half) or low nibbles.
+inline uint32_t strip_word(uint32_t lo, uint32_t hi, bool high_half) {
+  return high_half ? ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u)
+                   : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+}
+
+// Column c's GGUF block of Q4_0 or Q4_1 (at blk[c]) into the strip unit at dst:
+// weight k < 16 is qs[k]'s low nibble, k >= 16 qs[k - 16]'s high one.
+template <int64_t T>
+inline void pack_strip32(const uint8_t* const* blk, uint8_t* dst) {
+  using S = Strip32<T>;
+  using L = Layout<T>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    const uint8_t* b = blk[c];
+    std::memcpy(dst + S::kD + 2 * c, b + L::kD, 2);
+    if constexpr (T == kQ4_1) std::memcpy(dst + S::kM + 2 * c, b + L::kM, 2);
+    for (int v = 0; v < 4; ++v) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, b + L::kQs + 8 * (v % 2), 4);
+      std::memcpy(&hi, b + L::kQs + 8 * (v % 2) + 4, 4);
+      const uint32_t word = strip_word(lo, hi, v >= 2);
+      std::memcpy(dst + S::kQs + 64 * v + 4 * c, &word, 4);
+    }
+  }
+}
+
+template <int64_t T>
+inline void unpack_strip32(const uint8_t* src, uint8_t* const* blk) {
+  using S = Strip32<T>;
+  using L = Layout<T>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    uint8_t* b = blk[c];
+    std::memcpy(b + L::kD, src + S::kD + 2 * c, 2);
+    if constexpr (T == kQ4_1) std::memcpy(b + L::kM, src + S::kM + 2 * c, 2);
+    std::memset(b + L::kQs, 0, 16);
+    for (int k = 0; k < 32; ++k) {
+      const uint8_t byte = src[S::kQs + 64 * (k / 8) + 4 * c + k % 4];
+      const int q = (k % 8) < 4 ? byte & 0x0F : byte >> 4;
+      b[L::kQs + k % 16] |= static_cast<uint8_t>(k < 16 ? q : q << 4);
+    }
+  }
+}
+
+// Column c's GGUF block (at blk[c]) into the strip block at dst.
+inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
+  using S = Q4KStrip;
+  using L = Layout<kQ4_K>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    const uint8_t* b = blk[c];
+    std::memcpy(dst + S::kD + 2 * c, b + L::kD, 2);
+    std::memcpy(dst + S::kDmin + 2 * c, b + L::kDmin, 2);
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      k_scale_min(b + L::kScales, s, sc, m);
+      dst[S::kScales + 32 * (s / 2) + 2 * c + s % 2] = static_cast<uint8_t>(sc | (m & 3) << 6);
+      uint8_t& high = dst[S::kMinHigh + 16 * (s / 2) + c];
+      high = static_cast<uint8_t>(s % 2 ? (high & 0x0F) | (m >> 2) << 4 : m >> 2);
+    }
+    // Weights: GGUF byte k of sub-block pair (2p, 2p + 1) holds weight k of 2p (low
+    // nibble) and of 2p + 1 (high); a strip dword takes 4 of one sub-block's weights
+    // in its low nibbles and the next 4 in its high ones.
+    for (int s = 0; s < 8; ++s) {
+      for (int v = 0; v < 4; ++v) {
+        uint32_t lo, hi;  // GGUF bytes 8v..8v+3 and 8v+4..8v+7 of the pair
+        std::memcpy(&lo, b + L::kQs + 32 * (s / 2) + 8 * v, 4);
+        std::memcpy(&hi, b + L::kQs + 32 * (s / 2) + 8 * v + 4, 4);
+        const uint32_t word = strip_word(lo, hi, s % 2);
+        std::memcpy(dst + S::kQs + 64 * (4 * s + v) + 4 * c, &word, 4);
+      }
+    }
+  }
+}
+
+// The inverse: the strip block at src into column c's GGUF block at blk[c].
+inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
+  using S = Q4KStrip;
+  using L = Layout<kQ4_K>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    uint8_t* b = blk[c];
+    std::memcpy(b + L::kD, src + S::kD + 2 * c, 2);
+    std::memcpy(b + L::kDmin, src + S::kDmin + 2 * c, 2);
+    int sc[8], m[8];
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t byte = src[S::kScales + 32 * (s / 2) + 2 * c + s % 2];
+      const uint8_t high = src[S::kMinHigh + 16 * (s / 2) + c];
+      sc[s] = byte & 63;
+      m[s] = (byte >> 6) | ((s % 2 ? high >> 4 : high & 0x0F) << 2);
+    }
+    uint8_t* scales = b + L::kScales;  // k_scale_min's packing, inverted
+    for (int j = 0; j < 4; ++j) {
+      scales[j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+      scales[j + 4] = static_cast<uint8_t>(m[j] | (m[j + 4] >> 4) << 6);
+      scales[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4);
+    }
+    std::memset(b + L::kQs, 0, 128);
+    for (int s = 0; s < 8; ++s) {
+      for (int k = 0; k < 32; ++k) {
+        const uint8_t byte = src[S::kQs + 64 * (4 * s + k / 8) + 4 * c + k % 4];
+        const int q = (k % 8) < 4 ? byte & 0x0F : byte >> 4;
+        b[L::kQs + 32 * (s / 2) + k] |= static_cast<uint8_t>(s % 2 ? q << 4 : q);
+      }
+    }
+  }
+}
+
+// Rows [16i, 16i + 16) of a [N, row_bytes] weight of type T (strip i) between the
+// layouts.
+template <int64_t T>
+inline void pack_strip(const uint8_t* rows, int64_t row_bytes, uint8_t* strip) {
+  constexpr int64_t kBytes = Layout<T>::kBytes;
+  const uint8_t* blk[kStripColumns];
+  for (int64_t b = 0; b < row_bytes / kBytes; ++b) {
+    for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
+    if constexpr (T == kQ4_K) {
+      pack_strip_block(blk, strip + b * kStripColumns * kBytes);
+    } else {
+      pack_strip32<T>(blk, strip + b * kStripColumns * kBytes);
+    }
+  }
+}
+
+template <int64_t T>
+inline void unpack_strip(const uint8_t* strip, int64_t row_bytes, uint8_t* rows) {
+  constexpr int64_t kBytes = Layout<T>::kBytes;
+  uint8_t* blk[kStripColumns];
+  for (int64_t b = 0; b < row_bytes / kBytes; ++b) {
+    for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
+    if constexpr (T == kQ4_K) {
+      unpack_strip_block(strip + b * kStripColumns * kBytes, blk);
+    } else {
+      unpack_strip32<T>(strip + b * kStripColumns * kBytes, blk);
+    }
+  }
+}
+
+}  // namespace pyllm::quant

@@ -1,0 +1,117 @@
+"""Strips (ops.pack_strips) of Q4_0, Q4_1 and Q4_K: the same weight as its GGUF rows,
+read by quant_linear and dequantize_rows on the CPU; compared with the GGUF rows'
+results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyllm.ops as ops
+
+from .test_quant import random_weight
+from .utils import kernel_threads, seed_and_single_thread
+
+pytest.importorskip("gguf")
+TYPES = ["Q4_0", "Q4_1", "Q4_K"]
+# Whole strips, and whole strips with 8 rows after them (kept in GGUF's layout); K not
+# a multiple of 256 where the block allows.
+SHAPES = [(256, 32), (768, 40)]
+BLOCK32_SHAPES = [(96, 32), (576, 40)]
+
+
+def shapes(type_name):
+    return SHAPES if type_name == "Q4_K" else BLOCK32_SHAPES
+
+
+def weight(type_name, shape_index):
+    """(GGUF rows, their type id, the strips, the strips' type id, in_features)."""
+    in_features, out_features = shapes(type_name)[shape_index]
+    qweight, _ = random_weight(type_name, out_features, in_features)
+    type_id = ops.QUANT_TYPES[type_name][0]
+    strips = ops.pack_strips(qweight, type_id)
+    return qweight, type_id, strips, ops.STRIPS_TYPES[type_id], in_features
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    yield from seed_and_single_thread(request)
+
+
+def product(x, qweight, qtype, bias=None, many_rows=0):
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+    with kernel_threads():
+        ops.quant_linear(out, x, qweight, qtype, bias, many_rows)
+    return out
+
+
+@pytest.mark.parametrize("shape_index", [0, 1])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_packing_keeps_the_weight(type_name, shape_index):
+    """Same shape, different bytes, the same values; unpacking by dequantize_rows
+    gives GGUF's values bit for bit, a row at a time too."""
+    qweight, type_id, strips, strips_id, in_features = weight(type_name, shape_index)
+    out_features = qweight.shape[0]
+    assert strips.shape == qweight.shape and not torch.equal(strips, qweight)
+    assert torch.equal(strips[32:], qweight[32:])  # the tail stays as it was
+    plain = torch.empty(out_features, in_features)
+    ops.dequantize_rows(plain, qweight, type_id)
+    unpacked = torch.empty_like(plain)
+    ops.dequantize_rows(unpacked, strips, strips_id)
+    assert torch.equal(unpacked, plain)
+    rows = torch.tensor([3, 17, out_features - 1, 3])
+    some = torch.empty(4, in_features)
+    ops.dequantize_rows(some, strips, strips_id, rows)
+    assert torch.equal(some, plain[rows])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+# The register tile heights, a partial tile after a whole one, many rows.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape_index", [0, 1])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bias):
+    """The int8 products differ from the GGUF rows' only in float rounding order; the
+    dequantized panels (bf16, many rows) are bit for bit the GGUF rows'."""
+    qweight, type_id, strips, strips_id, in_features = weight(type_name, shape_index)
+    out_features = qweight.shape[0]
+    x = torch.randn(rows, in_features).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for many in (0, rows):
+        want = product(x, qweight, type_id, b, many).float()
+        got = product(x, strips, strips_id, b, many).float()
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        panels = ops.packed_linear_vectorized(dtype) and dtype == torch.bfloat16
+        if panels and (many or rows >= 32) and out_features % 16 == 0 and not ops.batch_invariant():
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("many_rows", [0, 5])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_row_computes_alike_in_any_call(type_name, many_rows):
+    """Each row's result is the same alone, in a small call, or in a large one (the
+    strip kernel's rows do not meet)."""
+    _, _, strips, strips_id, in_features = weight(type_name, 1)
+    x = torch.randn(24, in_features)
+    whole = product(x, strips, strips_id, many_rows=many_rows)
+    for first, last in ((0, 1), (5, 8), (5, 12), (9, 24)):
+        many = max(0, min(many_rows, last) - first)
+        part = product(x[first:last], strips, strips_id, many_rows=many)
+        assert torch.equal(part, whole[first:last])
+
+
+def test_bad_arguments_raise():
+    q4_k = ops.QUANT_TYPES["Q4_K"][0]
+    with pytest.raises(ValueError, match="qweight must hold Q4_K rows"):
+        ops.pack_strips(torch.zeros(16, 100, dtype=torch.uint8), q4_k)
+    with pytest.raises(ValueError, match="qweight must be uint8"):
+        ops.pack_strips(torch.zeros(16, 144), q4_k)
+    with pytest.raises(ValueError, match="qtype must be one with a strip layout"):
+        ops.pack_strips(torch.zeros(16, 34, dtype=torch.uint8), ops.QUANT_TYPES["Q8_0"][0])
+    strips_id = ops.STRIPS_TYPES[q4_k]
+    weight = torch.zeros(16, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="qweight must be"):
+        ops.quant_linear(torch.empty(1, 16), torch.randn(1, 512), weight, strips_id)
+    assert ops.quant_row_bytes(strips_id, 512) == 288
