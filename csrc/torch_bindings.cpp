@@ -98,7 +98,7 @@ TORCH_LIBRARY(pyllm, m) {
       "quant_linear(Tensor(a!) out, Tensor input, Tensor qweight, int qtype,"
       " Tensor? bias=None, int many_rows=0) -> ()");
   m.def("dequantize_rows(Tensor(a!) out, Tensor qweight, int qtype, Tensor? rows) -> ()");
-  // 4-bit weights in strips of 16 rows, a CPU layout (quantization/quant_strips.h).
+  // Quantized weights in strips of 16 rows, a CPU layout (quantization/quant_strips.h).
   m.def("pack_strips_(Tensor(a!) qweight, int qtype) -> ()", &pyllm::cpu::pack_strips_);
   m.def("strips_native() -> bool", &pyllm::cpu::strips_native);
   m.def("strip_types() -> int[]", &pyllm::cpu::strip_types);

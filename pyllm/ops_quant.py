@@ -58,7 +58,7 @@ def batch_invariant() -> bool:
 
 
 def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """A Q4_0, Q4_1 or Q4_K weight (uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU)
+    """A Q4_0, Q4_1, Q8_0 or Q4_K weight (uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU)
     in strips of 16 rows, of type ``STRIPS_TYPES[qtype]``: each strip's blocks
     interleaved so that the AVX-512 kernels read eight weights of 16 output features
     per 64-byte load, with no sums across lanes (csrc/quantization/quant_strips.h).

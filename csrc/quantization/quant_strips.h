@@ -14,7 +14,8 @@
 // weight 8v + j of column c (low nibble) and 8v + 4 + j (high nibble).
 //
 // Q4_0, Q4_1 (16 x 18 or 20 bytes): d (fp16) of column c at 2c; Q4_1's m at 32 + 2c;
-// then the 4 weight vectors.
+// then the 4 weight vectors. Q8_0 (16 x 34 bytes): d, then 8 vectors of 4 weights per
+// lane (vector v: weights 4v..4v+3), each weight + 128 (an unsigned byte).
 //
 // Q4_K (16 x 144 bytes), column c, sub-block s (weights 32s..32s+31 of the block):
 //   [0, 32)      d (fp16) of column c at 2c
@@ -39,7 +40,9 @@ inline constexpr int kStripColumns = 16;
 
 // A strip layout's type id for quant_linear: 1000 + its GGML type's (outside GGML's).
 inline constexpr int64_t kStripsBase = 1000;
-constexpr bool has_strips(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
+constexpr bool has_strips(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K;
+}
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
 
 // A block of Q4_K strips.
@@ -48,13 +51,37 @@ struct Q4KStrip {
   static constexpr int kD = 0, kDmin = 32, kScales = 64, kMinHigh = 192, kQs = 256;
 };
 
-// A unit of Q4_0 or Q4_1 strips.
+// A unit of Q4_0, Q4_1 or Q8_0 strips.
 template <int64_t T>
 struct Strip32 {
-  static_assert(T == kQ4_0 || T == kQ4_1);
+  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ8_0);
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * Layout<T>::kBytes;
   static constexpr int kD = 0, kM = 32, kQs = T == kQ4_1 ? 64 : 32;
 };
+
+// Q8_0's weights plus 128 (unsigned, vpdpbusd's unsigned side): vector v, lane c holds
+// weights 4v..4v+3 of column c.
+inline void pack_strip8(const uint8_t* const* blk, uint8_t* dst) {
+  using S = Strip32<kQ8_0>;
+  using L = Layout<kQ8_0>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    std::memcpy(dst + S::kD + 2 * c, blk[c] + L::kD, 2);
+    for (int k = 0; k < 32; ++k) {
+      dst[S::kQs + 64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(blk[c][L::kQs + k] ^ 0x80);
+    }
+  }
+}
+
+inline void unpack_strip8(const uint8_t* src, uint8_t* const* blk) {
+  using S = Strip32<kQ8_0>;
+  using L = Layout<kQ8_0>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    std::memcpy(blk[c] + L::kD, src + S::kD + 2 * c, 2);
+    for (int k = 0; k < 32; ++k) {
+      blk[c][L::kQs + k] = static_cast<uint8_t>(src[S::kQs + 64 * (k / 4) + 4 * c + k % 4] ^ 0x80);
+    }
+  }
+}
 
 // The strip dword of weights 8v..8v+3 (low nibbles) and 8v+4..8v+7 (high) from the
 // GGUF bytes lo, hi that hold them in their high (high_half) or low nibbles.
@@ -172,6 +199,8 @@ inline void pack_strip(const uint8_t* rows, int64_t row_bytes, uint8_t* strip) {
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
     if constexpr (T == kQ4_K) {
       pack_strip_block(blk, strip + b * kStripColumns * kBytes);
+    } else if constexpr (T == kQ8_0) {
+      pack_strip8(blk, strip + b * kStripColumns * kBytes);
     } else {
       pack_strip32<T>(blk, strip + b * kStripColumns * kBytes);
     }
@@ -186,6 +215,8 @@ inline void unpack_strip(const uint8_t* strip, int64_t row_bytes, uint8_t* rows)
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
     if constexpr (T == kQ4_K) {
       unpack_strip_block(strip + b * kStripColumns * kBytes, blk);
+    } else if constexpr (T == kQ8_0) {
+      unpack_strip8(strip + b * kStripColumns * kBytes, blk);
     } else {
       unpack_strip32<T>(strip + b * kStripColumns * kBytes, blk);
     }

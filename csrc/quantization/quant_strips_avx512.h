@@ -4,7 +4,8 @@
 // values, and no sum crosses lanes. Q4_K's sub-block sums take their scales by one
 // multiply per row, its mins their inputs' sums by vpdpwssd; Q4_0's and Q4_1's
 // block sums become float per block (Q4_0 less 8 times the inputs' sum first, as
-// integers; Q4_1 plus m times it).
+// integers; Q4_1 plus m times it); Q8_0's weights are stored plus 128, for
+// vpdpbusd's unsigned side, and its sums less 128 times the inputs' sum.
 #pragma once
 
 #include <type_traits>
@@ -38,6 +39,21 @@ inline void strip_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, int
         __m512i& chain = part[r][(2 * v + i) % kChains];
         chain = _mm512_dpbusd_epi32(chain, half[i], _mm512_set1_epi32(x4));
       }
+    }
+  }
+}
+
+// The same for Q8_0's 8 vectors of 4 weights per lane (weights + 128).
+template <int R, int kChains>
+inline void strip8_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, int64_t k,
+                        __m512i (&part)[R][kChains]) {
+  for (int v = 0; v < 8; ++v) {
+    const __m512i wv = _mm512_loadu_si512(w + 64 * v);
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, x.q_row(m0 + r) + k + 4 * v, 4);
+      __m512i& chain = part[r][v % kChains];
+      chain = _mm512_dpbusd_epi32(chain, wv, _mm512_set1_epi32(x4));
     }
   }
 }
@@ -146,15 +162,20 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
     }
-    strip_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
+    if constexpr (T == quant::kQ8_0) {
+      strip8_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
+    } else {
+      strip_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
+    }
     const __m512 d = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kD)));
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       __m512i sum = strip_sum<R, kChains>(part[r]);
-      if constexpr (T == quant::kQ4_0) {
+      if constexpr (T == quant::kQ4_0 || T == quant::kQ8_0) {  // the weights' offset
         const int16_t* isum = x.isum_row(m) + 2 * b;
-        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * (isum[0] + isum[1])));
+        const int offset = T == quant::kQ4_0 ? 8 : 128;
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset * (isum[0] + isum[1])));
       }
       const __m512 dx = _mm512_set1_ps(x.d[m * blocks + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
@@ -241,7 +262,24 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
   auto half16 = [](const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
-  if constexpr (T != quant::kQ4_K) {
+  if constexpr (T == quant::kQ8_0) {
+    using L = quant::Strip32<T>;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* unit = strip + b * L::kBytes;
+      const __m512 d = half16(unit + L::kD);
+      for (int h = 0; h < 4; ++h) {  // vectors 2h, 2h + 1: values 8h..8h+7
+        __m512 y[8];
+        for (int t = 0; t < 8; ++t) {
+          const __m512i wv = _mm512_loadu_si512(unit + L::kQs + 64 * (2 * h + t / 4));
+          const __m512i q = _mm512_srai_epi32(
+              _mm512_slli_epi32(_mm512_xor_si512(wv, _mm512_set1_epi8(-128)), 24 - 8 * (t % 4)), 24);
+          y[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+        }
+        store_panel_words<S>(dst, 32 * b + 8 * h, y);
+      }
+    }
+    return;
+  } else if constexpr (T != quant::kQ4_K) {
     using L = quant::Strip32<T>;
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* unit = strip + b * L::kBytes;

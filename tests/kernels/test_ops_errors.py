@@ -1104,7 +1104,7 @@ CASES += [
     ),
     *cases_for(
         "pack_strips",
-        ("qtype_no_strips", {"qtype": ops.QUANT_TYPES["Q8_0"][0]}, ValueError, "qtype"),
+        ("qtype_no_strips", {"qtype": ops.QUANT_TYPES["Q6_K"][0]}, ValueError, "qtype"),
         ("qweight_not_tensor", {"qweight": [0] * 144}, TypeError, "qweight"),
         ("qweight_float", {"qweight": torch.zeros(16, 144)}, ValueError, "qweight"),
         (

@@ -1,4 +1,4 @@
-"""Strips (ops.pack_strips) of Q4_0, Q4_1 and Q4_K: the same weight as its GGUF rows,
+"""Strips (ops.pack_strips) of Q4_0, Q4_1, Q8_0 and Q4_K: the same weight as its GGUF rows,
 read by quant_linear and dequantize_rows on the CPU; compared with the GGUF rows'
 results."""
 
@@ -13,7 +13,7 @@ from .test_quant import random_weight
 from .utils import kernel_threads, seed_and_single_thread
 
 pytest.importorskip("gguf")
-TYPES = ["Q4_0", "Q4_1", "Q4_K"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
 # Whole strips, and whole strips with 8 rows after them (kept in GGUF's layout); K not
 # a multiple of 256 where the block allows.
 SHAPES = [(256, 32), (768, 40)]
@@ -109,7 +109,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="qweight must be uint8"):
         ops.pack_strips(torch.zeros(16, 144), q4_k)
     with pytest.raises(ValueError, match="qtype must be one with a strip layout"):
-        ops.pack_strips(torch.zeros(16, 34, dtype=torch.uint8), ops.QUANT_TYPES["Q8_0"][0])
+        ops.pack_strips(torch.zeros(16, 210, dtype=torch.uint8), ops.QUANT_TYPES["Q6_K"][0])
     strips_id = ops.STRIPS_TYPES[q4_k]
     weight = torch.zeros(16, 144, dtype=torch.uint8)
     with pytest.raises(ValueError, match="qweight must be"):
