@@ -153,8 +153,14 @@ void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x
   using F = Format<T>;
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
   int64_t strip = std::clamp<int64_t>((64 << 10) / std::max<int64_t>(row_bytes, 1), 1, N);
-  if (strips) strip = std::max<int64_t>(kStripColumns, strip / kStripColumns * kStripColumns);
   const int64_t threads = N * K < kGrainWeights ? 1 : at::get_num_threads();
+  if (strips) {
+    // Whole strips, 4 times as many bytes a fetch (longer linear streams: 2 threads,
+    // TinyLlama's Q4_K_M projections, 1 row, three rounds: 19.1-22.4 ms against
+    // 20.4-23.6), but at least 4 fetches a thread.
+    const int64_t most = std::max<int64_t>(1, N / (4 * threads * kStripColumns));
+    strip = std::clamp<int64_t>(4 * strip / kStripColumns, 1, most) * kStripColumns;
+  }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t n0 = next.fetch_add(strip); n0 < N; n0 = next.fetch_add(strip)) {

@@ -115,3 +115,18 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="qweight must be"):
         ops.quant_linear(torch.empty(1, 16), torch.randn(1, 512), weight, strips_id)
     assert ops.quant_row_bytes(strips_id, 512) == 288
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_many_strips_over_threads(type_name):
+    """A weight large enough for every thread to take several fetches of strips, with
+    a tail of rows in GGUF's layout."""
+    in_features = 512
+    qweight, _ = random_weight(type_name, 16 * 40 + 8, in_features)
+    type_id = ops.QUANT_TYPES[type_name][0]
+    strips = ops.pack_strips(qweight, type_id)
+    for rows in (1, 3):
+        x = torch.randn(rows, in_features)
+        want = product(x, qweight, type_id)
+        got = product(x, strips, ops.STRIPS_TYPES[type_id])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
