@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -19,6 +20,22 @@ namespace pyllm::cpu {
 // so there the plain loop stands in and the engine keeps its other kernels.
 constexpr int kTileRows = 8;
 constexpr int tile_blocks(int rows) { return rows <= 4 ? 4 : 3; }
+// f(std::integral_constant<int, rows>{}) for rows in [1, kTileRows), else with
+// kTileRows: a call's row count as a kernel's compile-time tile height.
+template <typename F>
+inline void with_tile_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, kTileRows>{}); break;
+  }
+}
+
 template <typename T>
 constexpr bool kPackedLinearVectorized = vec::WordOps<T>::kVectorized && vec::kRegisterVecs >= 32;
 

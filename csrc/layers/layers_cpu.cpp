@@ -354,19 +354,9 @@ void packed_row_tiles(const T* x, int64_t x_stride, int64_t rows, const T* w, in
 template <typename T>
 void packed_rows_as_one_tile(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K,
                              const T* bias, T* out, int64_t N, int64_t b0, int64_t b1) {
-  auto run = [&](auto height) {
+  with_tile_rows(rows, [&](auto height) {
     packed_row_tiles<T, decltype(height)::value>(x, x_stride, rows, w, K, bias, out, N, b0, b1);
-  };
-  switch (rows) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 5: run(std::integral_constant<int, 5>{}); break;
-    case 6: run(std::integral_constant<int, 6>{}); break;
-    case 7: run(std::integral_constant<int, 7>{}); break;
-    default: run(std::integral_constant<int, kTileRows>{}); break;
-  }
+  });
 }
 
 template <typename T>

@@ -100,16 +100,9 @@ void quantize_rows(const scalar_t* x, int64_t x_stride, int64_t M, int64_t K, in
 template <int64_t T>
 void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
               int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  switch (rows) {
-    case 1: dot_rows<T, 1>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 2: dot_rows<T, 2>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 3: dot_rows<T, 3>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 4: dot_rows<T, 4>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 5: dot_rows<T, 5>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 6: dot_rows<T, 6>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    case 7: dot_rows<T, 7>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-    default: dot_rows<T, kTileRows>(w, row_bytes, x, m0, K, out, out_stride, n0, n1); break;
-  }
+  with_tile_rows(rows, [&](auto r) {
+    dot_rows<T, decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, n1);
+  });
 }
 
 // Float32 results [M, N] for all rows. Threads take strips of columns from a shared
@@ -127,19 +120,9 @@ void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N, const 
   if constexpr (has_strips(T)) {
     const int64_t whole = std::min(n1, N / kStripColumns * kStripColumns);
     if (n0 < whole) {
-      auto run = [&](auto r) {
+      with_tile_rows(rows, [&](auto r) {
         strip_rows<T, decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole);
-      };
-      switch (rows) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        case 4: run(std::integral_constant<int, 4>{}); break;
-        case 5: run(std::integral_constant<int, 5>{}); break;
-        case 6: run(std::integral_constant<int, 6>{}); break;
-        case 7: run(std::integral_constant<int, 7>{}); break;
-        default: run(std::integral_constant<int, kTileRows>{}); break;
-      }
+      });
       n0 = whole;
     }
   }
@@ -347,20 +330,11 @@ void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t
     packed_tile<S, kTileRows, NB>(x + m * x_stride, x_stride, panel, K, bias, out + m * ld, ld,
                                   nullptr, 0);
   }
-  auto tail = [&](auto rows) {
+  if (m == M) return;
+  with_tile_rows(M - m, [&](auto rows) {  // the last M - m < kTileRows rows
     packed_tile<S, decltype(rows)::value, NB>(x + m * x_stride, x_stride, panel, K, bias,
                                               out + m * ld, ld, nullptr, 0);
-  };
-  switch (M - m) {
-    case 1: tail(std::integral_constant<int, 1>{}); break;
-    case 2: tail(std::integral_constant<int, 2>{}); break;
-    case 3: tail(std::integral_constant<int, 3>{}); break;
-    case 4: tail(std::integral_constant<int, 4>{}); break;
-    case 5: tail(std::integral_constant<int, 5>{}); break;
-    case 6: tail(std::integral_constant<int, 6>{}); break;
-    case 7: tail(std::integral_constant<int, 7>{}); break;
-    default: break;
-  }
+  });
 }
 
 // Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
