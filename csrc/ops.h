@@ -29,6 +29,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -190,7 +191,8 @@ void set_batch_invariant(bool on);
 // call. In quant_cpu.cpp.
 void pack_strips_(at::Tensor& qweight, int64_t qtype);
 bool strips_native();
-std::vector<int64_t> strip_types();  // the GGML type ids that have strips
+// The GGML type ids that have strips, and their strips' ids.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> strip_types();
 }  // namespace cpu
 
 #ifdef PYLLM_WITH_CUDA

@@ -101,7 +101,7 @@ TORCH_LIBRARY(pyllm, m) {
   // Quantized weights in strips of 16 rows, a CPU layout (quantization/quant_strips.h).
   m.def("pack_strips_(Tensor(a!) qweight, int qtype) -> ()", &pyllm::cpu::pack_strips_);
   m.def("strips_native() -> bool", &pyllm::cpu::strips_native);
-  m.def("strip_types() -> int[]", &pyllm::cpu::strip_types);
+  m.def("strip_types() -> (int[], int[])", &pyllm::cpu::strip_types);
 
   // Mixture of experts (moe/): routing, and a whole MoE feed-forward.
   m.def(

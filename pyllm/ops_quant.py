@@ -24,8 +24,7 @@ _QUANT_BY_ID = {
 
 # GGML type id -> the id of its rows rearranged in strips of 16 (pack_strips): a CPU
 # layout of the same bytes, outside GGML's ids, that quant_linear and dequantize_rows read.
-# 1000 + the GGML id (csrc/quantization/quant_strips.h).
-STRIPS_TYPES: dict[int, int] = {type_id: 1000 + type_id for type_id in _C.strip_types()}
+STRIPS_TYPES: dict[int, int] = dict(zip(*_C.strip_types(), strict=True))
 for _plain, _strips in STRIPS_TYPES.items():
     _name, _block, _bytes = _QUANT_BY_ID[_plain]
     _QUANT_BY_ID[_strips] = (f"{_name}_STRIPS", _block, _bytes)

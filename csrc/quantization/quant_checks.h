@@ -38,7 +38,7 @@ inline int64_t check_qweight(const at::Tensor& qweight, int64_t qtype, int64_t i
                     dtype_name(qweight.scalar_type()));
   check_ndim("qweight", qweight, 2, "[out_features, row_bytes]");
   const bool strips = quant::is_strips(qtype);
-  const int64_t plain = strips ? qtype - quant::kStripsBase : qtype;
+  const int64_t plain = quant::plain_type(qtype);
   TORCH_CHECK_VALUE(!strips || device.is_cpu(), "qtype ", qtype, " (strips of GGML type ",
                     plain, ") is a CPU layout; on ", device.str(), " pass the GGUF rows");
   const QuantType& type = check_qtype(plain);

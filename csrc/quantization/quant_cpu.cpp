@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -69,7 +70,7 @@ template <typename scalar_t>
 void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qweight,
                  int64_t type, const std::optional<at::Tensor>& bias, bool many) {
   const bool strips = is_strips(type);  // read by the strip kernels (kStripsNative)
-  const int64_t qtype = strips ? type - kStripsBase : type;
+  const int64_t qtype = plain_type(type);
   const int64_t M = input.size(0), K = input.size(1), N = qweight.size(0);
   const scalar_t* in = input.const_data_ptr<scalar_t>();
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();
@@ -174,7 +175,7 @@ std::string strip_type_names() {
 // GGUF rows of a strips weight (of strips type `type`).
 at::Tensor unpack_strips(const at::Tensor& qweight, int64_t type) {
   at::Tensor plain = qweight.clone();
-  convert_strips(plain, type - kStripsBase, false);
+  convert_strips(plain, plain_type(type), false);
   return plain;
 }
 
@@ -194,12 +195,15 @@ void pack_strips_(at::Tensor& qweight, int64_t qtype) {
 
 bool strips_native() { return kStripsNative; }
 
-std::vector<int64_t> strip_types() {
-  std::vector<int64_t> ids;
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> strip_types() {
+  std::vector<int64_t> plain, strips;
   for (const QuantType& t : kQuantTypes) {
-    if (has_strips(t.id)) ids.push_back(t.id);
+    if (has_strips(t.id)) {
+      plain.push_back(t.id);
+      strips.push_back(strips_type(t.id));
+    }
   }
-  return ids;
+  return {plain, strips};
 }
 
 // Rows [0, many_rows) (a step's prompt tokens) take the many-row path whatever their
@@ -214,12 +218,11 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
   const int64_t M = input.size(0);
   if (M == 0 || N == 0) return;
   if (is_strips(qtype) && !kStripsNative) {
-    quant_linear(out, input, unpack_strips(qweight, qtype), qtype - kStripsBase, bias, many_rows);
+    quant_linear(out, input, unpack_strips(qweight, qtype), plain_type(qtype), bias, many_rows);
     return;
   }
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "quant_linear", [&] {
-    const int64_t from =
-        many_row_path_from<scalar_t>(is_strips(qtype) ? qtype - kStripsBase : qtype);
+    const int64_t from = many_row_path_from<scalar_t>(plain_type(qtype));
     int64_t P = from == 0 ? 0 : many_rows;
     if (P > 0 && M - P >= from) P = M;  // the other rows take that path too
     if (P == 0 || P == M) {
@@ -246,7 +249,7 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
     }
   }
   if (is_strips(qtype)) {
-    dequantize_rows(out, unpack_strips(qweight, qtype), qtype - kStripsBase, rows);
+    dequantize_rows(out, unpack_strips(qweight, qtype), plain_type(qtype), rows);
     return;
   }
   const int64_t row_bytes = qweight.size(1);

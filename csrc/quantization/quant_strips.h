@@ -44,6 +44,9 @@ constexpr bool has_strips(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K;
 }
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
+constexpr int64_t strips_type(int64_t type) { return kStripsBase + type; }
+// The GGML type whose rows a weight of `type` holds (itself unless strips).
+constexpr int64_t plain_type(int64_t type) { return is_strips(type) ? type - kStripsBase : type; }
 
 // A block of Q4_K strips.
 struct Q4KStrip {

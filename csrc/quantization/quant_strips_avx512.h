@@ -58,7 +58,7 @@ inline void strip8_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, in
   }
 }
 
-template <int R, int kChains>
+template <int kChains>
 inline __m512i strip_sum(const __m512i (&part)[kChains]) {
   __m512i sum = part[0];
   for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, part[i]);
@@ -138,7 +138,7 @@ inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const i
         const __m512i scale = h ? _mm512_srli_epi32(scale_words, 16)
                                 : _mm512_and_si512(scale_words, _mm512_set1_epi32(0xFFFF));
         for (int r = 0; r < R; ++r) {
-          const __m512i sum = strip_sum<R, kChains>(part[r]);
+          const __m512i sum = strip_sum<kChains>(part[r]);
           total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(sum, scale));
         }
       }
@@ -180,7 +180,7 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kD)));
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      __m512i sum = strip_sum<R, kChains>(part[r]);
+      __m512i sum = strip_sum<kChains>(part[r]);
       if constexpr (T == quant::kQ4_0 || T == quant::kQ8_0) {  // the weights' offset
         const int16_t* isum = x.isum_row(m) + 2 * b;
         const int offset = T == quant::kQ4_0 ? 8 : 128;
