@@ -105,12 +105,6 @@ void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows
   });
 }
 
-// Float32 results [M, N] for all rows. Threads take strips of columns from a shared
-// counter, each running every row tile over its strip (small enough for its weight
-// bytes to stay in L2 between tiles). A fixed half each left one thread waiting for
-// the other at the end of every call on a virtual machine's shared cores: two
-// single-threaded processes streamed 13.6 GB/s together where one call split in
-// halves made 9.5.
 // Columns [n0, n1) of strips of type T: whole strips by the strip kernels, the rows
 // past the last whole strip (GGUF's layout) by dot_tile.
 template <int64_t T>
@@ -130,6 +124,12 @@ void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N, const 
   if (n0 < n1) dot_tile<T>(rows, w, row_bytes, x, m0, K, out, out_stride, n0, n1);
 }
 
+// Float32 results [M, N] for all rows. Threads take strips of columns from a shared
+// counter, each running every row tile over its strip (small enough for its weight
+// bytes to stay in L2 between tiles). A fixed half each left one thread waiting for
+// the other at the end of every call on a virtual machine's shared cores: two
+// single-threaded processes streamed 13.6 GB/s together where one call split in
+// halves made 9.5.
 template <int64_t T>
 void quant_matmul(const uint8_t* w, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
                   float* out, int64_t out_stride, bool strips = false) {

@@ -394,9 +394,9 @@ def _packs_strips(model: LlamaForCausalLM, type_id: int) -> bool:
     with strips, whose GGUF-row kernels were bound by their own instructions (2 threads
     of a Zen 4, 2048x2048 Q4_K weights streamed: 4 / 8 rows 1.4x / 1.5x the GGUF rows'
     speed; SmolLM2 Q4_1's projections 1.4x at 1 row, 1.9x at 8), on a CPU build whose
-    kernels read strips as they lie. Not Q8_0: its rows stream at the memory's rate at batch 1
-    already (2 threads of a Zen 4, 2048x2048: 30.4 GB/s against the strips' 28.7, of
-    36.4), and packing a 1.1B file would add 0.3-0.5 s to a 0.23 s load."""
+    kernels read strips as they lie. Not Q8_0: its rows stream at the memory's rate at
+    batch 1 already (2 threads of a Zen 4, 2048x2048: 30.4 GB/s against the strips'
+    28.7, of 36.4), and packing a 1.1B file would add 0.3-0.5 s to a 0.23 s load."""
     return (
         type_id in ops.STRIPS_TYPES
         and type_id != ops.QUANT_TYPES["Q8_0"][0]
