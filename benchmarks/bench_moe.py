@@ -9,7 +9,8 @@ layer of the same bytes (the rate at which this machine streams quantized weight
 Shapes: qwen3-30b-a3b (hidden 2048, expert FFN 768, 128 experts, top 8, silu) and
 gpt-oss-20b (hidden 2880, expert FFN 2880, 32 experts, top 4, swigluoai with biases).
 Types: Q4_K_M (llama.cpp's mix for experts: Q4_K gate/up, Q6_K down), Q8_0, Q4_0, and
-MXFP4 where ops.QUANT_TYPES has it.
+MXFP4 where ops.QUANT_TYPES has it; --strips packs the types with strips
+(ops.pack_strips) on both sides, as the GGUF loader does on AVX-512 VNNI builds.
 
 Per case: the time per call over several routings (at 1 token each routing picks
 top_k experts no neighbouring call uses, so their weights come from memory, not the
@@ -92,14 +93,25 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> torch.Tens
     return torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, -1))
 
 
-def expert_weights(shape: MoeShape, mix: str, device: str, seed: int = 0):
+def expert_weights(shape: MoeShape, mix: str, device: str, seed: int = 0, strips=False):
+    """(w_gate, w_up, w_down), (gate/up type id, down type id); strips: the types with
+    strips packed (ops.pack_strips), as the GGUF loader packs them."""
     gate_type, down_type = TYPE_MIXES[mix]
     E, H, inter = shape.experts, shape.hidden, shape.inter
     w_gate = random_blocks(gate_type, E * inter, H, seed).view(E, inter, -1)
     w_up = random_blocks(gate_type, E * inter, H, seed + 1).view(E, inter, -1)
     w_down = random_blocks(down_type, E * H, inter, seed + 2).view(E, H, -1)
     ids = (ops.QUANT_TYPES[gate_type][0], ops.QUANT_TYPES[down_type][0])
-    return [w.to(device) for w in (w_gate, w_up, w_down)], ids
+    weights = [w_gate, w_up, w_down]
+    if strips:
+        weights = [packed(w, i) for w, i in zip(weights, (ids[0], ids[0], ids[1]), strict=True)]
+        ids = tuple(ops.STRIPS_TYPES.get(i, i) for i in ids)
+    return [w.to(device) for w in weights], ids
+
+
+def packed(weight: torch.Tensor, type_id: int) -> torch.Tensor:
+    """The weight in strips where its type has them."""
+    return ops.pack_strips(weight, type_id) if type_id in ops.STRIPS_TYPES else weight
 
 
 def routings(shape: MoeShape, tokens: int, count: int, device: str) -> list[torch.Tensor]:
@@ -159,8 +171,10 @@ def dense_calls(shape: MoeShape, weights, ids, tokens: int, dtype, device: str):
     k, H, inter = shape.top_k, shape.hidden, shape.inter
     w_gate, _, w_down = weights
     gate_up = torch.cat([w_gate[:k].reshape(k * inter, -1)] * 2)
-    down_name = next(name for name, (i, _, _) in ops.QUANT_TYPES.items() if i == ids[1])
-    down = random_blocks(down_name, H, k * inter, 7).to(device)
+    plain = {strips: i for i, strips in ops.STRIPS_TYPES.items()}.get(ids[1], ids[1])
+    down_name = next(name for name, (i, _, _) in ops.QUANT_TYPES.items() if i == plain)
+    down = random_blocks(down_name, H, k * inter, 7)
+    down = (packed(down, plain) if plain != ids[1] else down).to(device)
     copy_bytes = gate_up.numel() + down.numel()
     copies = [(gate_up, down)] + [
         (gate_up.clone(), down.clone()) for _ in range(max(1, CACHE_BYTES // copy_bytes))
@@ -234,6 +248,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-dense", action="store_true", help="skip the quant_linear side")
+    parser.add_argument(
+        "--strips", action="store_true", help="weights in strips where they have them"
+    )
     args = parser.parse_args()
     device = args.device
     bandwidth = read_bandwidth(device)
@@ -255,7 +272,7 @@ def main() -> None:
                 print(f"## {shape_name} {mix}: skipped (a type this build lacks, or a block "
                       f"that does not divide the layer's sizes)")  # fmt: skip
                 continue
-            weights, ids = expert_weights(shape, mix, device)
+            weights, ids = expert_weights(shape, mix, device, strips=args.strips)
             layer_bytes = sum(w.numel() for w in weights)
             print(f"## {shape_name} {mix}: {shape.experts} experts, top {shape.top_k}, "
                   f"{layer_bytes / 2**20:.0f} MiB per layer")  # fmt: skip

@@ -57,13 +57,15 @@ def batch_invariant() -> bool:
 
 
 def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """A Q4_0, Q4_1, Q8_0 or Q4_K weight (uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU)
+    """A Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight (uint8 ``[N, quant_row_bytes(qtype, K)]``, CPU)
     in strips of 16 rows, of type ``STRIPS_TYPES[qtype]``: each strip's blocks
     interleaved so that the AVX-512 kernels read eight weights of 16 output features
     per 64-byte load, with no sums across lanes (csrc/quantization/quant_strips.h).
-    Same bytes and shape; rows past the last whole strip stay as they were. Results
-    equal the GGUF rows' up to float rounding. Worth it where ``strips_native()``;
-    other builds turn the strips back into GGUF rows on every call."""
+    Same bytes and shape; rows past the last whole strip stay as they were. A 3-D
+    ``[E, N, row bytes]`` weight of experts (fused_moe) packs each expert's rows apart.
+    Results equal the GGUF rows' up to float rounding. Worth it where
+    ``strips_native()``; other builds turn the strips back into GGUF rows on every
+    quant_linear call, and fused_moe refuses them there."""
     qweight = _tensor("qweight", qweight)
     strips = qweight.clone()
     _C.pack_strips_(strips, qtype)

@@ -81,7 +81,8 @@ inline void check_moe_topk(const at::Tensor& topk_weights, const at::Tensor& top
 
 // One projection of every expert: [num_experts, out_features, in_features] floats of
 // the activations' dtype (type F32/F16/BF16), or [num_experts, out_features, row
-// bytes] uint8 GGUF blocks of type `type`. Returns out_features.
+// bytes] uint8 GGUF blocks of type `type` (or, on the CPU, each expert's rows in
+// strips: quant_strips.h). Returns out_features.
 inline int64_t check_expert_weight(std::string_view name, const at::Tensor& w, int64_t type,
                                    int64_t num_experts, int64_t in_features,
                                    const at::Tensor& hidden) {
@@ -103,7 +104,11 @@ inline int64_t check_expert_weight(std::string_view name, const at::Tensor& w, i
   TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, name,
                    " must be uint8 GGUF blocks for a quantized type, got ",
                    dtype_name(w.scalar_type()));
-  const QuantType& q = check_qtype(type);
+  const int64_t plain = quant::plain_type(type);
+  TORCH_CHECK_VALUE(!quant::is_strips(type) || hidden.device().is_cpu(), name, "'s type ", type,
+                    " (strips of GGML type ", plain, ") is a CPU layout; on ",
+                    hidden.device().str(), " pass the GGUF rows");
+  const QuantType& q = check_qtype(plain);
   TORCH_CHECK_VALUE(in_features % q.block == 0, name, ": in_features (", in_features,
                     ") must be a multiple of ", q.name, "'s block of ", q.block);
   const int64_t row_bytes = in_features / q.block * q.bytes;

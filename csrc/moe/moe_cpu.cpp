@@ -562,6 +562,13 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
                                          gate_type, up_type, down_type, gate_bias, up_bias,
                                          down_bias, activation, alpha, limit, expert_start,
                                          many_rows);
+#ifndef PYLLM_QUANT_ZMM
+  for (const int64_t type : {gate_type, up_type, down_type}) {
+    TORCH_CHECK_VALUE(!is_strips(type), "type ", type, " (strips of GGML type ",
+                      plain_type(type), ") is read by AVX-512 VNNI builds only ",
+                      "(ops.strips_native() is False here); pass the GGUF rows");
+  }
+#endif
   if (shape.tokens == 0) return;
   PhaseTimes phases;
   PYLLM_DISPATCH_FLOATING_TYPES(hidden.scalar_type(), "fused_moe", [&] {

@@ -60,18 +60,20 @@ T* scratch(std::vector<T>& v, size_t n) {
 }
 
 // One projection of every expert: expert e's [N, K] weight at w + e * expert_bytes
-// (GGUF rows of row_bytes, or floats of the activations' dtype).
+// (GGUF rows of row_bytes, each expert's in strips where `strips`, or floats of the
+// activations' dtype).
 struct MoeWeight {
   const uint8_t* w;
-  int64_t type, N, row_bytes, expert_bytes;
+  int64_t type, N, row_bytes, expert_bytes;  // type: the GGML type of the rows
   const void* bias;  // [E, N] of the activations' dtype, or null
+  bool strips;
 };
 
 inline MoeWeight moe_weight(const at::Tensor& w, int64_t type,
                             const std::optional<at::Tensor>& bias) {
   const int64_t N = w.size(1), row_bytes = w.size(2) * w.element_size();
-  return {static_cast<const uint8_t*>(w.const_data_ptr()), type, N, row_bytes, N * row_bytes,
-          bias.has_value() ? bias->const_data_ptr() : nullptr};
+  return {static_cast<const uint8_t*>(w.const_data_ptr()), plain_type(type), N, row_bytes,
+          N * row_bytes, bias.has_value() ? bias->const_data_ptr() : nullptr, is_strips(type)};
 }
 
 // The rows a product reads: int8 rows [m0, m0 + R) of q, or R rows of S from x.
@@ -84,25 +86,58 @@ struct MoeRows {
 };
 
 // out[r, c - n0] for c in [n0, n1): columns of W (rows [0, R) of x) by int8 tiles. A
-// strip of columns whose weights stay in L2 meets every tile of rows.
+// run of columns whose weights stay in L2 meets every tile of rows; with strips, runs
+// of whole strips (n0 is a multiple of 16: item_columns).
 template <int64_t T, typename S>
-void int8_columns(const uint8_t* w, int64_t row_bytes, int64_t K, const MoeRows<S>& in,
+void int8_columns(const MoeWeight& p, const uint8_t* w, int64_t K, const MoeRows<S>& in,
                   int64_t R, int64_t n0, int64_t n1, float* out, int64_t ld) {
-  const int64_t strip = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
-  for (int64_t c0 = n0; c0 < n1; c0 += strip) {
-    const int64_t c1 = std::min(n1, c0 + strip);
+  const int64_t row_bytes = p.row_bytes;
+  int64_t run = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
+  if (p.strips) run = std::max<int64_t>(1, run / kStripColumns) * kStripColumns;
+  for (int64_t c0 = n0; c0 < n1; c0 += run) {
+    const int64_t c1 = std::min(n1, c0 + run);
     for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, R - r0));
-      dot_tile<T>(rows, w + c0 * row_bytes, row_bytes, *in.q, in.m0 + r0, K,
-                  out + r0 * ld + (c0 - n0), ld, 0, c1 - c0);
+      const uint8_t* wc = w + c0 * row_bytes;
+      float* o = out + r0 * ld + (c0 - n0);
+      if (p.strips) {
+        strip_tile<T>(rows, wc, row_bytes, p.N - c0, *in.q, in.m0 + r0, K, o, ld, 0, c1 - c0);
+      } else {
+        dot_tile<T>(rows, wc, row_bytes, *in.q, in.m0 + r0, K, o, ld, 0, c1 - c0);
+      }
     }
   }
+}
+
+// The panel of columns [c0, c0 + 16 * nb) (cols of them real): strips' whole blocks
+// by dequantize_strip_panel (the same values), the rest from GGUF rows.
+template <int64_t T, typename S>
+void moe_panel(const MoeWeight& p, const uint8_t* w, int64_t c0, int nb, int64_t K, float* rows,
+               S* words, S* panel, int cols) {
+#ifdef PYLLM_QUANT_ZMM
+  if constexpr (has_strips(T)) {
+    if (p.strips) {
+      const int64_t whole = p.N / kStripColumns * kStripColumns;
+      for (int b = 0; b < nb; ++b) {
+        const int64_t c = c0 + b * vec::kLanes;
+        S* block = panel + b * K * vec::kLanes;
+        if (c + vec::kLanes <= whole) {
+          dequantize_strip_panel<T>(w + c * p.row_bytes, K, block);
+        } else {
+          dequantize_panel<T>(w, p.row_bytes, c, 1, K, rows, words, block, cols - b * vec::kLanes);
+        }
+      }
+      return;
+    }
+  }
+#endif
+  dequantize_panel<T>(w, p.row_bytes, c0, nb, K, rows, words, panel, cols);
 }
 
 // The same by dequantized panels through packed_linear's register tile; a partial
 // last block of 16 columns goes through a buffer.
 template <int64_t T, typename S>
-void panel_columns(const uint8_t* w, int64_t row_bytes, int64_t K, const MoeRows<S>& in,
+void panel_columns(const MoeWeight& wp, const uint8_t* w, int64_t K, const MoeRows<S>& in,
                    int64_t R, int64_t n0, int64_t n1, float* out, int64_t ld) {
   constexpr int NB = tile_blocks(kTileRows), kCols = NB * vec::kLanes;
   thread_local std::vector<float> row, part;
@@ -113,7 +148,7 @@ void panel_columns(const uint8_t* w, int64_t row_bytes, int64_t K, const MoeRows
   for (int64_t c0 = n0; c0 < n1; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, n1 - c0));
     const int nb = (cols + vec::kLanes - 1) / vec::kLanes;
-    dequantize_panel<T>(w, row_bytes, c0, nb, K, r, words, p, cols);
+    moe_panel<T>(wp, w, c0, nb, K, r, words, p, cols);
     const bool whole = cols == nb * vec::kLanes;
     float* o = whole ? out + (c0 - n0) : scratch(part, size_t(R) * kCols);
     const int64_t o_ld = whole ? ld : kCols;
@@ -219,10 +254,10 @@ void expert_columns(const MoeWeight& p, MoePath path, int64_t e, int64_t K,
   dispatch_type(p.type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     if (path == MoePath::kInt8) {
-      int8_columns<T, S>(w, p.row_bytes, K, in, R, n0, n1, out, ld);
+      int8_columns<T, S>(p, w, K, in, R, n0, n1, out, ld);
     } else if (path == MoePath::kPanel) {
       if constexpr (kPackedLinearVectorized<S>) {
-        panel_columns<T, S>(w, p.row_bytes, K, in, R, n0, n1, out, ld);
+        panel_columns<T, S>(p, w, K, in, R, n0, n1, out, ld);
       }
     } else {
       gemm_columns<T, S>(w, p.row_bytes, K, in, R, n0, n1, out, ld);

@@ -139,18 +139,20 @@ constexpr bool kStripsNative = true;
 constexpr bool kStripsNative = false;
 #endif
 
-// Every whole strip of 16 rows of a weight of GGML type `type` between GGUF's layout
-// and the strips', in place (a strip at a time through a copy).
+// Every whole strip of 16 rows of a weight of GGML type `type` ([N, row bytes], or
+// [E, N, row bytes]: each expert's rows apart) between GGUF's layout and the strips',
+// in place (a strip at a time through a copy).
 void convert_strips(at::Tensor& qweight, int64_t type, bool pack) {
-  const int64_t row_bytes = qweight.size(1), strips = qweight.size(0) / kStripColumns;
+  const int64_t row_bytes = qweight.size(-1), N = qweight.size(-2);
+  const int64_t experts = qweight.dim() == 3 ? qweight.size(0) : 1, per = N / kStripColumns;
   uint8_t* w = qweight.data_ptr<uint8_t>();
   dispatch_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     if constexpr (has_strips(T)) {
-      at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+      at::parallel_for(0, experts * per, 1, [&](int64_t s0, int64_t s1) {
         std::vector<uint8_t> copy(kStripColumns * row_bytes);
         for (int64_t i = s0; i < s1; ++i) {
-          uint8_t* strip = w + i * kStripColumns * row_bytes;
+          uint8_t* strip = w + (i / per * N + i % per * kStripColumns) * row_bytes;
           std::memcpy(copy.data(), strip, copy.size());
           if (pack) {
             pack_strip<T>(copy.data(), row_bytes, strip);
@@ -185,11 +187,16 @@ void pack_strips_(at::Tensor& qweight, int64_t qtype) {
   const QuantType& type = check_qtype(qtype);
   TORCH_CHECK_VALUE(has_strips(qtype), "qtype must be one with a strip layout (",
                     strip_type_names(), "), got ", qtype, " (", type.name, ")");
-  const int64_t row_bytes = qweight.dim() == 2 ? qweight.size(1) : 0;
+  TORCH_CHECK_VALUE(qweight.dim() == 2 || qweight.dim() == 3,
+                    "qweight must be 2-D [out_features, row_bytes] or 3-D [num_experts, "
+                    "out_features, row_bytes], got shape ", shape_text(qweight.sizes()));
+  const int64_t row_bytes = qweight.size(-1);
   TORCH_CHECK_VALUE(row_bytes % type.bytes == 0, "qweight must hold ", type.name,
                     " rows (whole blocks of ", type.bytes, " bytes), got rows of ", row_bytes,
                     " bytes");
-  check_qweight(qweight, qtype, row_bytes / type.bytes * type.block, at::kCPU);
+  check_contiguous("qweight", qweight);
+  check_qweight(qweight.view({-1, row_bytes}), qtype, row_bytes / type.bytes * type.block,
+                at::kCPU);
   convert_strips(qweight, qtype, true);
 }
 

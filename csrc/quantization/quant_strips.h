@@ -27,6 +27,13 @@
 //                sub-block 2p, high nibble for 2p + 1
 //   [256, 2304)  the weight vectors, 4 per sub-block (vector 4s + v: weights
 //                32s + 8v + ...)
+//
+// Q6_K (16 x 210 bytes), column c, sub-block j of 16 weights (scale j):
+//   [0, 32)      d (fp16) of column c at 2c
+//   [32, 288)    scales (int8) of sub-blocks 2p then 2p + 1 at 32 + 32p + 2c + j % 2
+//   [288, 3360)  per sub-block j, 192 bytes: two vectors of the weights' low 4 bits
+//                (8 weights a lane each, as Q4_K's), then one of their high 2 bits:
+//                lane c, byte i, bits 2s and 2s + 1 hold weight 16j + 4s + i's
 #pragma once
 
 #include <cstdint>
@@ -41,7 +48,7 @@ inline constexpr int kStripColumns = 16;
 // A strip layout's type id for quant_linear: 1000 + its GGML type's (outside GGML's).
 inline constexpr int64_t kStripsBase = 1000;
 constexpr bool has_strips(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K || type == kQ6_K;
 }
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
 constexpr int64_t strips_type(int64_t type) { return kStripsBase + type; }
@@ -52,6 +59,16 @@ constexpr int64_t plain_type(int64_t type) { return is_strips(type) ? type - kSt
 struct Q4KStrip {
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * 144;
   static constexpr int kD = 0, kDmin = 32, kScales = 64, kMinHigh = 192, kQs = 256;
+};
+
+// A block of Q6_K strips.
+struct Q6KStrip {
+  static constexpr int kColumns = kStripColumns, kBytes = kColumns * 210;
+  static constexpr int kD = 0, kScales = 32, kWeights = 288, kSubBytes = 192;
+  static_assert(kWeights + 16 * kSubBytes == kBytes);
+  // Sub-block j's two low vectors, then its high bits' vector.
+  static constexpr int low(int j) { return kWeights + kSubBytes * j; }
+  static constexpr int high(int j) { return kWeights + kSubBytes * j + 128; }
 };
 
 // A unit of Q4_0, Q4_1 or Q8_0 strips.
@@ -192,6 +209,51 @@ inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
   }
 }
 
+// Q6_K: column c's GGUF block (at blk[c]) into the strip block at dst.
+inline void pack_strip6(const uint8_t* const* blk, uint8_t* dst) {
+  using S = Q6KStrip;
+  using L = Layout<kQ6_K>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    const uint8_t* b = blk[c];
+    std::memcpy(dst + S::kD + 2 * c, b + L::kD, 2);
+    for (int j = 0; j < 16; ++j) dst[S::kScales + 32 * (j / 2) + 2 * c + j % 2] = b[L::kScales + j];
+    uint8_t q[256];  // the 6-bit quants
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t *ql = L::low_bytes(b, g), *qh = L::high_bytes(b, g);
+      for (int l = 0; l < 32; ++l) {
+        q[32 * g + l] = static_cast<uint8_t>((L::upper_nibble(g) ? ql[l] >> 4 : ql[l] & 0x0F) |
+                                             ((qh[l] >> L::high_shift(g)) & 3) << 4);
+      }
+    }
+    for (int k = 0; k < 256; ++k) {
+      uint8_t& low = dst[S::low(k / 16) + 64 * (k % 16 / 8) + 4 * c + k % 4];
+      low = static_cast<uint8_t>(k % 8 < 4 ? q[k] & 0x0F : (low & 0x0F) | (q[k] & 0x0F) << 4);
+      uint8_t& high = dst[S::high(k / 16) + 4 * c + k % 4];
+      const int shift = 2 * (k % 16 / 4);
+      high = static_cast<uint8_t>((shift ? high : 0) | (q[k] >> 4) << shift);
+    }
+  }
+}
+
+inline void unpack_strip6(const uint8_t* src, uint8_t* const* blk) {
+  using S = Q6KStrip;
+  using L = Layout<kQ6_K>;
+  for (int c = 0; c < S::kColumns; ++c) {
+    uint8_t* b = blk[c];
+    std::memcpy(b + L::kD, src + S::kD + 2 * c, 2);
+    for (int j = 0; j < 16; ++j) b[L::kScales + j] = src[S::kScales + 32 * (j / 2) + 2 * c + j % 2];
+    std::memset(b + L::kQl, 0, L::kScales - L::kQl);
+    for (int k = 0; k < 256; ++k) {
+      const uint8_t low = src[S::low(k / 16) + 64 * (k % 16 / 8) + 4 * c + k % 4] >> (k % 8 < 4 ? 0 : 4);
+      const uint8_t high = src[S::high(k / 16) + 4 * c + k % 4] >> 2 * (k % 16 / 4);
+      const int g = k / 32, l = k % 32;  // Layout<kQ6_K>'s group g, weight l
+      b[L::kQl + 64 * (g / 4) + 32 * (g % 2) + l] |=
+          static_cast<uint8_t>((low & 0x0F) << (L::upper_nibble(g) ? 4 : 0));
+      b[L::kQh + 32 * (g / 4) + l] |= static_cast<uint8_t>((high & 3) << L::high_shift(g));
+    }
+  }
+}
+
 // Rows [16i, 16i + 16) of a [N, row_bytes] weight of type T (strip i) between the
 // layouts.
 template <int64_t T>
@@ -202,6 +264,8 @@ inline void pack_strip(const uint8_t* rows, int64_t row_bytes, uint8_t* strip) {
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
     if constexpr (T == kQ4_K) {
       pack_strip_block(blk, strip + b * kStripColumns * kBytes);
+    } else if constexpr (T == kQ6_K) {
+      pack_strip6(blk, strip + b * kStripColumns * kBytes);
     } else if constexpr (T == kQ8_0) {
       pack_strip8(blk, strip + b * kStripColumns * kBytes);
     } else {
@@ -218,6 +282,8 @@ inline void unpack_strip(const uint8_t* strip, int64_t row_bytes, uint8_t* rows)
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
     if constexpr (T == kQ4_K) {
       unpack_strip_block(strip + b * kStripColumns * kBytes, blk);
+    } else if constexpr (T == kQ6_K) {
+      unpack_strip6(strip + b * kStripColumns * kBytes, blk);
     } else if constexpr (T == kQ8_0) {
       unpack_strip8(strip + b * kStripColumns * kBytes, blk);
     } else {

@@ -156,6 +156,135 @@ inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const i
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
 }
 
+// Q6_K's 6-bit weights of sub-block j, half i (0: low nibbles, 1: high) of low
+// vector 2j + t: the nibbles OR the high 2 bits (bits 2s, 2s + 1 of each byte of hv,
+// s = 2t + i) moved to bits 4 and 5. s is a template argument: a shift by a count
+// known only at run time is a slower instruction.
+template <int s>
+[[gnu::always_inline]] inline __m512i q6_weights(__m512i nibbles, __m512i hv) {
+  const __m512i high = s < 2 ? _mm512_slli_epi32(hv, 4 - 2 * s) : _mm512_srli_epi32(hv, 2 * s - 4);
+  return _mm512_ternarylogic_epi32(nibbles, high, _mm512_set1_epi8(0x30), 0xF8);  // a | (b & c)
+}
+
+// The four weight vectors of a Q6_K sub-block (its low vectors at ql, high bits hv):
+// q[2t + i] holds weights 8t + 4i + [0, 4) of each column.
+[[gnu::always_inline]] inline void q6_vectors(const uint8_t* ql, __m512i hv, __m512i (&q)[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i w0 = _mm512_loadu_si512(ql), w1 = _mm512_loadu_si512(ql + 64);
+  q[0] = q6_weights<0>(_mm512_and_si512(w0, low), hv);
+  q[1] = q6_weights<1>(_mm512_and_si512(_mm512_srli_epi16(w0, 4), low), hv);
+  q[2] = q6_weights<2>(_mm512_and_si512(w1, low), hv);
+  q[3] = q6_weights<3>(_mm512_and_si512(_mm512_srli_epi16(w1, 4), low), hv);
+}
+
+// part[r][i] += the products of sub-block j's 16 weights of 16 columns (low vectors
+// at ql, high bits at qh) with inputs [k, k + 16) of row m0 + r.
+template <int R, int kChains>
+[[gnu::always_inline]] inline void q6_dots(const uint8_t* ql, const uint8_t* qh, const QuantizedRows& x, int64_t m0,
+                    int64_t k, __m512i (&part)[R][kChains]) {
+  __m512i q[4];
+  q6_vectors(ql, _mm512_loadu_si512(qh), q);
+  for (int v = 0; v < 4; ++v) {
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, x.q_row(m0 + r) + k + 4 * v, 4);
+      __m512i& chain = part[r][v % kChains];
+      chain = _mm512_dpbusd_epi32(chain, q[v], _mm512_set1_epi32(x4));
+    }
+  }
+}
+
+// Sub-block 2p + h's scales of a Q6_K strip (lane c: words sc[2p], sc[2p + 1]) as
+// int32 per lane.
+inline __m512i q6_scale(__m512i words, int h) {
+  return h ? _mm512_srai_epi32(words, 16) : _mm512_srai_epi32(_mm512_slli_epi32(words, 16), 16);
+}
+
+inline __m512i q6_scale_words(const uint8_t* blk, int p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(blk + quant::Q6KStrip::kScales + 32 * p)));
+}
+
+// One or two rows: each vector's products summed in pairs as int16 (4 x 63 x 127
+// fits), then times the sub-block's scale into the block's sum by vpdpwssd, with no
+// per-sub-block sums to reduce and scale (1 row, 1 thread, 2048x5632: 15.2 ms ->
+// SEE_BELOW). The same integers as q6_dots' path.
+template <int R>
+[[gnu::always_inline]] inline void q6_scaled_dots(const uint8_t* blk, const QuantizedRows& x, int64_t m0, int64_t b,
+                           int p, __m512i words, __m512i (&total)[R][2]) {
+  using S = quant::Q6KStrip;
+  for (int h = 0; h < 2; ++h) {
+    const int j = 2 * p + h;
+    // sc_j in both words of each lane
+    const __m512i scale = _mm512_shuffle_epi8(
+        words, h ? _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15))
+                 : _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
+    __m512i q[4];
+    q6_vectors(blk + S::low(j), _mm512_loadu_si512(blk + S::high(j)), q);
+    for (int v = 0; v < 4; ++v) {
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, x.q_row(m0 + r) + b * 256 + 16 * j + 4 * v, 4);
+        const __m512i pairs = _mm512_maddubs_epi16(q[v], _mm512_set1_epi32(x4));
+        total[r][v % 2] = _mm512_dpwssd_epi32(total[r][v % 2], pairs, scale);
+      }
+    }
+  }
+}
+
+// Q6_K strip columns [n, n + 16) for input rows [m0, m0 + R): per sub-block j,
+// scale_j * (the 6-bit weights' sum - 32 * the inputs' sum), the second part for
+// every j at once by vpdpwssd of the scales with the inputs' sums per 16.
+template <int R>
+inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
+                           int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+  using S = quant::Q6KStrip;
+  constexpr int kChains = strip_chains(R);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = strip + b * S::kBytes;
+    strip_prefetch<S::kBytes>(blk);
+    __m512i total[R], offset[R], scaled[R][2];
+    for (int r = 0; r < R; ++r) {
+      total[r] = offset[r] = scaled[r][0] = scaled[r][1] = _mm512_setzero_si512();
+    }
+    for (int p = 0; p < 8; ++p) {
+      const __m512i words = q6_scale_words(blk, p);
+      for (int r = 0; r < R; ++r) {
+        int32_t sums;  // the inputs' sums over sub-blocks 2p, 2p + 1 (int16 each)
+        std::memcpy(&sums, x.isum_row(m0 + r) + 16 * b + 2 * p, 4);
+        offset[r] = _mm512_dpwssd_epi32(offset[r], words, _mm512_set1_epi32(sums));
+      }
+      if constexpr (R <= 2) {
+        q6_scaled_dots<R>(blk, x, m0, b, p, words, scaled);
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        __m512i part[R][kChains];
+        for (int r = 0; r < R; ++r) {
+          for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
+        }
+        q6_dots<R, kChains>(blk + S::low(j), blk + S::high(j), x, m0, b * 256 + 16 * j,
+                            part);
+        const __m512i scale = q6_scale(words, h);
+        for (int r = 0; r < R; ++r) {
+          total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(strip_sum<kChains>(part[r]), scale));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kD)));
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_add_epi32(total[r], _mm512_add_epi32(scaled[r][0], scaled[r][1]));
+      const __m512i sum = _mm512_sub_epi32(total[r], _mm512_slli_epi32(offset[r], 5));
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
+}
+
 // Q4_0 or Q4_1 strip columns [n, n + 16) for input rows [m0, m0 + R).
 template <int64_t T, int R>
 inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
@@ -210,6 +339,10 @@ void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
       q4k_strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n);
     }
+  } else if constexpr (T == quant::kQ6_K) {
+    for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
+      q6k_strip_pass<R>(w + n * row_bytes, x, m0, K / 256, out, out_stride, n);
+    }
   } else {
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
       strip32_pass<T, R>(w + n * row_bytes, x, m0, K / 32, out, out_stride, n);
@@ -261,6 +394,32 @@ inline void dequantize_strip_group(const uint8_t* w, __m512 a, __m512 off, int64
   }
 }
 
+// Q6_K strips into a panel block (dequantize_strip_panel): a = d * scale, value
+// a * q - 32 a, as Format<kQ6_K>::scales and the row decoders compute it.
+template <typename S>
+void dequantize_q6k_strip_panel(const uint8_t* strip, int64_t K, uint32_t* dst) {
+  using L = quant::Q6KStrip;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = strip + b * L::kBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kD)));
+    for (int j = 0; j < 16; ++j) {
+      const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q6_scale(q6_scale_words(blk, j / 2), j % 2)));
+      const __m512 off = _mm512_mul_ps(a, _mm512_set1_ps(-32.0f));
+      __m512i q[4];
+      q6_vectors(blk + L::low(j), _mm512_loadu_si512(blk + L::high(j)), q);
+      for (int t = 0; t < 2; ++t) {
+        __m512 y[8];  // value 16j + 8t + u of each column: byte u % 4 of q[2t + u / 4]
+        for (int u = 0; u < 8; ++u) {
+          const __m512i v = _mm512_and_si512(_mm512_srli_epi32(q[2 * t + u / 4], 8 * (u % 4)),
+                                             _mm512_set1_epi32(0x3F));
+          y[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), a, off);
+        }
+        store_panel_words<S>(dst, b * 256 + 16 * j + 8 * t, y);
+      }
+    }
+  }
+}
+
 // A strip's 16 columns dequantized straight into a panel block: lane c of every
 // vector is already column c. Each value is a * q + b with Format<T>'s a and b (Q4_K:
 // d * scale, -dmin * min), as dequantize_row_* compute it, so the panels match those
@@ -287,6 +446,9 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
         store_panel_words<S>(dst, 32 * b + 8 * h, y);
       }
     }
+    return;
+  } else if constexpr (T == quant::kQ6_K) {
+    dequantize_q6k_strip_panel<S>(strip, K, dst);
     return;
   } else if constexpr (T != quant::kQ4_K) {
     using L = quant::Strip32<T>;

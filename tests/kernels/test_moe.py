@@ -112,6 +112,15 @@ def make_weights(types, dtype, experts, hidden, inter, seed=0):
     return weights, ids, dense
 
 
+def packed_strips(weights, type_ids):
+    """The weights of types with strips packed, and their type ids."""
+    packed = [
+        ops.pack_strips(w, i) if i in ops.STRIPS_TYPES else w
+        for w, i in zip(weights, type_ids, strict=True)
+    ]
+    return packed, [ops.STRIPS_TYPES.get(i, i) for i in type_ids]
+
+
 def int8_span(type_name: str) -> int:
     """The span the CPU kernels quantize a GGUF type's inputs in (0: float weights)."""
     if type_name == FLOAT_TYPE:
@@ -217,14 +226,17 @@ def reference_moe(x, logits, top_k, dense, spans, dtype, renormalize=True, biase
 
 def run_case(types, dtype, experts, top_k, tokens, device, renormalize=True, biases=False,
              activation="silu", expert_start=0, total=None, hidden=None, inter=None,
-             logits=None, alpha=1.702, limit=7.0):  # fmt: skip
-    """fused_moe against reference_moe; types as make_weights takes them."""
+             logits=None, alpha=1.702, limit=7.0, strips=False):  # fmt: skip
+    """fused_moe against reference_moe; types as make_weights takes them; strips: the
+    weights of types with strips packed (ops.pack_strips)."""
     gate_up, down = (types, types) if isinstance(types, str) else types
     k_formats = 256 in (int8_span(gate_up), int8_span(down))
     hidden = hidden or (256 if k_formats else 96)
     inter = inter or (256 if k_formats else 160)
     total = total or experts
     (w_gate, w_up, w_down), type_ids, dense = make_weights(types, dtype, experts, hidden, inter)
+    if strips:
+        (w_gate, w_up, w_down), type_ids = packed_strips((w_gate, w_up, w_down), type_ids)
     x = torch.randn(tokens, hidden + 8).to(dtype)[:, 4 : 4 + hidden]  # rows of a wider tensor
     if logits is None:
         logits = router_logits(tokens, total)

@@ -1104,12 +1104,12 @@ CASES += [
     ),
     *cases_for(
         "pack_strips",
-        ("qtype_no_strips", {"qtype": ops.QUANT_TYPES["Q6_K"][0]}, ValueError, "qtype"),
+        ("qtype_no_strips", {"qtype": ops.QUANT_TYPES["Q5_K"][0]}, ValueError, "qtype"),
         ("qweight_not_tensor", {"qweight": [0] * 144}, TypeError, "qweight"),
         ("qweight_float", {"qweight": torch.zeros(16, 144)}, ValueError, "qweight"),
         (
-            "qweight_3d",
-            {"qweight": torch.zeros(2, 16, 144, dtype=torch.uint8)},
+            "qweight_4d",
+            {"qweight": torch.zeros(2, 2, 16, 144, dtype=torch.uint8)},
             ValueError,
             "qweight",
         ),

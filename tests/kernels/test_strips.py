@@ -9,11 +9,19 @@ import torch
 
 import pyllm.ops as ops
 
+from .test_moe import (
+    FLOAT_TYPE,
+    make_weights,
+    packed_strips,
+    router_logits,
+    run_case,
+    skewed_logits,
+)
 from .test_quant import random_weight
 from .utils import kernel_threads, seed_and_single_thread
 
 pytest.importorskip("gguf")
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+TYPES = [name for name, (i, _, _) in ops.QUANT_TYPES.items() if i in ops.STRIPS_TYPES]
 # Whole strips, and whole strips with 8 rows after them (kept in GGUF's layout); K not
 # a multiple of 256 where the block allows.
 SHAPES = [(256, 32), (768, 40)]
@@ -21,7 +29,7 @@ BLOCK32_SHAPES = [(96, 32), (576, 40)]
 
 
 def shapes(type_name):
-    return SHAPES if type_name == "Q4_K" else BLOCK32_SHAPES
+    return SHAPES if ops.QUANT_TYPES[type_name][1] == 256 else BLOCK32_SHAPES
 
 
 def weight(type_name, shape_index):
@@ -36,6 +44,15 @@ def weight(type_name, shape_index):
 @pytest.fixture(autouse=True)
 def _seed(request):
     yield from seed_and_single_thread(request)
+
+
+def rows_tolerance(type_name, dtype):
+    """How far the strips' int8 products may lie from the GGUF rows': float rounding.
+    The GGUF rows' Q6_K kernel turns the 6-bit weights' sum and their -32 offset's sum
+    into floats apart, and the two cancel; the strips subtract them as integers."""
+    if dtype == torch.bfloat16:
+        return 1e-2
+    return 1e-4 if type_name == "Q6_K" else 1e-5
 
 
 def product(x, qweight, qtype, bias=None, many_rows=0):
@@ -78,7 +95,7 @@ def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bi
     out_features = qweight.shape[0]
     x = torch.randn(rows, in_features).to(dtype)
     b = torch.randn(out_features).to(dtype) if bias else None
-    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    tolerance = rows_tolerance(type_name, dtype)
     for many in (0, rows):
         want = product(x, qweight, type_id, b, many).float()
         got = product(x, strips, strips_id, b, many).float()
@@ -109,7 +126,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="qweight must be uint8"):
         ops.pack_strips(torch.zeros(16, 144), q4_k)
     with pytest.raises(ValueError, match="qtype must be one with a strip layout"):
-        ops.pack_strips(torch.zeros(16, 210, dtype=torch.uint8), ops.QUANT_TYPES["Q6_K"][0])
+        ops.pack_strips(torch.zeros(16, 176, dtype=torch.uint8), ops.QUANT_TYPES["Q5_K"][0])
     strips_id = ops.STRIPS_TYPES[q4_k]
     weight = torch.zeros(16, 144, dtype=torch.uint8)
     with pytest.raises(ValueError, match="qweight must be"):
@@ -129,4 +146,66 @@ def test_many_strips_over_threads(type_name):
         x = torch.randn(rows, in_features)
         want = product(x, qweight, type_id)
         got = product(x, strips, ops.STRIPS_TYPES[type_id])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        tolerance = rows_tolerance(type_name, torch.float32)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+native = pytest.mark.skipif(
+    not ops.strips_native(), reason="fused_moe reads strips on AVX-512 VNNI builds"
+)
+
+
+@native
+# One token; a few per expert; a busy expert past the many-row thresholds with idle ones.
+@pytest.mark.parametrize("tokens", [1, 7, 150])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_fused_moe_reads_strips(type_name, dtype, tokens):
+    """Each expert's rows in strips of its own: fused_moe within the reference's bounds
+    on the int8 tiles and the panels alike."""
+    logits = skewed_logits(tokens, 8) if tokens > 100 else None
+    run_case(type_name, dtype, 8, 2, tokens, "cpu", biases=True, logits=logits, strips=True)
+
+
+@native
+def test_fused_moe_strips_with_a_tail():
+    """Float gate/up and a Q4_0 down of 104 rows an expert: 6 whole strips and 8 rows
+    left in GGUF's layout, per expert."""
+    for tokens in (3, 150):
+        logits = skewed_logits(tokens, 8) if tokens > 100 else None
+        run_case((FLOAT_TYPE, "Q4_0"), torch.bfloat16, 8, 2, tokens, "cpu", hidden=104, inter=96,
+                 logits=logits, strips=True)  # fmt: skip
+
+
+@native
+@pytest.mark.parametrize("type_name", TYPES)
+def test_fused_moe_strip_panels_equal_the_rows(type_name):
+    """A bf16 prompt (every expert on the panels) gives bitwise what the GGUF rows give."""
+    if ops.batch_invariant() or not ops.packed_linear_vectorized(torch.bfloat16):
+        pytest.skip("no bf16 panels in this build or mode")
+    hidden, inter = (256, 256) if ops.QUANT_TYPES[type_name][1] == 256 else (96, 160)
+    weights, ids, _ = make_weights(type_name, torch.bfloat16, 8, hidden, inter)
+    packed, packed_ids = packed_strips(weights, ids)
+    x, logits = torch.randn(40, hidden).to(torch.bfloat16), router_logits(40, 8)
+    want, got = torch.empty_like(x), torch.empty_like(x)
+    ops.fused_moe(want, x, logits, 2, *weights, *ids, many_rows=40)
+    ops.fused_moe(got, x, logits, 2, *packed, *packed_ids, many_rows=40)
+    assert torch.equal(got, want)
+
+
+def test_fused_moe_refuses_strips_it_cannot_read():
+    """Strips on a build without the strip kernels, or CUDA, raise and name the layout."""
+    weights, ids, _ = make_weights("Q4_0", torch.float32, 4, 96, 64)
+    packed, packed_ids = packed_strips(weights, ids)
+    x, logits = torch.randn(2, 96), router_logits(2, 4)
+    if ops.strips_native():
+        ops.fused_moe(torch.empty_like(x), x, logits, 1, *packed, *packed_ids)
+    else:
+        with pytest.raises(ValueError, match="strips of GGML type 2"):
+            ops.fused_moe(torch.empty_like(x), x, logits, 1, *packed, *packed_ids)
+    if torch.cuda.is_available():
+        on = [t.cuda() for t in (x, logits, *packed)]
+        with pytest.raises(ValueError, match="is a CPU layout"):
+            ops.fused_moe(torch.empty_like(on[0]), on[0], on[1], 1, *on[2:], *packed_ids)
+    with pytest.raises(ValueError, match="qweight must be 2-D .* or 3-D"):
+        ops.pack_strips(torch.zeros(2, 2, 16, 18, dtype=torch.uint8), ids[0])
