@@ -225,12 +225,16 @@ inline void pack_strip6(const uint8_t* const* blk, uint8_t* dst) {
                                              ((qh[l] >> L::high_shift(g)) & 3) << 4);
       }
     }
-    for (int k = 0; k < 256; ++k) {
-      uint8_t& low = dst[S::low(k / 16) + 64 * (k % 16 / 8) + 4 * c + k % 4];
-      low = static_cast<uint8_t>(k % 8 < 4 ? q[k] & 0x0F : (low & 0x0F) | (q[k] & 0x0F) << 4);
-      uint8_t& high = dst[S::high(k / 16) + 4 * c + k % 4];
-      const int shift = 2 * (k % 16 / 4);
-      high = static_cast<uint8_t>((shift ? high : 0) | (q[k] >> 4) << shift);
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t* qj = q + 16 * j;
+      for (int i = 0; i < 4; ++i) {
+        for (int t = 0; t < 2; ++t) {  // weights 8t + i (low nibble), 8t + 4 + i (high)
+          dst[S::low(j) + 64 * t + 4 * c + i] =
+              static_cast<uint8_t>((qj[8 * t + i] & 0x0F) | (qj[8 * t + 4 + i] & 0x0F) << 4);
+        }
+        dst[S::high(j) + 4 * c + i] = static_cast<uint8_t>(
+            qj[i] >> 4 | (qj[4 + i] >> 4) << 2 | (qj[8 + i] >> 4) << 4 | (qj[12 + i] >> 4) << 6);
+      }
     }
   }
 }
