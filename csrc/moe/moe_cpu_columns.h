@@ -101,7 +101,8 @@ void int8_columns(const MoeWeight& p, const uint8_t* w, int64_t K, const MoeRows
       const uint8_t* wc = w + c0 * row_bytes;
       float* o = out + r0 * ld + (c0 - n0);
       if (p.strips) {
-        strip_tile<T>(rows, wc, row_bytes, p.N - c0, *in.q, in.m0 + r0, K, o, ld, 0, c1 - c0);
+        strip_tile<T>(rows, wc, row_bytes, p.N - c0, *in.q, in.m0 + r0, K, o, ld, 0, c1 - c0,
+                      w + n1 * row_bytes);  // no prefetch past the item
       } else {
         dot_tile<T>(rows, wc, row_bytes, *in.q, in.m0 + r0, K, o, ld, 0, c1 - c0);
       }

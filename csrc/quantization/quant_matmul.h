@@ -106,16 +106,18 @@ void dot_tile(int rows, const uint8_t* w, int64_t row_bytes, const QuantizedRows
 }
 
 // Columns [n0, n1) of strips of type T: whole strips by the strip kernels, the rows
-// past the last whole strip (GGUF's layout) by dot_tile.
+// past the last whole strip (GGUF's layout) by dot_tile. stop: strip_rows'.
 template <int64_t T>
 void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N, const QuantizedRows& x,
-                int64_t m0, int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+                int64_t m0, int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+                const uint8_t* stop = nullptr) {
 #ifdef PYLLM_QUANT_ZMM
   if constexpr (has_strips(T)) {
     const int64_t whole = std::min(n1, N / kStripColumns * kStripColumns);
     if (n0 < whole) {
       with_tile_rows(rows, [&](auto r) {
-        strip_rows<T, decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole);
+        strip_rows<T, decltype(r)::value>(w, row_bytes, x, m0, K, out, out_stride, n0, whole,
+                                          stop);
       });
       n0 = whole;
     }

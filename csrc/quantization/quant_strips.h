@@ -14,7 +14,8 @@
 // weight 8v + j of column c (low nibble) and 8v + 4 + j (high nibble).
 //
 // Q4_0, Q4_1 (16 x 18 or 20 bytes): d (fp16) of column c at 2c; Q4_1's m at 32 + 2c;
-// then the 4 weight vectors. Q8_0 (16 x 34 bytes): d, then 8 vectors of 4 weights per
+// then the 4 weight vectors. MXFP4 (16 x 17 bytes): the E8M0 byte of column c at c,
+// then the 4 vectors of codes. Q8_0 (16 x 34 bytes): d, then 8 vectors of 4 weights per
 // lane (vector v: weights 4v..4v+3), each weight + 128 (an unsigned byte).
 //
 // Q4_K (16 x 144 bytes), column c, sub-block s (weights 32s..32s+31 of the block):
@@ -48,7 +49,8 @@ inline constexpr int kStripColumns = 16;
 // A strip layout's type id for quant_linear: 1000 + its GGML type's (outside GGML's).
 inline constexpr int64_t kStripsBase = 1000;
 constexpr bool has_strips(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K || type == kQ6_K;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kMXFP4 || type == kQ4_K ||
+         type == kQ6_K;
 }
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
 constexpr int64_t strips_type(int64_t type) { return kStripsBase + type; }
@@ -71,13 +73,22 @@ struct Q6KStrip {
   static constexpr int high(int j) { return kWeights + kSubBytes * j + 128; }
 };
 
-// A unit of Q4_0, Q4_1 or Q8_0 strips.
+// A unit of Q4_0, Q4_1, Q8_0 or MXFP4 strips (MXFP4: kD holds the E8M0 bytes).
 template <int64_t T>
 struct Strip32 {
-  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ8_0);
+  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kMXFP4);
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * Layout<T>::kBytes;
-  static constexpr int kD = 0, kM = 32, kQs = T == kQ4_1 ? 64 : 32;
+  static constexpr int kD = 0, kM = 32, kQs = T == kQ4_1 ? 64 : T == kMXFP4 ? 16 : 32;
 };
+
+// A block's scale field: fp16 d, or MXFP4's E8M0 byte.
+template <int64_t T>
+constexpr int scale_bytes() { return T == kMXFP4 ? 1 : 2; }
+template <int64_t T>
+constexpr int scale_at() {
+  if constexpr (T == kMXFP4) return Layout<T>::kE;
+  else return Layout<T>::kD;
+}
 
 // Q8_0's weights plus 128 (unsigned, vpdpbusd's unsigned side): vector v, lane c holds
 // weights 4v..4v+3 of column c.
@@ -110,15 +121,16 @@ inline uint32_t strip_word(uint32_t lo, uint32_t hi, bool high_half) {
                    : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
 }
 
-// Column c's GGUF block of Q4_0 or Q4_1 (at blk[c]) into the strip unit at dst:
-// weight k < 16 is qs[k]'s low nibble, k >= 16 qs[k - 16]'s high one.
+// Column c's GGUF block of Q4_0, Q4_1 or MXFP4 (at blk[c]) into the strip unit at
+// dst: weight k < 16 is qs[k]'s low nibble, k >= 16 qs[k - 16]'s high one.
 template <int64_t T>
 inline void pack_strip32(const uint8_t* const* blk, uint8_t* dst) {
   using S = Strip32<T>;
   using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     const uint8_t* b = blk[c];
-    std::memcpy(dst + S::kD + 2 * c, b + L::kD, 2);
+    constexpr int kScale = scale_bytes<T>();
+    std::memcpy(dst + S::kD + kScale * c, b + scale_at<T>(), kScale);
     if constexpr (T == kQ4_1) std::memcpy(dst + S::kM + 2 * c, b + L::kM, 2);
     for (int v = 0; v < 4; ++v) {
       uint32_t lo, hi;
@@ -136,7 +148,8 @@ inline void unpack_strip32(const uint8_t* src, uint8_t* const* blk) {
   using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     uint8_t* b = blk[c];
-    std::memcpy(b + L::kD, src + S::kD + 2 * c, 2);
+    constexpr int kScale = scale_bytes<T>();
+    std::memcpy(b + scale_at<T>(), src + S::kD + kScale * c, kScale);
     if constexpr (T == kQ4_1) std::memcpy(b + L::kM, src + S::kM + 2 * c, 2);
     std::memset(b + L::kQs, 0, 16);
     for (int k = 0; k < 32; ++k) {

@@ -8,6 +8,7 @@
 // vpdpbusd's unsigned side, and its sums less 128 times the inputs' sum.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -21,16 +22,28 @@ namespace {
 // Independent sums per row: a lone row's vpdpbusd chain was latency-bound.
 constexpr int strip_chains(int rows) { return rows >= 4 ? 1 : 4 / rows; }
 
+// MXFP4's values + 12 (unsigned, vpdpbusd's unsigned side) per code, in every 128-bit
+// lane: a vpshufb table.
+inline __m512i mxfp4_table() {
+  alignas(16) int8_t values[16];
+  for (int c = 0; c < 16; ++c) values[c] = static_cast<int8_t>(quant::kMxfp4Values[c] + 12);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
+}
+
 // part[r][i] += the products of 32 weights of 16 columns (the 4 vectors at w) with
-// inputs [k, k + 32) of row m0 + r, spread over kChains sums.
-template <int R, int kChains>
+// inputs [k, k + 32) of row m0 + r, spread over kChains sums. kTable: the nibbles are
+// codes, looked up in `table` (MXFP4).
+template <int R, int kChains, bool kTable = false>
 inline void strip_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, int64_t k,
-                       __m512i (&part)[R][kChains]) {
+                       __m512i (&part)[R][kChains], __m512i table = __m512i{}) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int v = 0; v < 4; ++v) {
     const __m512i wv = _mm512_loadu_si512(w + 64 * v);
-    const __m512i half[2] = {_mm512_and_si512(wv, low),
-                             _mm512_and_si512(_mm512_srli_epi16(wv, 4), low)};
+    __m512i half[2] = {_mm512_and_si512(wv, low),
+                       _mm512_and_si512(_mm512_srli_epi16(wv, 4), low)};
+    if constexpr (kTable) {
+      for (__m512i& h : half) h = _mm512_shuffle_epi8(table, h);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q_row(m0 + r) + k + 8 * v;
       for (int i = 0; i < 2; ++i) {
@@ -70,9 +83,16 @@ inline __m512i strip_sum(const __m512i (&part)[kChains]) {
 // TinyLlama's projections, three rounds: 23.8-26.6 ms against 26.1-28.9 at 8 KiB).
 constexpr int kStripPrefetchBytes = 16384;
 
+// Not past `stop` where given: fused_moe's items end where weights nobody reads may
+// begin (an expert no token chose), and fetching them cost a decode step's stream
+// 10-15% (qwen3-30b-a3b Q4_K_M layer, 1 token: 0.80-0.93 ms against 0.76-0.78 for
+// the GGUF rows).
 template <int kBytes>
-inline void strip_prefetch(const uint8_t* p) {
-  for (int line = 0; line < kBytes; line += 64) vec::prefetch_l2(p + kStripPrefetchBytes + line);
+inline void strip_prefetch(const uint8_t* p, const uint8_t* stop) {
+  const uint8_t* from = p + kStripPrefetchBytes;
+  int64_t bytes = kBytes;
+  if (stop != nullptr) bytes = std::clamp<int64_t>(stop - from, 0, kBytes);
+  for (int64_t line = 0; line < bytes; line += 64) vec::prefetch_l2(from + line);
 }
 
 // Per input row and block, the int8 inputs' sums per 32 (sub-block), as int16 pairs
@@ -111,14 +131,15 @@ inline void strip_scales(const uint8_t* blk, int p, __m512i& scales, __m512i& mi
 // at 1 row but 4 rows took 27-31 ms instead of 21, 8 rows 41-42 instead of 31.
 template <int R>
 inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
-                       int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+                           int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n,
+                           const uint8_t* stop) {
   using S = quant::Q4KStrip;
   constexpr int kChains = strip_chains(R);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk);
+    strip_prefetch<S::kBytes>(blk, stop);
     __m512i total[R], mins[R];
     for (int r = 0; r < R; ++r) total[r] = mins[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
@@ -237,14 +258,15 @@ template <int R>
 // every j at once by vpdpwssd of the scales with the inputs' sums per 16.
 template <int R>
 inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
-                           int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+                           int64_t blocks, float* out, int64_t out_stride, int64_t n,
+                           const uint8_t* stop) {
   using S = quant::Q6KStrip;
   constexpr int kChains = strip_chains(R);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk);
+    strip_prefetch<S::kBytes>(blk, stop);
     __m512i total[R], offset[R], scaled[R][2];
     for (int r = 0; r < R; ++r) {
       total[r] = offset[r] = scaled[r][0] = scaled[r][1] = _mm512_setzero_si512();
@@ -285,34 +307,55 @@ inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride + n, acc[r]);
 }
 
-// Q4_0 or Q4_1 strip columns [n, n + 16) for input rows [m0, m0 + R).
+// 16 E8M0 bytes as floats 2^(e - 128) (e8m0_half): exponent field e - 1, or the
+// subnormal 0x00200000 << e for e < 2.
+inline __m512 e8m0_halves(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal));
+}
+
+// A strip unit's scales per column: fp16 d, or MXFP4's E8M0 bytes.
+template <int64_t T>
+inline __m512 strip32_scales(const uint8_t* unit) {
+  if constexpr (T == quant::kMXFP4) return e8m0_halves(unit + quant::Strip32<T>::kD);
+  return _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + quant::Strip32<T>::kD)));
+}
+
+// Q4_0, Q4_1, Q8_0 or MXFP4 strip columns [n, n + 16) for input rows [m0, m0 + R).
 template <int64_t T, int R>
 inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
-                         int64_t blocks, float* out, int64_t out_stride, int64_t n) {
+                         int64_t blocks, float* out, int64_t out_stride, int64_t n,
+                         const uint8_t* stop) {
   using S = quant::Strip32<T>;
   constexpr int kChains = strip_chains(R);
+  const __m512i table = T == quant::kMXFP4 ? mxfp4_table() : __m512i{};
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* unit = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(unit);
+    strip_prefetch<S::kBytes>(unit, stop);
     __m512i part[R][kChains];
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
     }
     if constexpr (T == quant::kQ8_0) {
       strip8_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
+    } else if constexpr (T == quant::kMXFP4) {
+      strip_dots<R, kChains, true>(unit + S::kQs, x, m0, 32 * b, part, table);
     } else {
       strip_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
     }
-    const __m512 d = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kD)));
+    const __m512 d = strip32_scales<T>(unit);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       __m512i sum = strip_sum<kChains>(part[r]);
-      if constexpr (T == quant::kQ4_0 || T == quant::kQ8_0) {  // the weights' offset
+      if constexpr (T != quant::kQ4_1) {  // the weights' offset
         const int16_t* isum = x.isum_row(m) + 2 * b;
-        const int offset = T == quant::kQ4_0 ? 8 : 128;
+        const int offset = T == quant::kQ4_0 ? 8 : T == quant::kMXFP4 ? 12 : 128;
         sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset * (isum[0] + isum[1])));
       }
       const __m512 dx = _mm512_set1_ps(x.d[m * blocks + b]);
@@ -329,23 +372,24 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
 }
 
 // Columns [n0, n1) (whole strips: n0, n1 multiples of 16) of strips of type T for
-// input rows [m0, m0 + R).
+// input rows [m0, m0 + R); nothing at or past `stop` is prefetched (null: no bound).
 template <int64_t T, int R>
 void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
-                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+                int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+                const uint8_t* stop = nullptr) {
   if constexpr (T == quant::kQ4_K) {
     const int64_t blocks = K / 256;
     const int32_t* sums = strip_input_sums(x, m0, R, blocks);
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
-      q4k_strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n);
+      q4k_strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n, stop);
     }
   } else if constexpr (T == quant::kQ6_K) {
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
-      q6k_strip_pass<R>(w + n * row_bytes, x, m0, K / 256, out, out_stride, n);
+      q6k_strip_pass<R>(w + n * row_bytes, x, m0, K / 256, out, out_stride, n, stop);
     }
   } else {
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
-      strip32_pass<T, R>(w + n * row_bytes, x, m0, K / 32, out, out_stride, n);
+      strip32_pass<T, R>(w + n * row_bytes, x, m0, K / 32, out, out_stride, n, stop);
     }
   }
 }
@@ -449,6 +493,26 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
     return;
   } else if constexpr (T == quant::kQ6_K) {
     dequantize_q6k_strip_panel<S>(strip, K, dst);
+    return;
+  } else if constexpr (T == quant::kMXFP4) {
+    using L = quant::Strip32<T>;
+    alignas(64) float values[16];
+    for (int c = 0; c < 16; ++c) values[c] = quant::kMxfp4Values[c];
+    const __m512 table = _mm512_load_ps(values);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* unit = strip + b * L::kBytes;
+      const __m512 a = e8m0_halves(unit + L::kD);
+      for (int v = 0; v < 4; ++v) {
+        const __m512i wv = _mm512_loadu_si512(unit + L::kQs + 64 * v);
+        __m512 y[8];  // value 8v + t of each column: its code looked up, times a
+        for (int t = 0; t < 8; ++t) {
+          const __m512i code = _mm512_and_si512(_mm512_srli_epi32(wv, 8 * (t % 4) + 4 * (t / 4)),
+                                                _mm512_set1_epi32(0x0F));
+          y[t] = _mm512_mul_ps(_mm512_permutexvar_ps(code, table), a);
+        }
+        store_panel_words<S>(dst, 32 * b + 8 * v, y);
+      }
+    }
     return;
   } else if constexpr (T != quant::kQ4_K) {
     using L = quant::Strip32<T>;
