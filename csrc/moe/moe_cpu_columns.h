@@ -110,31 +110,6 @@ void int8_columns(const MoeWeight& p, const uint8_t* w, int64_t K, const MoeRows
   }
 }
 
-// The panel of columns [c0, c0 + 16 * nb) (cols of them real): strips' whole blocks
-// by dequantize_strip_panel (the same values), the rest from GGUF rows.
-template <int64_t T, typename S>
-void moe_panel(const MoeWeight& p, const uint8_t* w, int64_t c0, int nb, int64_t K, float* rows,
-               S* words, S* panel, int cols) {
-#ifdef PYLLM_QUANT_ZMM
-  if constexpr (has_strips(T)) {
-    if (p.strips) {
-      const int64_t whole = p.N / kStripColumns * kStripColumns;
-      for (int b = 0; b < nb; ++b) {
-        const int64_t c = c0 + b * vec::kLanes;
-        S* block = panel + b * K * vec::kLanes;
-        if (c + vec::kLanes <= whole) {
-          dequantize_strip_panel<T>(w + c * p.row_bytes, K, block);
-        } else {
-          dequantize_panel<T>(w, p.row_bytes, c, 1, K, rows, words, block, cols - b * vec::kLanes);
-        }
-      }
-      return;
-    }
-  }
-#endif
-  dequantize_panel<T>(w, p.row_bytes, c0, nb, K, rows, words, panel, cols);
-}
-
 // The same by dequantized panels through packed_linear's register tile; a partial
 // last block of 16 columns goes through a buffer.
 template <int64_t T, typename S>
@@ -149,7 +124,7 @@ void panel_columns(const MoeWeight& wp, const uint8_t* w, int64_t K, const MoeRo
   for (int64_t c0 = n0; c0 < n1; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, n1 - c0));
     const int nb = (cols + vec::kLanes - 1) / vec::kLanes;
-    moe_panel<T>(wp, w, c0, nb, K, r, words, p, cols);
+    dequantize_weight_panel<T>(w, wp.row_bytes, wp.N, wp.strips, c0, nb, K, r, words, p, cols);
     const bool whole = cols == nb * vec::kLanes;
     float* o = whole ? out + (c0 - n0) : scratch(part, size_t(R) * kCols);
     const int64_t o_ld = whole ? ld : kCols;

@@ -339,6 +339,34 @@ void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t
   });
 }
 
+// The panel of W's columns [c0, c0 + 16 nb) (cols of them real) from GGUF rows, or
+// where `strips` (a build with PYLLM_QUANT_ZMM) each block of 16 inside a whole strip
+// by dequantize_strip_panel (the same values) and the rest from the rows past the
+// last whole strip of W's N.
+template <int64_t T, typename S>
+void dequantize_weight_panel(const uint8_t* w, int64_t row_bytes, int64_t N, bool strips,
+                             int64_t c0, int nb, int64_t K, float* rows, S* words, S* panel,
+                             int cols) {
+#ifdef PYLLM_QUANT_ZMM
+  if constexpr (has_strips(T)) {
+    if (strips) {
+      const int64_t whole = N / kStripColumns * kStripColumns;
+      for (int b = 0; b < nb; ++b) {
+        const int64_t c = c0 + b * vec::kLanes;
+        S* block = panel + b * K * vec::kLanes;
+        if (c + vec::kLanes <= whole) {
+          dequantize_strip_panel<T>(w + c * row_bytes, K, block);
+        } else {
+          dequantize_panel<T>(w, row_bytes, c, 1, K, rows, words, block, cols - b * vec::kLanes);
+        }
+      }
+      return;
+    }
+  }
+#endif
+  dequantize_panel<T>(w, row_bytes, c0, nb, K, rows, words, panel, cols);
+}
+
 // Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
 // strips: W is strips of type T (a build with PYLLM_QUANT_ZMM).
 template <int64_t T, typename S>
@@ -355,19 +383,8 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
-      if (strips) {
-#ifdef PYLLM_QUANT_ZMM
-        for (int b = 0; b < nb; ++b) {
-          if constexpr (has_strips(T)) {
-            dequantize_strip_panel<T>(w + (n0 + b * vec::kLanes) * row_bytes, K,
-                                      panel.data() + b * K * vec::kLanes);
-          }
-        }
-#endif
-      } else {
-        dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data(),
-                            nb * vec::kLanes);
-      }
+      dequantize_weight_panel<T>(w, row_bytes, N, strips, n0, nb, K, row.data(), row_words.data(),
+                                 panel.data(), nb * vec::kLanes);
       const S* b = bias ? bias + n0 : nullptr;
       if (nb == NB) {
         panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
