@@ -261,7 +261,8 @@ inline void unpack_strip6(const uint8_t* src, uint8_t* const* blk) {
     for (int j = 0; j < 16; ++j) b[L::kScales + j] = src[S::kScales + 32 * (j / 2) + 2 * c + j % 2];
     std::memset(b + L::kQl, 0, L::kScales - L::kQl);
     for (int k = 0; k < 256; ++k) {
-      const uint8_t low = src[S::low(k / 16) + 64 * (k % 16 / 8) + 4 * c + k % 4] >> (k % 8 < 4 ? 0 : 4);
+      const uint8_t low =
+          src[S::low(k / 16) + 64 * (k % 16 / 8) + 4 * c + k % 4] >> (k % 8 < 4 ? 0 : 4);
       const uint8_t high = src[S::high(k / 16) + 4 * c + k % 4] >> 2 * (k % 16 / 4);
       const int g = k / 32, l = k % 32;  // Layout<kQ6_K>'s group g, weight l
       b[L::kQl + 64 * (g / 4) + 32 * (g % 2) + l] |=

@@ -201,8 +201,9 @@ template <int s>
 // part[r][i] += the products of sub-block j's 16 weights of 16 columns (low vectors
 // at ql, high bits at qh) with inputs [k, k + 16) of row m0 + r.
 template <int R, int kChains>
-[[gnu::always_inline]] inline void q6_dots(const uint8_t* ql, const uint8_t* qh, const QuantizedRows& x, int64_t m0,
-                    int64_t k, __m512i (&part)[R][kChains]) {
+[[gnu::always_inline]] inline void q6_dots(const uint8_t* ql, const uint8_t* qh,
+                                           const QuantizedRows& x, int64_t m0, int64_t k,
+                                           __m512i (&part)[R][kChains]) {
   __m512i q[4];
   q6_vectors(ql, _mm512_loadu_si512(qh), q);
   for (int v = 0; v < 4; ++v) {
@@ -226,36 +227,10 @@ inline __m512i q6_scale_words(const uint8_t* blk, int p) {
       reinterpret_cast<const __m256i*>(blk + quant::Q6KStrip::kScales + 32 * p)));
 }
 
-// One or two rows: each vector's products summed in pairs as int16 (4 x 63 x 127
-// fits), then times the sub-block's scale into the block's sum by vpdpwssd, with no
-// per-sub-block sums to reduce and scale (1 row, 1 thread, 2048x5632: 15.2 ms ->
-// SEE_BELOW). The same integers as q6_dots' path.
-template <int R>
-[[gnu::always_inline]] inline void q6_scaled_dots(const uint8_t* blk, const QuantizedRows& x, int64_t m0, int64_t b,
-                           int p, __m512i words, __m512i (&total)[R][2]) {
-  using S = quant::Q6KStrip;
-  for (int h = 0; h < 2; ++h) {
-    const int j = 2 * p + h;
-    // sc_j in both words of each lane
-    const __m512i scale = _mm512_shuffle_epi8(
-        words, h ? _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15))
-                 : _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13)));
-    __m512i q[4];
-    q6_vectors(blk + S::low(j), _mm512_loadu_si512(blk + S::high(j)), q);
-    for (int v = 0; v < 4; ++v) {
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, x.q_row(m0 + r) + b * 256 + 16 * j + 4 * v, 4);
-        const __m512i pairs = _mm512_maddubs_epi16(q[v], _mm512_set1_epi32(x4));
-        total[r][v % 2] = _mm512_dpwssd_epi32(total[r][v % 2], pairs, scale);
-      }
-    }
-  }
-}
-
 // Q6_K strip columns [n, n + 16) for input rows [m0, m0 + R): per sub-block j,
 // scale_j * (the 6-bit weights' sum - 32 * the inputs' sum), the second part for
-// every j at once by vpdpwssd of the scales with the inputs' sums per 16.
+// every j at once by vpdpwssd of the scales with the inputs' sums per 16. (Products
+// summed in int16 pairs and scaled by vpdpwssd for 1-2 rows measured no faster.)
 template <int R>
 inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
                            int64_t blocks, float* out, int64_t out_stride, int64_t n,
@@ -267,10 +242,8 @@ inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
     strip_prefetch<S::kBytes>(blk, stop);
-    __m512i total[R], offset[R], scaled[R][2];
-    for (int r = 0; r < R; ++r) {
-      total[r] = offset[r] = scaled[r][0] = scaled[r][1] = _mm512_setzero_si512();
-    }
+    __m512i total[R], offset[R];
+    for (int r = 0; r < R; ++r) total[r] = offset[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p) {
       const __m512i words = q6_scale_words(blk, p);
       for (int r = 0; r < R; ++r) {
@@ -278,27 +251,23 @@ inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t
         std::memcpy(&sums, x.isum_row(m0 + r) + 16 * b + 2 * p, 4);
         offset[r] = _mm512_dpwssd_epi32(offset[r], words, _mm512_set1_epi32(sums));
       }
-      if constexpr (R <= 2) {
-        q6_scaled_dots<R>(blk, x, m0, b, p, words, scaled);
-        continue;
-      }
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * p + h;
         __m512i part[R][kChains];
         for (int r = 0; r < R; ++r) {
           for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
         }
-        q6_dots<R, kChains>(blk + S::low(j), blk + S::high(j), x, m0, b * 256 + 16 * j,
-                            part);
+        q6_dots<R, kChains>(blk + S::low(j), blk + S::high(j), x, m0, b * 256 + 16 * j, part);
         const __m512i scale = q6_scale(words, h);
         for (int r = 0; r < R; ++r) {
-          total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(strip_sum<kChains>(part[r]), scale));
+          const __m512i sum = strip_sum<kChains>(part[r]);
+          total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(sum, scale));
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kD)));
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + S::kD)));
     for (int r = 0; r < R; ++r) {
-      total[r] = _mm512_add_epi32(total[r], _mm512_add_epi32(scaled[r][0], scaled[r][1]));
       const __m512i sum = _mm512_sub_epi32(total[r], _mm512_slli_epi32(offset[r], 5));
       const __m512 dx = _mm512_set1_ps(x.d[(m0 + r) * blocks + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
@@ -445,9 +414,11 @@ void dequantize_q6k_strip_panel(const uint8_t* strip, int64_t K, uint32_t* dst) 
   using L = quant::Q6KStrip;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* blk = strip + b * L::kBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kD)));
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kD)));
     for (int j = 0; j < 16; ++j) {
-      const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q6_scale(q6_scale_words(blk, j / 2), j % 2)));
+      const __m512i scale = q6_scale(q6_scale_words(blk, j / 2), j % 2);
+      const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale));
       const __m512 off = _mm512_mul_ps(a, _mm512_set1_ps(-32.0f));
       __m512i q[4];
       q6_vectors(blk + L::low(j), _mm512_loadu_si512(blk + L::high(j)), q);
