@@ -284,8 +284,7 @@ def _load_quantized(
             full = filler.slots[hf_of[name]].full_shape
             qweight, type_id = _read_experts(file, model, tensor, module, full), tensor.type_id
             if _packs_strips(model, type_id):
-                torch.ops.pyllm.pack_strips_(qweight, type_id)  # a private copy: in place
-                type_id = ops.STRIPS_TYPES[type_id]
+                type_id = _pack_in_place(qweight, type_id)
             module.set_quantized(qweight, type_id)
             used.add(name)
             filler.mark(hf_of[name])
@@ -382,14 +381,17 @@ def _read_parts(
             dest = qweight[at : at + n].numpy()
             _read_rows(file, t, ranges, dest, cols)
             at += n
-        type_id = run[0].type_id
-        if pack:
-            torch.ops.pyllm.pack_strips_(qweight, type_id)
-            type_id = ops.STRIPS_TYPES[type_id]
+        type_id = _pack_in_place(qweight, run[0].type_id) if pack else run[0].type_id
         parts.append(QuantPart(qweight.to(model.device), type_id, start, start + rows))
         start += rows
         i += len(run)
     return parts
+
+
+def _pack_in_place(qweight: torch.Tensor, type_id: int) -> int:
+    """Packs a private copy of blocks into strips in place; returns the strips' type id."""
+    torch.ops.pyllm.pack_strips_(qweight, type_id)
+    return ops.STRIPS_TYPES[type_id]
 
 
 def _packs_strips(model: LlamaForCausalLM, type_id: int) -> bool:
