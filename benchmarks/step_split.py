@@ -5,11 +5,12 @@ pyllm op call of one step recorded, then replayed back to back), and its Python 
     PYTHONPATH=. python benchmarks/step_split.py                   # bundled SmolLM2, bf16
     PYTHONPATH=. python benchmarks/step_split.py --dtype float32 --model file.gguf
 
-real - kernels is the step's time outside its kernels: the Python, the small torch ops,
-and what running them between kernels costs (the weights a step streams evict the
-interpreter's code and data from the caches, so a small op costs several times its
-cost in a tight loop). The three alternate over --rounds rounds of --steps steps each;
-the medians are printed.
+The real step runs twice: as the engine runs it (decode steps replayed from recorded
+kernel graphs, engine/decode_graphs.py) and op by op (enforce_eager). real - kernels is
+the step's time outside its kernels: the Python, the small torch ops, and what running
+them between kernels costs (the weights a step streams evict the interpreter's code and
+data from the caches, so a small op costs several times its cost in a tight loop). The
+four alternate over --rounds rounds of --steps steps each; the medians are printed.
 """
 
 from __future__ import annotations
@@ -47,19 +48,23 @@ def main() -> None:
     for _ in range(10):  # the prompt, then warm decodes
         engine.step()
     calls = _record(engine, namespace, kernels)
-    real, replay, python = [], [], []
+    real, eager, replay, python = [], [], [], []
     for _ in range(args.rounds):
         real += [_timed(engine.step) for _ in range(args.steps)]
+        engine.runner.graphs, graphs = None, engine.runner.graphs
+        eager += [_timed(engine.step) for _ in range(args.steps)]
         replay += [_timed(lambda: [f(*a) for f, a in calls]) for _ in range(args.steps)]
         for name in kernels:
             setattr(namespace, name, lambda *a: None)
         python += [_timed(engine.step) for _ in range(args.steps)]
         for name, kernel in kernels.items():
             setattr(namespace, name, kernel)
-    r, k, p = (statistics.median(t) * 1e3 for t in (real, replay, python))
+        engine.runner.graphs = graphs
+    r, e, k, p = (statistics.median(t) * 1e3 for t in (real, eager, replay, python))
     print(f"{args.model or 'bundled SmolLM2'} {args.dtype}, batch 1, {torch.get_num_threads()} "
           f"threads, {platform.machine()}: {len(calls)} kernel calls a step")  # fmt: skip
-    print(f"real step {r:.2f} ms = kernels {k:.2f} ms + outside kernels {r - k:.2f} ms "
+    print(f"real step {r:.2f} ms = kernels {k:.2f} ms + outside kernels {r - k:.2f} ms; "
+          f"op by op {e:.2f} ms = kernels + {e - k:.2f} ms "
           f"(Python with no-op kernels: {p:.2f} ms)")  # fmt: skip
 
 
@@ -76,9 +81,11 @@ def _record(engine, namespace, kernels) -> list:
 
     for name, kernel in kernels.items():
         setattr(namespace, name, recorder(kernel))
+    engine.runner.graphs, graphs = None, engine.runner.graphs  # each call from Python
     try:
         engine.step()
     finally:
+        engine.runner.graphs = graphs
         for name, kernel in kernels.items():
             setattr(namespace, name, kernel)
     return calls

@@ -6,7 +6,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <functional>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "attention/sizes.h"
 #include "cache/kv_arena.h"
@@ -199,6 +202,20 @@ bool on_cpu(const T& arg) {
   }
 }
 
+// Kernel calls recorded with their arguments (the same tensors every time) and
+// replayed in order from C++, with no Python between them: pyllm/model/step_graph.py.
+class KernelGraph {
+ public:
+  void add(std::function<void()> call) { calls_.push_back(std::move(call)); }
+  void replay() const {
+    for (const auto& call : calls_) call();
+  }
+  size_t size() const { return calls_.size(); }
+
+ private:
+  std::vector<std::function<void()>> calls_;
+};
+
 template <typename Sig>
 struct Direct;
 
@@ -216,15 +233,35 @@ struct Direct<void(A...)> {
       op.call(args...);
     };
   }
+
+  // The call, stored with copies of its arguments (a tensor's copy shares its storage),
+  // for KernelGraph::replay.
+  template <void (*Cpu)(A...)>
+  static auto record(const char* name) {
+    return [name](KernelGraph& graph, A... args) {
+      TORCH_CHECK((on_cpu(args) && ...), "KernelGraph records calls on CPU tensors only (",
+                  name, ")");
+      graph.add([stored = std::make_tuple(std::decay_t<A>(args)...)]() mutable {
+        std::apply([](auto&... a) { Cpu(a...); }, stored);
+      });
+    };
+  }
 };
 
 }  // namespace
 
 #define PYLLM_DIRECT(name)                                                                  \
   m.def(#name, Direct<decltype(pyllm::cpu::name)>::bind<&pyllm::cpu::name>("pyllm::" #name), \
-        pybind11::call_guard<pybind11::gil_scoped_release>())
+        pybind11::call_guard<pybind11::gil_scoped_release>());                               \
+  graph.def(#name, Direct<decltype(pyllm::cpu::name)>::record<&pyllm::cpu::name>(#name));     \
+  direct_ops.push_back(#name)
 
 PYBIND11_MODULE(_C, m) {
+  pybind11::class_<KernelGraph> graph(m, "KernelGraph");
+  graph.def(pybind11::init<>())
+      .def("replay", &KernelGraph::replay, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("__len__", &KernelGraph::size);
+  std::vector<std::string> direct_ops;
   PYLLM_DIRECT(reshape_and_cache);
   PYLLM_DIRECT(paged_attention_v1);
   PYLLM_DIRECT(paged_attention_v2);
@@ -241,4 +278,5 @@ PYBIND11_MODULE(_C, m) {
   PYLLM_DIRECT(contiguous_attention_decode);
   PYLLM_DIRECT(contiguous_attention_prefill);
   PYLLM_DIRECT(fused_moe);
+  m.attr("DIRECT_OPS") = pybind11::tuple(pybind11::cast(direct_ops));
 }

@@ -154,6 +154,11 @@ class EngineConfig:
         "greedy output never depends on batching, chunking or prefix-cache hits (slower "
         "prefill in bfloat16; default: $PYLLM_BATCH_INVARIANT=1, else off)",
     )
+    enforce_eager: bool = option(
+        False,
+        "run every step op by op: no decode steps replayed from recorded kernel calls "
+        "(CPU; default: off)",
+    )
     distributed_timeout: float = option(
         60.0, "seconds a tensor-parallel rank may take to answer before the engine fails"
     )
@@ -223,10 +228,9 @@ class EngineConfig:
             raise ConfigError(
                 "block_size", f"must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
             )
-        if not isinstance(self.batch_invariant, bool):
-            raise ConfigError(
-                "batch_invariant", f"must be True or False, got {self.batch_invariant!r}"
-            )
+        for name in ("batch_invariant", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             raise ConfigError(
                 "disable_hybrid_kv_cache_manager",

@@ -89,6 +89,7 @@ class LLMEngine:
             self.device,
             max_num_batched_tokens=config.max_num_batched_tokens,
             pooling=config.pooling,
+            enforce_eager=config.enforce_eager,
         )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)

@@ -26,6 +26,7 @@ import torch
 from pyllm.attention.backend import SCRATCH_CACHE, KVCache
 from pyllm.attention.paged import PAGED
 from pyllm.engine.config import EngineConfig
+from pyllm.engine.decode_graphs import DecodeGraphs
 from pyllm.engine.pooling import chunk_part
 from pyllm.engine.scheduler import ScheduledBatch
 from pyllm.engine.sequence import Sequence
@@ -91,6 +92,7 @@ class ModelRunner:
         device: torch.device,
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         pooling: str = EngineConfig.pooling,
+        enforce_eager: bool = EngineConfig.enforce_eager,
     ):
         self.model = model
         self.pooling = pooling  # of embedding sequences' hidden states
@@ -98,6 +100,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.max_num_batched_tokens = max_num_batched_tokens  # chunk of a cached prompt pass
+        self.graphs = None  # decode steps replayed from recorded kernel calls
+        if not enforce_eager and DecodeGraphs.supports(model, device):
+            self.graphs = DecodeGraphs(model, kv_cache, block_size)
 
     def prepare(self, batch: ScheduledBatch):
         """Returns (input_ids, positions, attn_metadata, logits_indices, sampled_seqs,
@@ -143,8 +148,12 @@ class ModelRunner:
         input_ids, positions, metadata, logits_indices, sampled, prompt_rows, pooled_rows = (
             self.prepare(batch)
         )
-        # The metadata is built here from the scheduler's own state: skip re-validating it.
-        hidden = self.model(input_ids, positions, metadata, self.kv_cache, validate=False)
+        hidden = None
+        if self.graphs is not None and not batch.prefills:
+            hidden = self.graphs.run(input_ids, positions, metadata)
+        if hidden is None:
+            # The metadata is built here from the scheduler's own state: skip re-validating.
+            hidden = self.model(input_ids, positions, metadata, self.kv_cache, validate=False)
         prompt_logits = [
             (seq, start, self.model.compute_logits(hidden, torch.tensor(rows, device=self.device)))
             for seq, start, rows in prompt_rows

@@ -167,8 +167,9 @@ class Attention(Module):
         return q, k, (q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D))
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over each head of x [T, H * D] (a row view of qkv): a new [T, H * D]."""
-        heads = x.reshape(-1, self.head_dim)
+        """RMSNorm over each head of x [T, H * D] (a row view of qkv): a new [T, H * D].
+        The norm reads the heads where they lie (rms_norm takes rows of a strided dim 0)."""
+        heads = x.view(x.shape[0], -1, self.head_dim)
         return norm(heads).view(x.shape[0], -1)
 
 

@@ -245,13 +245,23 @@ class LlamaForCausalLM(Module):
         metadata themselves and checked it)."""
         if validate:
             self.validate_step(input_ids, positions, attn_metadata, kv_cache)
-        T = input_ids.shape[0]
+        return self.run_layers(self.embed(input_ids), positions, attn_metadata, kv_cache)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """The layers and the final norm over the step's embeddings hidden [T,
+        hidden_size] (the part of a step that model.step_graph records)."""
+        T = hidden.shape[0]
         config, dtype, device = self.local_config, self.dtype, self.device
         workspace = attn_metadata.backend.workspace(
             attn_metadata, config.num_attention_heads, config.head_dim, dtype, device
         )
         step = step_buffers(config, T, dtype, device, workspace, attn_metadata.num_prompt_tokens)
-        hidden = self.embed(input_ids)
         residual = None
         metas = _layer_metadata(attn_metadata, kv_cache)
         layers = zip(self.model.layers, kv_cache.layers, self._layer_cos_sin(), metas, strict=True)
