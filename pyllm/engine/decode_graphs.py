@@ -13,6 +13,7 @@ does every step of a model whose recording was refused.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,12 @@ from pyllm.model.step_graph import record
 # Longest context a recorded decode step covers: up to it the CPU's paged decode
 # attention keeps to paged_attention_v1, so one recording serves every length.
 MAX_GRAPH_SEQ_LEN = V2_MIN_SEQ_LEN
+# Batch sizes recorded: above this the step's kernels dwarf the ~1 ms of Python a
+# replay saves. Each recording keeps its step's activations (a 7B model in float32:
+# ~200 KB a sequence), so only the MAX_GRAPHS used last are kept; recording again costs
+# one step run op by op.
+MAX_GRAPH_BATCH = 64
+MAX_GRAPHS = 16
 
 
 @dataclass
@@ -43,7 +50,8 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.max_seq_len = min(MAX_GRAPH_SEQ_LEN, model.max_model_len)
         self.table_width = -(-self.max_seq_len // block_size)
-        self.graphs: dict[int, _Graph | None] = {}  # None: the recording was refused
+        # Batch size -> its recording (None: refused), the last used last.
+        self.graphs: OrderedDict[int, _Graph | None] = OrderedDict()
         self.refused: dict[int, str] = {}  # batch size -> the op that refused its recording
 
     @staticmethod
@@ -54,11 +62,12 @@ class DecodeGraphs:
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
         """The final hidden states of a step of decodes only (one token per sequence),
         replayed or recorded; None where the step must run op by op."""
-        if meta.max_decode_seq_len > self.max_seq_len:
-            return None
         batch = input_ids.shape[0]
+        if meta.max_decode_seq_len > self.max_seq_len or batch > MAX_GRAPH_BATCH:
+            return None
         if batch not in self.graphs:
             return self._record(input_ids, positions, meta)
+        self.graphs.move_to_end(batch)
         graph = self.graphs[batch]
         if graph is None:
             return None
@@ -75,6 +84,8 @@ class DecodeGraphs:
         out, graph, refused = record(self.model.run_layers, hidden, positions, kept, self.kv_cache)
         batch = input_ids.shape[0]
         self.graphs[batch] = graph and _Graph(hidden, positions, kept, graph, out)
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
         if refused:
             self.refused[batch] = refused
         return out

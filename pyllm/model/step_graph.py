@@ -10,9 +10,9 @@ loop, as a CUDA graph replays a GPU's launches. A replay computes the same value
 the recorded step would, given the same inputs: the caller writes each step's inputs
 into the tensors the recording read.
 
-A step is recorded only if the kernels are all it computes: any other aten op outside
-them (anything but an allocation or a view) would not be repeated by a replay, so the
-recording is refused and the caller runs such a model op by op.
+A step is recorded only if the kernels are all it computes: any other torch function it
+calls (anything but an allocation, a view or a look at metadata) would not be repeated
+by a replay, so the recording is refused and the caller runs such a model op by op.
 """
 
 from __future__ import annotations
@@ -20,41 +20,49 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from pyllm import _C
 
-_ALLOCATIONS = frozenset(
-    (
-        torch.ops.aten.empty.memory_format,
-        torch.ops.aten.empty_strided.default,
-        torch.ops.aten.empty_like.default,
-    )
+_ALLOCATIONS = frozenset((torch.empty, torch.empty_like))
+# What a step may ask of a tensor besides views: its metadata (attributes such as shape
+# and dtype are a getter's __get__), never its values; and torch.device(...).
+_METADATA = frozenset(
+    ("__get__", "dim", "size", "stride", "numel", "is_contiguous", "element_size", "__len__")
 )
 # _C's functions are swapped for recording ones while a step records: one at a time.
 _RECORDING = threading.Lock()
 
 
-class _Watch(TorchDispatchMode):
-    """Notes the first aten op outside the kernels that a replay would not repeat."""
+class _Watch(TorchFunctionMode):
+    """Notes the first torch function the step calls that a replay would not repeat:
+    anything but an allocation, a view (its tensors share an argument's storage) or a
+    look at metadata. A torch function mode sees the Python's calls only, not the
+    kernels' own (and, unlike a dispatch mode, costs no import of torch._dynamo)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.in_kernel = False
         self.refused: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not (self.in_kernel or func in _ALLOCATIONS or (func.is_view and _aliases(out, args))):
-            self.refused = self.refused or str(func)
+        if self.refused is None and not _replayable(func, args, out):
+            self.refused = getattr(func, "__qualname__", None) or str(func)
         return out
 
 
-def _aliases(out, args) -> bool:
-    """Whether a view op's outputs share its input's storage (reshape may copy instead)."""
-    base = args[0].untyped_storage().data_ptr()
+def _replayable(func, args, out) -> bool:
+    if func in _ALLOCATIONS or func is torch.device:
+        return True
     outs = out if isinstance(out, (list, tuple)) else [out]
-    return all(o.untyped_storage().data_ptr() == base for o in outs)
+    tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+    name = getattr(func, "__name__", "")
+    if not tensors:
+        return name in _METADATA
+    if name.endswith("_") and not name.endswith("__"):
+        return False  # in place: it computes into its argument
+    bases = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in bases for t in tensors)
 
 
 def record(fn, *args):
@@ -70,11 +78,7 @@ def record(fn, *args):
             if threading.get_ident() != thread:
                 return kernel(*a)
             add(*a)
-            watch.in_kernel = True
-            try:
-                return kernel(*a)
-            finally:
-                watch.in_kernel = False
+            return kernel(*a)
 
         return call
 
