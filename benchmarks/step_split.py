@@ -28,7 +28,7 @@ from pyllm import LLM, SamplingParams
 OPS = (
     "quant_linear", "packed_linear", "small_batch_linear", "paged_attention_v1",
     "paged_attention_v2", "fused_add_rms_norm", "rms_norm", "reshape_and_cache",
-    "silu_and_mul", "rotary_embedding", "dequantize_rows", "fused_moe",
+    "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding", "dequantize_rows", "fused_moe",
 )  # fmt: skip
 
 

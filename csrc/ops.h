@@ -93,6 +93,7 @@ namespace pyllm {
                           const at::Tensor& weight, double epsilon);          \
                                                                                \
   void silu_and_mul(at::Tensor& out, const at::Tensor& input);                \
+  void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input);           \
                                                                                \
   /* out[M, N] = input[M, K] . weight[N, K]^T (+ bias), M <= 4 rows. */          \
   void small_batch_linear(at::Tensor& out, const at::Tensor& input,           \

@@ -92,6 +92,7 @@ TORCH_LIBRARY(pyllm, m) {
       "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight,"
       " float epsilon) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("small_batch_linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
   m.def(
       "packed_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
@@ -165,6 +166,7 @@ TORCH_LIBRARY(pyllm, m) {
   m.impl("rms_norm", &pyllm::ns::rms_norm);                           \
   m.impl("fused_add_rms_norm", &pyllm::ns::fused_add_rms_norm);       \
   m.impl("silu_and_mul", &pyllm::ns::silu_and_mul);                   \
+  m.impl("gelu_tanh_and_mul", &pyllm::ns::gelu_tanh_and_mul);         \
   m.impl("small_batch_linear", &pyllm::ns::small_batch_linear);       \
   m.impl("packed_linear", &pyllm::ns::packed_linear);                 \
   m.impl("quant_linear", &pyllm::ns::quant_linear);                   \
@@ -270,6 +272,7 @@ PYBIND11_MODULE(_C, m) {
   PYLLM_DIRECT(rms_norm);
   PYLLM_DIRECT(fused_add_rms_norm);
   PYLLM_DIRECT(silu_and_mul);
+  PYLLM_DIRECT(gelu_tanh_and_mul);
   PYLLM_DIRECT(small_batch_linear);
   PYLLM_DIRECT(packed_linear);
   PYLLM_DIRECT(quant_linear);

@@ -82,48 +82,17 @@ _C = torch.ops.pyllm
 
 
 __all__ = [
-    "FLOAT_WEIGHT_TYPES",
-    "KVArena",
-    "PARTITION_SIZE",
-    "QUANT_TYPES",
-    "STRIPS_TYPES",
-    "SMALL_BATCH_MAX_ROWS",
-    "SUPPORTED_BLOCK_SIZES",
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_SIZES",
-    "TOKEN_TILE",
-    "allocate_kv_cache",
-    "allocate_kv_scales",
-    "apply_token_bitmask",
-    "batch_invariant",
-    "contiguous_attention_decode",
-    "contiguous_attention_prefill",
-    "copy_blocks",
-    "dequantize_rows",
-    "fused_add_rms_norm",
-    "fused_moe",
-    "kv_cache_x",
-    "moe_topk",
-    "pack_strips",
-    "pack_weight_words",
-    "packed_linear",
-    "packed_linear_vectorized",
-    "paged_attention_prefill",
-    "paged_attention_v1",
-    "paged_attention_v2",
-    "paged_attention_v2_workspace",
-    "quant_linear",
-    "quant_row_bytes",
-    "reshape_and_cache",
-    "rms_norm",
-    "rotary_embedding",
-    "set_batch_invariant",
-    "silu_and_mul",
-    "small_batch_linear",
-    "strips_native",
-    "swap_blocks",
-    "write_kv_contiguous",
-]
+    "FLOAT_WEIGHT_TYPES", "PARTITION_SIZE", "QUANT_TYPES", "SMALL_BATCH_MAX_ROWS",
+    "STRIPS_TYPES", "SUPPORTED_BLOCK_SIZES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_SIZES",
+    "TOKEN_TILE", "KVArena", "allocate_kv_cache", "allocate_kv_scales", "apply_token_bitmask",
+    "batch_invariant", "contiguous_attention_decode", "contiguous_attention_prefill",
+    "copy_blocks", "dequantize_rows", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul",
+    "kv_cache_x", "moe_topk", "pack_strips", "pack_weight_words", "packed_linear",
+    "packed_linear_vectorized", "paged_attention_prefill", "paged_attention_v1",
+    "paged_attention_v2", "paged_attention_v2_workspace", "quant_linear", "quant_row_bytes",
+    "reshape_and_cache", "rms_norm", "rotary_embedding", "set_batch_invariant", "silu_and_mul",
+    "small_batch_linear", "strips_native", "swap_blocks", "write_kv_contiguous",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -409,6 +378,13 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """out = silu(input[..., :d]) * input[..., d:] for input ``[..., 2 * d]``."""
     _check_args(_C.silu_and_mul, out=out, input=input)
     _C.silu_and_mul(out, input)
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out = gelu(input[..., :d], approximate="tanh") * input[..., d:] for input
+    ``[..., 2 * d]`` (Gemma's MLP)."""
+    _check_args(_C.gelu_tanh_and_mul, out=out, input=input)
+    _C.gelu_tanh_and_mul(out, input)
 
 
 def small_batch_linear(

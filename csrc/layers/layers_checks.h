@@ -61,7 +61,8 @@ inline void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& 
   check_eps(eps);
 }
 
-inline void check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
+// silu_and_mul and gelu_tanh_and_mul: input [..., 2 * d] = [gate | up], out [..., d].
+inline void check_act_and_mul(const at::Tensor& out, const at::Tensor& input) {
   check_float_dtype("input", input);
   check_packed_rows("input", input);
   TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) % 2 == 0,

@@ -4,8 +4,9 @@
 //
 // The norms stream each row through small float buffers: bf16/fp16 values are
 // widened once on load and rounded once on store, and everything in between is
-// float32 loops the compiler vectorizes. silu_and_mul works in vec::Vec16 (its
-// exp and division did not vectorize well enough). Rows are split across threads.
+// float32 loops the compiler vectorizes. silu_and_mul and gelu_tanh_and_mul work in
+// vec::Vec16 (their exp and division did not vectorize well enough). Rows are split
+// across threads.
 //
 // Inputs are [..., width] with packed rows; dim 0 may be strided (a row view of a
 // wider tensor, e.g. the gate/up projection), outputs are contiguous.
@@ -165,34 +166,56 @@ void fused_add_rms_norm_rows(scalar_t* input, scalar_t* residual, int64_t count,
   });
 }
 
-// y[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i], 16 lanes at a
-// time (vec::Vec16: widen on load, vector exp and reciprocal, round on store), the last
-// partial vector in scalar code with the same formula.
-template <typename scalar_t>
-void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* y, int64_t d) {
+// Both gated activations are g * sigmoid(a(g)): SiLU's a(g) = g, and the tanh form of
+// GELU, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), is g * sigmoid(2u)
+// since 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u).
+enum class GatedAct { kSilu, kGeluTanh };
+
+constexpr float kGeluLinear = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+constexpr float kGeluCubic = 0.0713548162726009f;   // 2 sqrt(2 / pi) 0.044715
+
+// y[i] = g / (1 + e^-a(g)) * up[i] with g = gate[i], 16 lanes at a time (vec::Vec16:
+// widen on load, vector exp and reciprocal, round on store), the last partial vector
+// in scalar code with the same formula.
+template <GatedAct kAct, typename scalar_t>
+void act_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* y, int64_t d) {
   using vec::Vec16;
   const Vec16 one = Vec16::set1(1.0f);
   int64_t i = 0;
   for (; i + vec::kLanes <= d; i += vec::kLanes) {
     const Vec16 g = Vec16::load(gate + i);
-    const Vec16 e = (Vec16::zero() - g).exp();
+    Vec16 a = g;
+    if constexpr (kAct == GatedAct::kGeluTanh) {
+      a = g * (Vec16::set1(kGeluLinear) + Vec16::set1(kGeluCubic) * g * g);
+    }
+    const Vec16 e = (Vec16::zero() - a).exp();
     (g * (one + e).reciprocal() * Vec16::load(up + i)).store(y + i);
   }
   for (; i < d; ++i) {
     const float g = static_cast<float>(gate[i]);
-    y[i] = static_cast<scalar_t>(g / (1.0f + exp_approx(-g)) * static_cast<float>(up[i]));
+    const float a = kAct == GatedAct::kGeluTanh ? g * (kGeluLinear + kGeluCubic * g * g) : g;
+    y[i] = static_cast<scalar_t>(g / (1.0f + exp_approx(-a)) * static_cast<float>(up[i]));
   }
 }
 
-// out = silu(gate) * up, with input row = [gate (d) | up (d)].
-template <typename scalar_t>
-void silu_and_mul_rows(scalar_t* out, const scalar_t* input, const Rows& rows) {
+// out = act(gate) * up, with input row = [gate (d) | up (d)].
+template <GatedAct kAct, typename scalar_t>
+void act_and_mul_rows(scalar_t* out, const scalar_t* input, const Rows& rows) {
   const int64_t d = rows.width / 2;
   at::parallel_for(0, rows.count, row_grain(rows.width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* in = input + rows.offset(r);
-      silu_and_mul_row(in, in + d, out + r * d, d);
+      act_and_mul_row<kAct>(in, in + d, out + r * d, d);
     }
+  });
+}
+
+template <GatedAct kAct>
+void act_and_mul(at::Tensor& out, const at::Tensor& input) {
+  check_act_and_mul(out, input);
+  const Rows rows = packed_rows(input);
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_rows<kAct>(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows);
   });
 }
 
@@ -467,11 +490,11 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
-  check_silu_and_mul(out, input);
-  const Rows rows = packed_rows(input);
-  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_rows(out.data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(), rows);
-  });
+  act_and_mul<GatedAct::kSilu>(out, input);
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul<GatedAct::kGeluTanh>(out, input);
 }
 
 }  // namespace pyllm::cpu

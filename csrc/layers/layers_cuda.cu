@@ -1,5 +1,6 @@
-// CUDA norms and activation: rms_norm, fused_add_rms_norm, silu_and_mul (one
-// thread block per row; all arithmetic in float32), and small_batch_linear.
+// CUDA norms and activations: rms_norm, fused_add_rms_norm, silu_and_mul,
+// gelu_tanh_and_mul (one thread block per row; all arithmetic in float32), and
+// small_batch_linear.
 #include <algorithm>
 #include <vector>
 
@@ -63,16 +64,19 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ input, T* __restrict__
   }
 }
 
-template <typename T>
-__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input,
-                                    RowLayout input_rows, int d) {
+// out = g * sigmoid(a(g)) * up: SiLU's a(g) = g; GELU's tanh form is g * sigmoid(2u),
+// u = sqrt(2 / pi) (g + 0.044715 g^3) (as the CPU kernel, layers_cpu.cpp).
+template <typename T, bool kGelu>
+__global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ input,
+                                   RowLayout input_rows, int d) {
   const int64_t row = blockIdx.x;
   const T* gate = input + input_rows.offset(row);
   const T* up = gate + d;
   T* y = out + row * d;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float g = to_float(gate[i]);
-    y[i] = from_float<T>(g / (1.f + __expf(-g)) * to_float(up[i]));
+    const float a = kGelu ? g * (1.5957691216057308f + 0.0713548162726009f * g * g) : g;
+    y[i] = from_float<T>(g / (1.f + __expf(-a)) * to_float(up[i]));
   }
 }
 
@@ -117,8 +121,9 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   });
 }
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
-  check_silu_and_mul(out, input);
+template <bool kGelu>
+static void act_and_mul(at::Tensor& out, const at::Tensor& input) {
+  check_act_and_mul(out, input);
   check_cuda(input, "input");
   const int64_t d = input.size(-1) / 2;
   if (out.numel() == 0) return;
@@ -126,12 +131,20 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 
   const c10::cuda::CUDAGuard device_guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_kernel<device_t<scalar_t>><<<rows, threads_for(d, 1024), 0, stream>>>(
+  PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "act_and_mul", [&] {
+    act_and_mul_kernel<device_t<scalar_t>, kGelu><<<rows, threads_for(d, 1024), 0, stream>>>(
         device_ptr<scalar_t>(out), device_ptr<scalar_t>(input), row_layout(input, 2 * d),
         static_cast<int>(d));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul<false>(out, input);
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
+  act_and_mul<true>(out, input);
 }
 
 // On a GPU the product of a few rows is cuBLAS's to do well (its GEMV kernels stream

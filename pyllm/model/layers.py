@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.cpp)
 from pyllm.attention.backend import KVPair
@@ -198,7 +197,7 @@ class MLP(Module):
             prompt_rows, act, out = step.prompt_rows, step.act, step.hidden
             gate_up = self.gate_up_proj(x, step.gate_up, prompt_rows)
         if self.gelu:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), out, prompt_rows)
-        _C.silu_and_mul(act, gate_up)
+            _C.gelu_tanh_and_mul(act, gate_up)
+        else:
+            _C.silu_and_mul(act, gate_up)
         return self.down_proj(act, out, prompt_rows)

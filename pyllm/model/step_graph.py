@@ -61,8 +61,16 @@ def _replayable(func, args, out) -> bool:
         return name in _METADATA
     if name.endswith("_") and not name.endswith("__"):
         return False  # in place: it computes into its argument
-    bases = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    return all(t.untyped_storage().data_ptr() in bases for t in tensors)
+    bases = {_storage(a) for a in args if isinstance(a, torch.Tensor)} - {None}
+    return all(_storage(t) in bases for t in tensors)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where t's storage lies; None for a tensor without one (oneDNN's packed weights)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return None
 
 
 def record(fn, *args):

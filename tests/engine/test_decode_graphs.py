@@ -31,8 +31,6 @@ def _generate(llm: LLM, prompts, params=PARAMS):
 
 @pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
 def test_replayed_steps_give_the_tokens_and_logprobs_of_steps_run_op_by_op(kv_cache):
-    # Weights widened: the kept quantized ones' products depend on the rows per step,
-    # and each request's batch sizes differ between the runs of ragged lengths below.
     options = dict(kv_cache=kv_cache, kv_cache_memory=0.1, quantization=None, dtype="float32")
     eager, graphs = LLM(None, enforce_eager=True, **options), LLM(None, **options)
     assert eager.engine.runner.graphs is None
@@ -40,14 +38,18 @@ def test_replayed_steps_give_the_tokens_and_logprobs_of_steps_run_op_by_op(kv_ca
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 5 * i, ignore_eos=True, logprobs=2)
               for i in range(6)]  # fmt: skip
     prompts = _prompts(6)
-    want = [_generate(eager, [p], s)[0] for p, s in zip(prompts, params, strict=True)]
-    outs = graphs.generate(None, params, prompt_token_ids=prompts, use_tqdm=False)
-    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    assert [g[0] for g in got] == [w[0] for w in want]
+    want, got = (
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        for outs in (
+            llm.generate(None, params, prompt_token_ids=prompts, use_tqdm=False)
+            for llm in (eager, graphs)
+        )
+    )
     assert got == want  # logprobs too: a replay computes what the op-by-op step does
+    # Batches of 6 down to 1 ran; float weights take oneDNN's GEMM (a torch op: refused)
+    # above small_batch_linear's 4 rows where the build has no packed_linear (AVX2).
     recorded = graphs.engine.runner.graphs
-    assert not recorded.refused
-    assert len([b for b, g in recorded.graphs.items() if g is not None]) >= 3
+    assert len([b for b, g in recorded.graphs.items() if g is not None]) >= 4
 
 
 def test_kept_quantized_weights_replay_bit_for_bit():
@@ -158,10 +160,7 @@ def test_families_record_their_decode_steps_and_replay_them_exactly(tmp_path, ki
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     assert _generate(graphs, prompts) == _generate(eager, prompts)
     recorded = graphs.engine.runner.graphs
-    if kind == "gemma3":  # its MLP's GELU runs in torch, outside the kernels
-        assert recorded.refused == {3: "gelu"} and recorded.graphs == {3: None}
-    else:
-        assert not recorded.refused and recorded.graphs[3] is not None
+    assert not recorded.refused and recorded.graphs[3] is not None
 
 
 def test_only_the_graphs_used_last_are_kept(monkeypatch):

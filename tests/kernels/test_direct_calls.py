@@ -36,9 +36,10 @@ def test_results_equal_torch_ops(dtype):
     assert torch.equal(a, b)
 
     gate_up = torch.randn(3, 128, dtype=dtype)
-    direct.silu_and_mul(a, gate_up)
-    torch.ops.pyllm.silu_and_mul(b, gate_up)
-    assert torch.equal(a, b)
+    for name in ("silu_and_mul", "gelu_tanh_and_mul"):
+        getattr(direct, name)(a, gate_up)
+        getattr(torch.ops.pyllm, name)(b, gate_up)
+        assert torch.equal(a, b)
 
     K, N, qtype = 64, 16, ops.QUANT_TYPES["Q8_0"][0]
     blocks = torch.randint(-127, 128, (N, K // 32, 34), dtype=torch.int8).view(torch.uint8)

@@ -1,5 +1,5 @@
-"""rms_norm, fused_add_rms_norm, silu_and_mul and small_batch_linear against plain-PyTorch
-float64 references.
+"""rms_norm, fused_add_rms_norm, silu_and_mul, gelu_tanh_and_mul and small_batch_linear
+against plain-PyTorch float64 references.
 
 Outputs are poisoned (NaN) before each call, so a row or element the kernel skips fails.
 Hidden sizes include ones that are not multiples of the kernels' vector width or
@@ -45,10 +45,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * inv_rms * weight.cpu().double()
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def act_and_mul_reference(x: torch.Tensor, op: str = "silu_and_mul") -> torch.Tensor:
     x = x.cpu().double()
     d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    gate = x[..., :d]
+    if op == "silu_and_mul":
+        return torch.nn.functional.silu(gate) * x[..., d:]
+    return torch.nn.functional.gelu(gate, approximate="tanh") * x[..., d:]
+
+
+ACT_OPS = ["silu_and_mul", "gelu_tanh_and_mul"]
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -124,29 +130,33 @@ def test_fused_add_rms_norm_3d(dtype, device):
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("d", [64, 1003, 1536])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype, d, num_tokens, layout, device):
+@pytest.mark.parametrize("op", ACT_OPS)
+def test_act_and_mul(op, dtype, d, num_tokens, layout, device):
     generator = torch.Generator().manual_seed(d + num_tokens)
     # Scale 4 reaches well into both tails of the sigmoid.
     x = rows_input((num_tokens, 2 * d), dtype, device, generator, layout, scale=4.0)
     out = torch.full((*x.shape[:-1], d), POISON, dtype=dtype, device=device)
 
-    ops.silu_and_mul(out, x)
+    getattr(ops, op)(out, x)
 
-    assert_close(out, silu_and_mul_reference(x), dtype)
+    assert_close(out, act_and_mul_reference(x, op), dtype)
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_extreme_gates(dtype, device):
-    """Gates far in both tails, zero, and around the exp range limits of float32."""
-    gate = torch.tensor([-1e4, -200.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 1e4])
+@pytest.mark.parametrize("op", ACT_OPS)
+def test_act_and_mul_extreme_gates(op, dtype, device):
+    """Gates far in both tails, zero, and around the exp range limits of float32 (GELU's
+    cubic takes -20 past them)."""
+    gate = torch.tensor([-1e4, -200.0, -88.5, -87.0, -20.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 20.0,
+                         88.5, 1e4])  # fmt: skip
     up = torch.linspace(-3, 3, gate.numel())
     x = torch.cat([gate, up])[None, :].to(dtype).to(device)
     out = torch.full((1, gate.numel()), POISON, dtype=dtype, device=device)
 
-    ops.silu_and_mul(out, x)
+    getattr(ops, op)(out, x)
 
-    assert_close(out, silu_and_mul_reference(x), dtype)
+    assert_close(out, act_and_mul_reference(x, op), dtype)
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)
@@ -156,6 +166,7 @@ def test_layers_no_rows(device):
     ops.rms_norm(torch.empty_like(x), x, weight, EPS)
     ops.fused_add_rms_norm(x, torch.empty_like(x), weight, EPS)
     ops.silu_and_mul(torch.empty(0, 32, device=device), x)
+    ops.gelu_tanh_and_mul(torch.empty(0, 32, device=device), x)
 
 
 def linear_case(dtype, in_features, out_features, rows, bias, device):

@@ -139,6 +139,9 @@ def valid_silu_and_mul():
     return dict(out=torch.empty(3, 32), input=torch.randn(3, 64))
 
 
+valid_gelu_tanh_and_mul = valid_silu_and_mul
+
+
 def valid_small_batch_linear():
     return dict(
         out=torch.empty(2, 24), input=torch.randn(2, 64), weight=torch.randn(24, 64),
@@ -286,6 +289,7 @@ VALID = {
     "rms_norm": valid_rms_norm,
     "fused_add_rms_norm": valid_fused_add_rms_norm,
     "silu_and_mul": valid_silu_and_mul,
+    "gelu_tanh_and_mul": valid_gelu_tanh_and_mul,
     "small_batch_linear": valid_small_batch_linear,
     "pack_weight_words": valid_pack_weight_words,
     "packed_linear": valid_packed_linear,
@@ -916,6 +920,15 @@ CASES += [
     ),
     *cases_for(
         "silu_and_mul",
+        ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
+        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
+        ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
+        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+        ("out_not_contiguous", {"out": lambda a: torch.empty(3, 40)[:, :32]}, ValueError, "out"),
+    ),
+    *cases_for(
+        "gelu_tanh_and_mul",
         ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
         ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
         ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
