@@ -918,24 +918,29 @@ CASES += [
         ("weight_size", {"weight": torch.ones(65)}, ValueError, "weight"),
         ("eps_negative", {"eps": -1e-6}, ValueError, "eps"),
     ),
-    *cases_for(
-        "silu_and_mul",
-        ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
-        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
-        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
-        ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
-        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
-        ("out_not_contiguous", {"out": lambda a: torch.empty(3, 40)[:, :32]}, ValueError, "out"),
-    ),
-    *cases_for(
-        "gelu_tanh_and_mul",
-        ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
-        ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
-        ("input_not_packed", {"input": lambda a: non_contiguous(a["input"])}, ValueError, "input"),
-        ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
-        ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
-        ("out_not_contiguous", {"out": lambda a: torch.empty(3, 40)[:, :32]}, ValueError, "out"),
-    ),
+    *[
+        case
+        for gated in ("silu_and_mul", "gelu_tanh_and_mul")  # the same checks
+        for case in cases_for(
+            gated,
+            ("input_odd_width", {"input": torch.randn(3, 63)}, ValueError, "input"),
+            ("input_float64", {"input": lambda a: a["input"].double()}, TypeError, "input"),
+            (
+                "input_not_packed",
+                {"input": lambda a: non_contiguous(a["input"])},
+                ValueError,
+                "input",
+            ),
+            ("out_shape", {"out": torch.empty(3, 64)}, ValueError, "out"),
+            ("out_dtype", {"out": lambda a: a["out"].bfloat16()}, TypeError, "out"),
+            (
+                "out_not_contiguous",
+                {"out": lambda a: torch.empty(3, 40)[:, :32]},
+                ValueError,
+                "out",
+            ),
+        )
+    ],
     *cases_for(
         "small_batch_linear",
         (
