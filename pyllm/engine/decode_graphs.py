@@ -83,7 +83,7 @@ class DecodeGraphs:
         hidden, positions = self.model.embed(input_ids), positions.clone()
         out, graph, refused = record(self.model.run_layers, hidden, positions, kept, self.kv_cache)
         batch = input_ids.shape[0]
-        self.graphs[batch] = graph and _Graph(hidden, positions, kept, graph, out)
+        self.graphs[batch] = None if graph is None else _Graph(hidden, positions, kept, graph, out)
         if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         if refused:

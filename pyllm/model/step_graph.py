@@ -45,13 +45,14 @@ class _Watch(TorchFunctionMode):
         self.refused: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.refused is None and not _replayable(func, args, out):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.refused is None and not _replayable(func, args, kwargs, out):
             self.refused = getattr(func, "__qualname__", None) or str(func)
         return out
 
 
-def _replayable(func, args, out) -> bool:
+def _replayable(func, args, kwargs, out) -> bool:
     if func in _ALLOCATIONS or func is torch.device:
         return True
     outs = out if isinstance(out, (list, tuple)) else [out]
@@ -59,8 +60,9 @@ def _replayable(func, args, out) -> bool:
     name = getattr(func, "__name__", "")
     if not tensors:
         return name in _METADATA
-    if name.endswith("_") and not name.endswith("__"):
-        return False  # in place: it computes into its argument
+    in_place = name.endswith("_") and not name.endswith("__") or name.startswith("__i")
+    if in_place or kwargs.get("inplace") or "out" in kwargs:
+        return False  # it computes into a tensor it was given (x.mul_, x += y, out=)
     bases = {_storage(a) for a in args if isinstance(a, torch.Tensor)} - {None}
     return all(_storage(t) in bases for t in tensors)
 

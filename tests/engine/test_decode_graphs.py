@@ -112,7 +112,15 @@ def test_a_reshape_that_copies_is_not_recorded():
 
 def test_reading_a_value_or_writing_in_place_is_not_recorded():
     x = torch.randn(4, 8)
-    for step in (lambda: x.sum().item(), lambda: x.mul_(2), lambda: x[0].copy_(x[1])):
+
+    def add_in_place():
+        y = x[0]
+        y += 1
+
+    in_place = (lambda: x.mul_(2), lambda: x[0].copy_(x[1]), add_in_place,
+                lambda: torch.nn.functional.relu(x, inplace=True),
+                lambda: torch.add(x, 1, out=torch.empty_like(x)))  # fmt: skip
+    for step in (lambda: x.sum().item(), *in_place):
         assert record(step)[1] is None
 
 
