@@ -15,6 +15,11 @@ from pyllm.sampling.select import small_topk
 Logprobs = tuple[float, dict[int, float]]
 
 
+def wants_logprobs(row) -> bool:
+    """Whether a SamplingRow's sampled token needs its logprob."""
+    return row.params.logprobs is not None or row.params.ranks_samples
+
+
 def sampled_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
 ) -> list[Logprobs | None]:
@@ -22,11 +27,7 @@ def sampled_logprobs(
     params.logprobs) or it ranks best_of samples (k = 0 unless logprobs asks more), else
     None."""
     out: list[Logprobs | None] = [None] * len(batch)
-    rows = [
-        i
-        for i, row in enumerate(batch)
-        if row.params.logprobs is not None or row.params.ranks_samples
-    ]
+    rows = [i for i, row in enumerate(batch) if wants_logprobs(row)]
     if rows:
         index = row_index(rows, len(batch), logits.device)
         ks = [batch[i].params.logprobs or 0 for i in rows]

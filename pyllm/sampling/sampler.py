@@ -39,7 +39,7 @@ from pyllm.sampling.batch import (
 )
 from pyllm.sampling.cuts import candidate_pass, sampling_weights
 from pyllm.sampling.draw import Generators, inverse_cdf, inverse_cdf_exact
-from pyllm.sampling.logprobs import Logprobs, sampled_logprobs
+from pyllm.sampling.logprobs import Logprobs, sampled_logprobs, wants_logprobs
 from pyllm.sampling.params import ParamError, SamplingParams
 from pyllm.sampling.penalties import apply_penalties, penalize, restore
 from pyllm.sampling.rejection import accepted_greedy, accepted_sampled, final_weights
@@ -158,6 +158,8 @@ class Sampler:
             self._verify_greedy(logits, batch, drafts, starts, greedy, tokens)
         if sampled:
             self._verify_sampled(logits, batch, drafts, starts, sampled, tokens)
+        if not any(wants_logprobs(row) for row in batch):
+            return VerifyOutput(tokens, [[None] * len(ts) for ts in tokens])
         rows = [starts[j] + i for j, emitted in enumerate(tokens) for i in range(len(emitted))]
         index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         emitted = torch.tensor([t for ts in tokens for t in ts], device=logits.device)
@@ -166,8 +168,9 @@ class Sampler:
 
     def _verify_greedy(self, logits, batch, drafts, starts, seqs, tokens) -> None:
         rows = [r for j in seqs for r in range(starts[j], starts[j + 1])]
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        processed = apply_penalties(logits[index], [batch[r] for r in rows], self.eos_token_ids)
+        index = row_index(rows, len(batch), logits.device)
+        processed = apply_penalties(take_rows(logits, index), [batch[r] for r in rows],
+                                    self.eos_token_ids)  # fmt: skip
         targets = iter(first_argmax(processed).tolist())
         for j in seqs:
             row_targets = [next(targets) for _ in range(len(drafts[j]) + 1)]

@@ -24,7 +24,7 @@ from pyllm.engine.spec_decode.adaptive import AcceptanceRecord, best_length
 from pyllm.engine.spec_decode.config import SpeculativeConfig
 from pyllm.engine.spec_decode.draft_loader import Target, load_draft
 from pyllm.engine.spec_decode.ngram import NgramProposer
-from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow
+from pyllm.sampling.batch import GREEDY_TEMPERATURE, SamplingRow, row_index, take_rows
 from pyllm.sampling.logprobs import Logprobs
 from pyllm.sampling.sampler import Sampler
 from pyllm.sampling.structured import allowed_prefix
@@ -139,9 +139,10 @@ def sample_with_drafts(
             out[i] = ([token], [logprob])
     if drafted:
         rows = [r for i in drafted for r in range(starts[i], starts[i + 1])]
-        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        index = row_index(rows, logits.shape[0], device)
         batch = [row for i in drafted for row in draft_rows(sampled[i])]
-        result = sampler.verify(logits[index], batch, [sampled[i].spec_token_ids for i in drafted])
+        drafts = [sampled[i].spec_token_ids for i in drafted]
+        result = sampler.verify(take_rows(logits, index), batch, drafts)
         for i, tokens, logprobs in zip(drafted, result.token_ids, result.logprobs, strict=True):
             out[i] = (tokens, logprobs)
     return out
