@@ -4,8 +4,6 @@ checks the contiguous ops make against an arena's committed tokens."""
 
 from __future__ import annotations
 
-import math
-import mmap
 import weakref
 
 import torch
@@ -20,6 +18,7 @@ from pyllm._checks import (
     _positive_int,
     kv_cache_x,
 )
+from pyllm.model.memory import zeros_on_huge_pages
 
 # The KV cache's element types: "auto" (the model's dtype) or "int8" (symmetric int8, one
 # float16 scale per token and kv head for K and one for V).
@@ -50,7 +49,7 @@ def allocate_kv_scales(
     head_size: paged ``[num_blocks, num_kv_heads, block_size]``, contiguous
     ``[max_num_seqs, num_kv_heads, num_tiles, TOKEN_TILE]``), zero-filled."""
     if torch.device(device).type == "cpu":
-        return tuple(_zeros_on_huge_pages(shape, KV_SCALE_DTYPE) for _ in range(2))
+        return tuple(zeros_on_huge_pages(shape, KV_SCALE_DTYPE) for _ in range(2))
     return tuple(torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) for _ in range(2))
 
 
@@ -80,32 +79,11 @@ def allocate_kv_cache(
     key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     value_shape = (num_blocks, num_kv_heads, head_size, block_size)
     if torch.device(device).type == "cpu":
-        return _zeros_on_huge_pages(key_shape, dtype), _zeros_on_huge_pages(value_shape, dtype)
+        return zeros_on_huge_pages(key_shape, dtype), zeros_on_huge_pages(value_shape, dtype)
     return (
         torch.zeros(key_shape, dtype=dtype, device=device),
         torch.zeros(value_shape, dtype=dtype, device=device),
     )
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor in anonymous memory marked MADV_HUGEPAGE, which Linux backs with
-    2 MiB pages where transparent huge pages are enabled ("madvise" or "always").
-
-    Attention reads a sequence's blocks scattered over the whole cache, so with 4 KiB
-    pages nearly every block is a TLB miss; measured with 2 threads
-    (benchmarks/bench_ops.py, bf16, the same memory with THP_MEM_ALLOC_ENABLE=1 vs 0):
-    decode attention over 1 GiB of KV (32 x 8192) 11.0-11.4 -> 13.0-13.4 GB/s. Without
-    MADV_HUGEPAGE (not Linux) this is torch.zeros."""
-    numel = math.prod(shape)
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    # Anonymous pages read as zero; they are committed as blocks are first written, so
-    # the process holds only the part of the pool its sequences have used.
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 # The views of every live arena, by data pointer, so the ops below can refuse to read

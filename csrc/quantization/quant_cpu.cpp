@@ -255,20 +255,35 @@ void dequantize_rows(at::Tensor& out, const at::Tensor& qweight, int64_t qtype,
                   " is outside [0, ", N, ")");
     }
   }
-  if (is_strips(qtype)) {
-    dequantize_rows(out, unpack_strips(qweight, qtype), plain_type(qtype), rows);
-    return;
-  }
   const int64_t row_bytes = qweight.size(1);
   const uint8_t* w = qweight.const_data_ptr<uint8_t>();
+  // Rows of a whole strip are unpacked with their strip (the one unpacked last is kept,
+  // so rows in order unpack each strip once); rows past the last whole strip are GGUF's.
+  const int64_t strip_rows = is_strips(qtype) ? N / kStripColumns * kStripColumns : 0;
   PYLLM_DISPATCH_FLOATING_TYPES(out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* y = out.data_ptr<scalar_t>();
-    dispatch_type(qtype, [&](auto t) {
+    dispatch_type(plain_type(qtype), [&](auto t) {
+      constexpr int64_t T = decltype(t)::value;
       at::parallel_for(0, R, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)),
                        [&](int64_t r0, int64_t r1) {
+                         std::vector<uint8_t> rows_of_strip;
+                         int64_t unpacked = -1;
                          for (int64_t r = r0; r < r1; ++r) {
                            const int64_t src = index ? index[r] : r;
-                           dequantize_row<decltype(t)::value>(w + src * row_bytes, K, y + r * K);
+                           const uint8_t* row = w + src * row_bytes;
+                           if constexpr (has_strips(T)) {
+                             if (src < strip_rows) {
+                               const int64_t first = src / kStripColumns * kStripColumns;
+                               if (first != unpacked) {
+                                 rows_of_strip.resize(kStripColumns * row_bytes);
+                                 unpack_strip<T>(w + first * row_bytes, row_bytes,
+                                                 rows_of_strip.data());
+                                 unpacked = first;
+                               }
+                               row = rows_of_strip.data() + (src - first) * row_bytes;
+                             }
+                           }
+                           dequantize_row<T>(row, K, y + r * K);
                          }
                        });
     });

@@ -97,8 +97,11 @@ inline void pack_strip8(const uint8_t* const* blk, uint8_t* dst) {
   using L = Layout<kQ8_0>;
   for (int c = 0; c < S::kColumns; ++c) {
     std::memcpy(dst + S::kD + 2 * c, blk[c] + L::kD, 2);
-    for (int k = 0; k < 32; ++k) {
-      dst[S::kQs + 64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(blk[c][L::kQs + k] ^ 0x80);
+    for (int v = 0; v < 8; ++v) {  // four weights a move: packing is a load's main cost
+      uint32_t word;
+      std::memcpy(&word, blk[c] + L::kQs + 4 * v, 4);
+      word ^= 0x80808080u;
+      std::memcpy(dst + S::kQs + 64 * v + 4 * c, &word, 4);
     }
   }
 }
@@ -108,8 +111,11 @@ inline void unpack_strip8(const uint8_t* src, uint8_t* const* blk) {
   using L = Layout<kQ8_0>;
   for (int c = 0; c < S::kColumns; ++c) {
     std::memcpy(blk[c] + L::kD, src + S::kD + 2 * c, 2);
-    for (int k = 0; k < 32; ++k) {
-      blk[c][L::kQs + k] = static_cast<uint8_t>(src[S::kQs + 64 * (k / 4) + 4 * c + k % 4] ^ 0x80);
+    for (int v = 0; v < 8; ++v) {
+      uint32_t word;
+      std::memcpy(&word, src + S::kQs + 64 * v + 4 * c, 4);
+      word ^= 0x80808080u;
+      std::memcpy(blk[c] + L::kQs + 4 * v, &word, 4);
     }
   }
 }

@@ -32,6 +32,7 @@ from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
+from pyllm.model.memory import zeros_on_huge_pages
 from pyllm.model.registry import model_class
 from pyllm.model.weights import (
     WeightFiller,
@@ -290,7 +291,9 @@ def _load_quantized(
             filler.mark(hf_of[name])
         embedding = tensors.get("token_embd.weight")
         if _quantizable(embedding, config.hidden_size):
-            (part,) = _read_parts(file, model, [embedding], config.hidden_size)
+            # A tied head multiplies the table every step: strips where projections are.
+            tied = config.tie_word_embeddings
+            (part,) = _read_parts(file, model, [embedding], config.hidden_size, strips=tied)
             model.set_quantized_embedding(part)
             used.add(embedding.name)
             filler.mark("model.embed_tokens.weight")
@@ -367,7 +370,7 @@ def _read_parts(
             start += rows
             i += len(run)
             continue
-        qweight = torch.zeros(rows, row_bytes, dtype=torch.uint8)
+        qweight = zeros_on_huge_pages((rows, row_bytes), torch.uint8)
         at = 0
         for t, (ranges, n) in zip(run, shares, strict=True):
             split_cols = t.shape[1] != in_features
@@ -395,19 +398,18 @@ def _pack_in_place(qweight: torch.Tensor, type_id: int) -> int:
 
 
 def _packs_strips(model: LlamaForCausalLM, type_id: int) -> bool:
-    """Whether rows of this type are read as strips (ops.pack_strips): Q4_0, Q4_1, Q4_K
-    and Q6_K, whose GGUF-row kernels were bound by their own instructions (2 threads of
-    a Zen 4, 2048x2048 Q4_K weights streamed: 4 / 8 rows 1.4x / 1.5x the GGUF rows'
-    speed; SmolLM2 Q4_1's projections 1.4x at 1 row, 1.9x at 8; Q6_K 2048x5632 at 8
-    rows 2.1x, at 1 row 0.86-1.08x), projections and experts alike, on a CPU build whose
-    kernels read strips as they lie. Not Q8_0: its rows stream at the memory's rate at
-    batch 1 already (2 threads of a Zen 4, 2048x2048: 30.4 GB/s against the strips'
-    28.7, of 36.4), and packing a 1.1B file would add 0.3-0.5 s to a 0.23 s load. Not
-    MXFP4 (gpt-oss's experts): at the 1-8 tokens of a decode step the strips were no
-    faster (gpt-oss-20b layer, 8 tokens: 9.6 ms against 8.9-9.2)."""
+    """Whether rows of this type are read as strips (ops.pack_strips): Q4_0, Q4_1, Q8_0,
+    Q4_K and Q6_K, whose GGUF-row kernels were bound by their own instructions (2
+    threads of a Zen 4, 2048x2048 Q4_K weights streamed: 4 / 8 rows 1.4x / 1.5x the GGUF
+    rows' speed; SmolLM2 Q4_1's projections 1.4x at 1 row, 1.9x at 8; Q6_K 2048x5632 at
+    8 rows 2.1x, at 1 row 0.86-1.08x; Q8_0 49152x2048 from memory at 1 / 5 / 8 rows
+    1.3x / 2.0x / 1.9x), projections and experts alike, on a CPU build whose kernels
+    read strips as they lie. Not MXFP4 (gpt-oss's experts): at the 1-8 tokens of a
+    decode step the strips were no faster (gpt-oss-20b layer, 8 tokens: 9.6 ms against
+    8.9-9.2)."""
     return (
         type_id in ops.STRIPS_TYPES
-        and type_id not in (ops.QUANT_TYPES["Q8_0"][0], ops.QUANT_TYPES["MXFP4"][0])
+        and type_id != ops.QUANT_TYPES["MXFP4"][0]
         and torch.device(model.device).type == "cpu"
         and ops.strips_native()
     )

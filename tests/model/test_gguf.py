@@ -396,6 +396,14 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
         assert (ours - hf_logits(hf, t)).abs().max() < 1e-3
 
 
+def kept_type(qtype: int) -> int:
+    """The type a GGUF projection of type qtype is held in: strips where this build's
+    kernels read them (all but MXFP4's), else the file's rows."""
+    if ops.strips_native() and qtype in ops.STRIPS_TYPES and qtype != Q.MXFP4:
+        return ops.STRIPS_TYPES[qtype]
+    return qtype
+
+
 @pytest.mark.parametrize(
     "variant, qtype",
     [
@@ -421,11 +429,12 @@ def test_tiny_model_with_quantized_projections(tmp_path, variant, qtype):
     quantized, config = load_model(tmp_path / "q.gguf", dtype="float32")
     widened, _ = load_model(tmp_path / "q.gguf", dtype="float32", quantization="none")
     linears = [m for m in quantized.model.layers.modules() if isinstance(m, Linear)]
-    assert linears and all(m.qparts and {p.qtype for p in m.qparts} == {qtype} for m in linears)
+    held = kept_type(qtype)
+    assert linears and all(m.qparts and {p.qtype for p in m.qparts} == {held} for m in linears)
     if config.num_experts:
         layer = quantized.model.layers[0]
         for proj in layer.mlp.projections():
-            assert proj.weight is None and proj.qtype == qtype
+            assert proj.weight is None and proj.qtype == held
             assert proj.qweight.dtype == torch.uint8 and proj.qweight.shape[:2] == (
                 8, proj.out_features,
             )  # fmt: skip
@@ -571,7 +580,8 @@ def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
 @pytest.mark.skipif(not ops.strips_native(), reason="this build's kernels read no strips")
 def test_projections_load_as_strips_where_the_kernels_read_them():
     """On AVX-512 VNNI builds the Q4_1 projections are packed into strips (a private
-    copy); the token table stays as the file has it. The int8 inputs' rounding makes
+    copy), and so is the tied token table (Q8_0), which the LM head multiplies and the
+    embedding looks rows up in. The int8 inputs' rounding makes
     a model's logits jump with any change of float rounding (a projection's outputs
     agree to 1e-6 relative, logits differ by up to a few units), so both loads are
     held to the widened weights' logits: the strips at least as close as the rows."""
@@ -583,7 +593,8 @@ def test_projections_load_as_strips_where_the_kernels_read_them():
     layer = strips.model.layers[0]
     for module in (layer.self_attn.o_proj, layer.mlp.down_proj, layer.self_attn.qkv_proj):
         assert [p.qtype for p in module.qparts] == [ops.STRIPS_TYPES[q4_1]]
-    assert strips.model.embed_tokens.qpart.qtype not in ops.STRIPS_TYPES.values()
+    q8_0 = ops.QUANT_TYPES["Q8_0"][0]
+    assert strips.model.embed_tokens.qpart.qtype == ops.STRIPS_TYPES[q8_0]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader_gguf, "_packs_strips", lambda *args: False)
         rows, _ = load_model(path, dtype="float32")

@@ -259,15 +259,15 @@ def test_two_shards_sum_to_the_whole_layer(tmp_path, qwen3moe_dir, source, exper
             assert gate.num_experts == 8 and (gate.out_features, down.in_features) == (64, 64)
         if source == "gguf-q8_0":  # the file's blocks, never widened: the right share
             assert gate.weight is None and down.qweight.dtype == torch.uint8
+            assert gate.qtype == whole.experts.gate_proj.qtype  # rows or strips alike
             rows = slice(64 * r, 64 * (r + 1))
-            if expert_parallel:
-                ours = whole.experts.gate_proj.qweight[4 * r : 4 * (r + 1)]
-            else:
-                ours = whole.experts.gate_proj.qweight[:, rows]
-            assert torch.equal(gate.qweight, ours)
-            cols = slice(2 * 34 * r, 2 * 34 * (r + 1)) if not expert_parallel else slice(None)
             experts = slice(4 * r, 4 * (r + 1)) if expert_parallel else slice(None)
-            assert torch.equal(down.qweight, whole.experts.down_proj.qweight[experts, :, cols])
+            whole_gate = whole.experts.gate_proj.dense_weight()[experts]
+            ours = whole_gate if expert_parallel else whole_gate[:, rows]
+            assert torch.equal(gate.dense_weight(), ours)
+            cols = slice(64 * r, 64 * (r + 1)) if not expert_parallel else slice(None)
+            whole_down = whole.experts.down_proj.dense_weight()[experts]
+            assert torch.equal(down.dense_weight(), whole_down[:, :, cols])
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor", "expert"])
