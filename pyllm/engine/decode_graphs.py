@@ -1,13 +1,17 @@
 """Decode steps replayed from recorded kernel graphs (model.step_graph), one graph per
-batch size, as vLLM captures a CUDA graph per batch size.
+step shape, as vLLM captures a CUDA graph per batch size.
 
-The first decode-only step of B sequences runs for real while it records; later steps
-of B sequences write their inputs into the tensors the recording read and replay it:
-the embeddings into one [B, hidden] tensor, the positions, and each tensor of the
-attention metadata (block tables into a copy wide enough for MAX_GRAPH_SEQ_LEN tokens;
-the metadata's max_decode_seq_len is that length, so decode attention takes the path it
-takes for every shorter context). A step whose contexts are longer runs op by op, as
-does every step of a model whose recording was refused.
+A step is recorded when it holds decodes only, or decodes some of which verify drafted
+tokens (speculative decoding: 1 + k tokens through the prefill attention path), and no
+prompt tokens. Its shape is its token count, its prefill part's tokens, sequences and
+longest query: what the kernels take as sizes rather than tensors. The first step of a
+shape runs for real while it records; later steps of that shape write their inputs
+into the tensors the recording read and replay it: the embeddings into one
+[tokens, hidden] tensor, the positions, and each tensor of the attention metadata
+(block tables into a copy wide enough for MAX_GRAPH_SEQ_LEN tokens; the metadata's
+max_decode_seq_len is that length, so decode attention takes the path it takes for
+every shorter context). A step whose contexts are longer runs op by op, as does every
+step of a model whose recording was refused.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from pyllm.model.step_graph import record
 # Longest context a recorded decode step covers: up to it the CPU's paged decode
 # attention keeps to paged_attention_v1, so one recording serves every length.
 MAX_GRAPH_SEQ_LEN = V2_MIN_SEQ_LEN
-# Batch sizes recorded: above this the step's kernels dwarf the ~1 ms of Python a
+# Tokens of a step recorded: above this the step's kernels dwarf the ~1 ms of Python a
 # replay saves. Each recording keeps its step's activations (a 7B model in float32:
-# ~200 KB a sequence), so only the MAX_GRAPHS used last are kept; recording again costs
+# ~200 KB a token), so only the MAX_GRAPHS used last are kept; recording again costs
 # one step run op by op.
 MAX_GRAPH_BATCH = 64
 MAX_GRAPHS = 16
@@ -35,11 +39,22 @@ MAX_GRAPHS = 16
 
 @dataclass
 class _Graph:
-    hidden: torch.Tensor  # [B, hidden_size], the embeddings the layers read
-    positions: torch.Tensor  # [B] int64
+    hidden: torch.Tensor  # [tokens, hidden_size], the embeddings the layers read
+    positions: torch.Tensor  # [tokens] int64
     meta: AttentionMetadata  # its tensors, written each step
     graph: object  # _C.KernelGraph
     out: torch.Tensor  # the final hidden states the replay writes
+
+
+# (tokens, prefill tokens, prefill sequences, longest prefill query): a step's shape.
+StepShape = tuple[int, int, int, int]
+
+
+def step_shape(meta: AttentionMetadata) -> StepShape:
+    """The sizes a recording fixes; a step of decodes only is (batch, 0, 0, 0)."""
+    lens = meta.prefill_seq_lens
+    prefills = 0 if lens is None or not meta.num_prefill_tokens else lens.shape[0]
+    return meta.num_tokens, meta.num_prefill_tokens, prefills, meta.max_query_len
 
 
 class DecodeGraphs:
@@ -50,9 +65,9 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.max_seq_len = min(MAX_GRAPH_SEQ_LEN, model.max_model_len)
         self.table_width = -(-self.max_seq_len // block_size)
-        # Batch size -> its recording (None: refused), the last used last.
-        self.graphs: OrderedDict[int, _Graph | None] = OrderedDict()
-        self.refused: dict[int, str] = {}  # batch size -> the op that refused its recording
+        # Step shape -> its recording (None: refused), the last used last.
+        self.graphs: OrderedDict[StepShape, _Graph | None] = OrderedDict()
+        self.refused: dict[StepShape, str] = {}  # shape -> the op that refused its recording
 
     @staticmethod
     def supports(model, device: torch.device) -> bool:
@@ -60,15 +75,20 @@ class DecodeGraphs:
         return device.type == "cpu" and hasattr(model, "run_layers") and model.tp is None
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final hidden states of a step of decodes only (one token per sequence),
-        replayed or recorded; None where the step must run op by op."""
-        batch = input_ids.shape[0]
-        if meta.max_decode_seq_len > self.max_seq_len or batch > MAX_GRAPH_BATCH:
+        """The final hidden states of a step of decodes (some perhaps verifying drafts,
+        no prompt tokens), replayed or recorded; None where it must run op by op."""
+        shape = step_shape(meta)
+        if (
+            meta.num_prompt_tokens
+            or meta.max_decode_seq_len > self.max_seq_len
+            or shape[0] > MAX_GRAPH_BATCH
+            or _widest(meta) > self.table_width
+        ):
             return None
-        if batch not in self.graphs:
-            return self._record(input_ids, positions, meta)
-        self.graphs.move_to_end(batch)
-        graph = self.graphs[batch]
+        if shape not in self.graphs:
+            return self._record(shape, input_ids, positions, meta)
+        self.graphs.move_to_end(shape)
+        graph = self.graphs[shape]
         if graph is None:
             return None
         if not _refill(graph.meta, meta):
@@ -78,17 +98,28 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.out
 
-    def _record(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def _record(self, shape: StepShape, input_ids, positions, meta) -> torch.Tensor:
         kept = _kept(meta, self.table_width, self.max_seq_len)
         hidden, positions = self.model.embed(input_ids), positions.clone()
         out, graph, refused = record(self.model.run_layers, hidden, positions, kept, self.kv_cache)
-        batch = input_ids.shape[0]
-        self.graphs[batch] = None if graph is None else _Graph(hidden, positions, kept, graph, out)
+        self.graphs[shape] = None if graph is None else _Graph(hidden, positions, kept, graph, out)
         if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         if refused:
-            self.refused[batch] = refused
+            self.refused[shape] = refused
         return out
+
+
+def _widest(meta: AttentionMetadata) -> int:
+    """The most columns of meta's 2-D tensors (block tables), its groups' included."""
+    widest = 0
+    for field in dataclasses.fields(meta):
+        value = getattr(meta, field.name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            widest = max(widest, value.shape[1])
+        elif field.name == "groups" and value:
+            widest = max(widest, *(_widest(g) for g in value))
+    return widest
 
 
 def _kept(meta: AttentionMetadata, width: int, max_seq_len: int) -> AttentionMetadata:

@@ -149,7 +149,8 @@ class ModelRunner:
             self.prepare(batch)
         )
         hidden = None
-        if self.graphs is not None and not batch.prefills:
+        # Recorded: steps of decodes, those verifying drafts (as prefills) included.
+        if self.graphs is not None and all(seq.spec_token_ids for seq, _ in batch.prefills):
             hidden = self.graphs.run(input_ids, positions, metadata)
         if hidden is None:
             # The metadata is built here from the scheduler's own state: skip re-validating.

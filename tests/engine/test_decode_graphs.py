@@ -24,6 +24,11 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 20000) for _ in range(rng.randint(3, 60))] for _ in range(count)]
 
 
+def _decodes(batch: int) -> tuple[int, int, int, int]:
+    """The step shape of a batch of plain decodes."""
+    return (batch, 0, 0, 0)
+
+
 def _generate(llm: LLM, prompts, params=PARAMS):
     outs = llm.generate(None, params, prompt_token_ids=prompts, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -49,7 +54,7 @@ def test_replayed_steps_give_the_tokens_and_logprobs_of_steps_run_op_by_op(kv_ca
     # Batches of 6 down to 1 ran; float weights take oneDNN's GEMM (a torch op: refused)
     # above small_batch_linear's 4 rows where the build has no packed_linear (AVX2).
     recorded = graphs.engine.runner.graphs
-    assert len([b for b, g in recorded.graphs.items() if g is not None]) >= 4
+    assert len([s for s, g in recorded.graphs.items() if g is not None]) >= 4
 
 
 def test_kept_quantized_weights_replay_bit_for_bit():
@@ -58,7 +63,30 @@ def test_kept_quantized_weights_replay_bit_for_bit():
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     assert _generate(graphs, prompts, params) == _generate(eager, prompts, params)
     assert _generate(graphs, prompts[:1], params) == _generate(eager, prompts[:1], params)
-    assert sorted(b for b, g in graphs.engine.runner.graphs.graphs.items() if g) == [1, 4]
+    assert sorted(s for s, g in graphs.engine.runner.graphs.graphs.items() if g) == [
+        _decodes(1), _decodes(4),
+    ]  # fmt: skip
+
+
+def test_steps_verifying_drafts_are_recorded_and_replay_exactly():
+    """Speculative decoding's verifying steps (1 + k tokens a sequence, through the
+    prefill attention path) record one graph per shape and replay it: the tokens and
+    logprobs are the steps' run op by op, for one sequence and for two."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "adaptive_length": False}  # fmt: skip
+    options = dict(quantization=None, dtype="float32", speculative_config=spec)
+    eager, graphs = LLM(None, enforce_eager=True, **options), LLM(None, **options)
+    # Repeating prompts: the n-gram proposer finds drafts, some accepted, some not.
+    prompts = [[7, 8, 9, 10, 11] * 6, [300, 301, 302, 303] * 8]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    for batch in (prompts[:1], prompts):
+        assert _generate(graphs, batch, params) == _generate(eager, batch, params)
+    recorded = graphs.engine.runner.graphs
+    verifying = [s for s, g in recorded.graphs.items() if g is not None and s[1]]
+    assert verifying and not recorded.refused
+    assert all(s[2] in (1, 2) and s[1] >= 2 * s[2] for s in verifying)
+    stats = graphs.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
 
 
 def test_contexts_past_the_recorded_length_run_op_by_op():
@@ -168,7 +196,7 @@ def test_families_record_their_decode_steps_and_replay_them_exactly(tmp_path, ki
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     assert _generate(graphs, prompts) == _generate(eager, prompts)
     recorded = graphs.engine.runner.graphs
-    assert not recorded.refused and recorded.graphs[3] is not None
+    assert not recorded.refused and recorded.graphs[_decodes(3)] is not None
 
 
 def test_only_the_graphs_used_last_are_kept(monkeypatch):
@@ -182,4 +210,4 @@ def test_only_the_graphs_used_last_are_kept(monkeypatch):
     got = graphs.generate(None, params, prompt_token_ids=prompts, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     # Batches of 4 (not recorded), 3, 2 and 1 ran: the last two are kept.
-    assert list(graphs.engine.runner.graphs.graphs) == [2, 1]
+    assert list(graphs.engine.runner.graphs.graphs) == [_decodes(2), _decodes(1)]
