@@ -354,7 +354,6 @@ def _read_parts(
     natively, in a private copy packed in place."""
     from pyllm.model.linear import QuantPart
 
-    shard = model.shard
     parts, start, i = [], 0, 0
     while i < len(tensors):
         run = [tensors[i]]
@@ -364,31 +363,39 @@ def _read_parts(
         rows = sum(n for _, n in shares)
         row_bytes = ops.quant_row_bytes(run[0].type_id, in_features)
         pack = strips and _packs_strips(model, run[0].type_id)
-        mapped = None if pack else _mapped_run(model, run, in_features)
-        if mapped is not None:
+        mapped = _mapped_run(model, run, in_features)
+        if mapped is not None and not pack:
             parts.append(QuantPart(mapped.to(model.device), run[0].type_id, start, start + rows))
             start += rows
             i += len(run)
             continue
         qweight = zeros_on_huge_pages((rows, row_bytes), torch.uint8)
-        at = 0
-        for t, (ranges, n) in zip(run, shares, strict=True):
-            split_cols = t.shape[1] != in_features
-            if t.shape[1] != in_features * (shard.size if split_cols else 1):
-                raise ValueError(
-                    f"{file.name}: tensor {t.name!r} has shape {t.shape}, expected "
-                    f"[rows, {in_features * (shard.size if split_cols else 1)}]"
-                )
-            first = shard.rank if split_cols else 0  # a row-parallel rank's share of a row
-            cols = range(first * row_bytes, (first + 1) * row_bytes)
-            dest = qweight[at : at + n].numpy()
-            _read_rows(file, t, ranges, dest, cols)
-            at += n
+        if mapped is not None:  # copied by every thread: the new pages fault in parallel
+            qweight.copy_(mapped)
+        else:
+            _read_run(file, model, run, shares, in_features, qweight)
         type_id = _pack_in_place(qweight, run[0].type_id) if pack else run[0].type_id
         parts.append(QuantPart(qweight.to(model.device), type_id, start, start + rows))
         start += rows
         i += len(run)
     return parts
+
+
+def _read_run(file, model, run: list[GGUFTensor], shares, in_features: int, qweight) -> None:
+    """Reads each tensor's share of rows (and of each row) into qweight, one after another."""
+    shard, at = model.shard, 0
+    row_bytes = qweight.shape[1]
+    for t, (ranges, n) in zip(run, shares, strict=True):
+        split_cols = t.shape[1] != in_features
+        if t.shape[1] != in_features * (shard.size if split_cols else 1):
+            raise ValueError(
+                f"{file.name}: tensor {t.name!r} has shape {t.shape}, expected "
+                f"[rows, {in_features * (shard.size if split_cols else 1)}]"
+            )
+        first = shard.rank if split_cols else 0  # a row-parallel rank's share of a row
+        cols = range(first * row_bytes, (first + 1) * row_bytes)
+        _read_rows(file, t, ranges, qweight[at : at + n].numpy(), cols)
+        at += n
 
 
 def _pack_in_place(qweight: torch.Tensor, type_id: int) -> int:
