@@ -1,17 +1,17 @@
 """Decode steps replayed from recorded kernel graphs (model.step_graph), one graph per
 step shape, as vLLM captures a CUDA graph per batch size.
 
-A step is recorded when it holds decodes only, or decodes some of which verify drafted
-tokens (speculative decoding: 1 + k tokens through the prefill attention path), and no
-prompt tokens. Its shape is its token count, its prefill part's tokens, sequences and
-longest query: what the kernels take as sizes rather than tensors. The first step of a
-shape runs for real while it records; later steps of that shape write their inputs
-into the tensors the recording read and replay it: the embeddings into one
-[tokens, hidden] tensor, the positions, and each tensor of the attention metadata
-(block tables into a copy wide enough for MAX_GRAPH_SEQ_LEN tokens; the metadata's
-max_decode_seq_len is that length, so decode attention takes the path it takes for
-every shorter context). A step whose contexts are longer runs op by op, as does every
-step of a model whose recording was refused.
+A step is recorded when it holds no prompt tokens: decodes, decodes verifying drafted
+tokens (speculative decoding: 1 + k tokens through the prefill attention path), a
+draft model's catch-up over the tokens just accepted. Its shape is its token count and
+its prefill part's tokens, sequences and longest query: what the kernels take as sizes
+rather than tensors. The first step of a shape runs for real while it records; later
+steps of that shape write their inputs into the tensors the recording read and replay
+it: the embeddings into one [tokens, hidden] tensor, the positions, and each tensor of
+the attention metadata (block tables into a copy wide enough for MAX_GRAPH_SEQ_LEN
+tokens; the metadata's max_decode_seq_len is that length, so decode attention takes
+the path it takes for every shorter context). A step whose contexts are longer runs op
+by op, as does every step of a model whose recording was refused.
 """
 
 from __future__ import annotations

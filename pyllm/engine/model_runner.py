@@ -149,8 +149,7 @@ class ModelRunner:
             self.prepare(batch)
         )
         hidden = None
-        # Recorded: steps of decodes, those verifying drafts (as prefills) included.
-        if self.graphs is not None and all(seq.spec_token_ids for seq, _ in batch.prefills):
+        if self.graphs is not None:  # steps without prompt tokens: decodes, verifications
             hidden = self.graphs.run(input_ids, positions, metadata)
         if hidden is None:
             # The metadata is built here from the scheduler's own state: skip re-validating.

@@ -109,6 +109,31 @@ def test_greedy_output_is_the_plain_engines(
         _assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_proposals_are_the_drafts_own_greedy_tokens(tiny_model_dir, noisy_draft_dir, kv_cache):
+    """The draft keeps the KV of proposals the target accepted and drops the rest: each
+    proposal is what the draft model alone generates greedily from the sequence's
+    tokens (a rejected proposal's KV left in place would change the draft's next
+    tokens)."""
+    llm = _llm(tiny_model_dir, noisy_draft_dir, kv_cache=kv_cache)
+    draft, seen = _draft(llm), []
+    propose = draft.propose
+
+    def recording(seqs, lengths):
+        proposals = propose(seqs, lengths)
+        seen.extend((list(s.token_ids), p) for s, p in zip(seqs, proposals, strict=True) if p)
+        return proposals
+
+    draft.propose = recording
+    _tokens(llm, _prompts(3))
+    assert len(seen) > 10 and _accepted(llm) > 0
+    alone = LLM(noisy_draft_dir, dtype="float32", kv_cache_memory=0.05)
+    for tokens, proposal in seen[:: max(1, len(seen) // 12)]:
+        params = SamplingParams(temperature=0.0, max_tokens=len(proposal), ignore_eos=True)
+        out = alone.generate(None, params, prompt_token_ids=[tokens], use_tqdm=False)
+        assert out[0].outputs[0].token_ids == proposal
+
+
 def test_preemption_loses_nothing(tiny_model_dir, noisy_draft_dir, plain_outputs):
     # 24 blocks of 16 tokens for the engine (and as many tokens for the draft) while 12
     # prompts of up to 152 tokens run: the engine preempts, the draft runs out of room.

@@ -10,8 +10,10 @@ Each step, for the sequences that speculate, batched across them:
    forward; the argmax after the last one is the first proposal;
 2. one decode forward per further proposed position, for every sequence that still
    wants one (k forwards in all when nothing is chunked);
-3. roll back: the draft's computed length returns to the sequence's committed length,
-   so the proposals' KV is never attended to later (it is written over next step).
+3. roll back, at the next step: the draft keeps the KV of the proposals the target
+   accepted and returns to the longest prefix its tokens share with the sequence's, so
+   a rejected proposal's KV is never attended to (it is written over), and an accepted
+   one is not computed twice.
 
 A draft holds its KV only for the sequences speculating this step: a sequence that
 does not speculate, finishes, is aborted or is preempted has it freed (and catches up
@@ -39,6 +41,7 @@ class DraftProposer:
         # Per speculating sequence (by its arrival): the draft's view of it. Its
         # num_computed_tokens and block_table / kv_slot address the draft's cache.
         self.states: dict[int, Sequence] = {}
+        self.committed: dict[int, int] = {}  # by arrival: its tokens when last proposed to
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """Per sequence, up to its length of proposed tokens ([] when the draft's cache
@@ -51,8 +54,6 @@ class DraftProposer:
             if self._reserve(seq, k):
                 wanted[seq.arrival] = k
         proposals = self._generate([self.states[a] for a in wanted], wanted)
-        for seq in seqs:
-            self._roll_back(seq)
         return [proposals.get(seq.arrival, []) for seq in seqs]
 
     def forget(self, seq: Sequence) -> None:
@@ -67,7 +68,10 @@ class DraftProposer:
             params = seq.sampling_params
             draft = Sequence(seq.request_id, seq.prompt_token_ids, params, arrival=seq.arrival)
             self.states[seq.arrival] = draft
+        else:
+            self._roll_back(draft, seq)
         draft.token_ids = list(seq.token_ids)
+        self.committed[seq.arrival] = seq.num_tokens
         need = draft.num_pending_tokens + k - 1
         if not self.kv_manager.can_append(draft, need):
             self._free(seq.arrival)
@@ -120,16 +124,19 @@ class DraftProposer:
             return []
         return list(zip(sampled, logits.argmax(dim=-1).tolist(), strict=True))
 
-    def _roll_back(self, seq: Sequence) -> None:
-        """Back to seq's committed tokens: the proposals' KV is dropped."""
-        draft = self.states.get(seq.arrival)
-        if draft is None:
-            return
-        draft.num_computed_tokens = min(draft.num_computed_tokens, seq.num_tokens)
-        del draft.token_ids[seq.num_tokens :]
+    def _roll_back(self, draft: Sequence, seq: Sequence) -> None:
+        """Back to the tokens the draft's view shares with seq: the KV of the proposals
+        seq accepted stays, that of the first rejected one and after it is dropped."""
+        computed, tokens = draft.num_computed_tokens, seq.token_ids
+        # The view held seq's tokens up to its last proposals, which followed them.
+        shared = min(computed, self.committed[seq.arrival])
+        while shared < min(computed, len(tokens)) and draft.token_ids[shared] == tokens[shared]:
+            shared += 1
+        draft.num_computed_tokens = shared
         self.kv_manager.trim(draft)
 
     def _free(self, arrival: int) -> None:
+        self.committed.pop(arrival, None)
         draft = self.states.pop(arrival, None)
         if draft is not None:
             self.kv_manager.free(draft)
