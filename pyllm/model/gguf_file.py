@@ -18,6 +18,7 @@ the tensor data is never read: `.raw` and `.array()` are views of the `numpy.mem
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -85,6 +86,18 @@ class GGUFTensor:
         row_bytes = self.shape[-1] // self.block_size * self.type_size
         data = self._map[self.offset : self.offset + self.nbytes]
         return np.asarray(data).reshape(*self.shape[:-1], row_bytes)
+
+    def drop_pages(self) -> None:
+        """Unmaps the whole pages of this tensor's bytes from the process; they stay in the
+        page cache, and a later read maps them again. For a tensor just copied: its mapped
+        pages would count in the process's RSS beside the copy."""
+        handle = getattr(self._map, "_mmap", None)  # numpy.memmap's mmap.mmap
+        if handle is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = -(-self.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (self.offset + self.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start:
+            handle.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def array(self) -> np.ndarray:
         """The values of an unquantized tensor as a read-only view of shape `shape`, no copy:

@@ -372,6 +372,8 @@ def _read_parts(
         qweight = zeros_on_huge_pages((rows, row_bytes), torch.uint8)
         if mapped is not None:  # copied by every thread: the new pages fault in parallel
             qweight.copy_(mapped)
+            for t in run:
+                t.drop_pages()
         else:
             _read_run(file, model, run, shares, in_features, qweight)
         type_id = _pack_in_place(qweight, run[0].type_id) if pack else run[0].type_id
