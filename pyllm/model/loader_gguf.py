@@ -32,7 +32,7 @@ from pyllm.model.config import ModelConfig
 from pyllm.model.dtype import resolve_dtype
 from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
-from pyllm.model.memory import zeros_on_huge_pages
+from pyllm.model.memory import zeros_committed
 from pyllm.model.registry import model_class
 from pyllm.model.weights import (
     WeightFiller,
@@ -369,7 +369,7 @@ def _read_parts(
             start += rows
             i += len(run)
             continue
-        qweight = zeros_on_huge_pages((rows, row_bytes), torch.uint8)
+        qweight = zeros_committed((rows, row_bytes), torch.uint8)
         if mapped is not None:  # copied by every thread: the new pages fault in parallel
             qweight.copy_(mapped)
             for t in run:

@@ -1,6 +1,6 @@
 """Host memory: how much is available, a clear refusal when a model will not fit in it,
-the default KV cache size that follows what the weights leave, and zeroed memory on
-huge pages.
+the default KV cache size that follows what the weights leave, and zeroed memory (on
+huge pages, or committed at once).
 
     available = available_memory_bytes()            # before loading anything
     kv_bytes = default_kv_cache_bytes(weights_bytes, requested, available=available)
@@ -224,7 +224,7 @@ def default_kv_cache_bytes(
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor in anonymous memory marked MADV_HUGEPAGE, which Linux backs with
     2 MiB pages where transparent huge pages are enabled ("madvise" or "always"): the KV
-    pool, and the weights the loader copies.
+    pool.
 
     Attention reads a sequence's blocks scattered over the whole cache, so with 4 KiB
     pages nearly every block is a TLB miss; measured with 2 threads
@@ -234,14 +234,24 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     numel = math.prod(shape)
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    # Anonymous pages read as zero; they are committed as they are first written (a KV
-    # pool holds only the part its sequences have used). Weights streamed from huge
-    # pages decode faster (TinyLlama-1.1B b1, 2 threads: Q8_0 38-40 against 42-43 ms a
-    # step with 4 KiB pages, Q4_K_M 22.3-22.9 against 22.9-23.7); where free memory is
-    # fragmented the kernel compacts it as the pages fault in, which can add a second
-    # or so to loading a GB.
+    # Anonymous pages read as zero; they are committed as blocks are first written, so
+    # the process holds only the part of the pool its sequences have used.
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
+def zeros_committed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are all committed at once (MAP_POPULATE: one call
+    into the kernel instead of a fault per 4 KiB page), for memory written whole at
+    once: the weights the loader copies. On 2 MiB pages those weights decoded a little
+    faster (TinyLlama-1.1B b1, 2 threads: Q8_0 38-40 against 42-43 ms a step, Q4_K_M
+    22.3-22.9 against 22.9-23.7), but faulting them in made the kernel compact memory
+    where free memory was fragmented: loads of 1.2-1.9 s against 0.7-1.1 s."""
+    numel = math.prod(shape)
+    if not hasattr(mmap, "MAP_POPULATE"):
+        return torch.zeros(shape, dtype=dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
