@@ -82,10 +82,11 @@ class DecodeGraphs:
             meta.num_prompt_tokens
             or meta.max_decode_seq_len > self.max_seq_len
             or shape[0] > MAX_GRAPH_BATCH
-            or _widest(meta) > self.table_width
         ):
             return None
         if shape not in self.graphs:
+            if _widest(meta) > self.table_width:  # a replay's _refill checks this itself
+                return None
             return self._record(shape, input_ids, positions, meta)
         self.graphs.move_to_end(shape)
         graph = self.graphs[shape]
