@@ -261,8 +261,13 @@ def test_speculation_under_a_grammar_follows_the_plain_engine(llm):
     assert stats.spec_decode_num_accepted_tokens > 10
     sampled = _chat(spec_llm, prompts * 2, **{**params, "temperature": 1.0})
     for out in sampled:
-        assert out.finish_reason == "stop", out.text
-        jsonschema.validate(json.loads(out.text), PERSON)
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON)
+        else:  # cut by max_tokens (at temperature 1 a number may run on): on the grammar
+            assert out.finish_reason == "length", out.text
+            matcher = spec_llm.engine.grammars.matcher(StructuredOutput(json=PERSON))
+            assert allowed_prefix(matcher, list(out.token_ids)) == list(out.token_ids)
+    assert any(out.finish_reason == "stop" for out in sampled)
     assert (
         spec_llm.engine.stats().spec_decode_num_accepted_tokens
         > stats.spec_decode_num_accepted_tokens
