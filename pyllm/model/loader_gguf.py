@@ -34,6 +34,8 @@ from pyllm.model.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from pyllm.model.llama import LlamaForCausalLM
 from pyllm.model.memory import zeros_committed
 from pyllm.model.registry import model_class
+from pyllm.model.strip_cache import ALIGN, StripCache
+from pyllm.model.strip_cache import enabled as strip_cache_enabled
 from pyllm.model.weights import (
     WeightFiller,
     expert_block_ranges,
@@ -262,41 +264,77 @@ def _load_quantized(
 ) -> set:
     """Gives every projection (and the token table) whose GGUF tensors are all of a
     quantized type pyllm multiplies its blocks as they are; returns the names of the
-    tensors used. Parts of one fused projection that share a type share one tensor."""
+    tensors used. Parts of one fused projection that share a type share one tensor.
+    Packed weights come from, or go to, the file's strip cache (pyllm.model.strip_cache)."""
+    cache = _open_strip_cache(model, gguf_file)
+    try:
+        with open(gguf_file.path, "rb") as file:
+            used = _read_quantized(model, gguf_file, filler, hf_of, file, cache)
+    except BaseException:
+        if cache is not None:
+            cache.abandon()
+        raise
+    if cache is not None:
+        cache.finish()
+    return used
+
+
+def _open_strip_cache(model: LlamaForCausalLM, gguf_file: GGUFFile) -> StripCache | None:
+    """The strip cache of this file and rank where this load packs weights: a complete one
+    to map, or a new one to pack into; None where there is neither."""
+    capacity = sum(
+        -(-t.nbytes // ALIGN) * ALIGN
+        for t in gguf_file.tensors.values()
+        if _packs_strips(model, t.type_id)
+    )
+    if not capacity or not strip_cache_enabled():
+        return None
+    cache = StripCache(gguf_file.path, model.shard.rank, model.shard.size)
+    return cache if cache.open() or cache.start(capacity) else None
+
+
+def _read_quantized(
+    model: LlamaForCausalLM,
+    gguf_file: GGUFFile,
+    filler: WeightFiller,
+    hf_of: dict[str, str],
+    file,
+    cache: StripCache | None,
+) -> set:
     config = model.config
     tensors = gguf_file.tensors
     used: set[str] = set()
-    with open(gguf_file.path, "rb") as file:
-        for module_path, names in _projections(config, tensors):
-            module = model.get_submodule(module_path)
-            parts = [tensors.get(name + ".weight") for name in names]
-            if not all(_quantizable(t, module.in_features) for t in parts):
-                continue
-            if any(name + ".bias" in tensors for name in names) and module.bias is None:
-                continue  # the filler reports the unexpected bias
-            module.set_quantized(_read_parts(file, model, parts, module.in_features, strips=True))
-            for t in parts:
-                used.add(t.name)
-                filler.mark(hf_of[t.name])
-        for module_path, name in _expert_projections(config):
-            module, tensor = model.get_submodule(module_path), tensors.get(name)
-            if tensor is None or not _quantizable(tensor, module.in_features):
-                continue  # missing: the filler names it; widened otherwise
-            full = filler.slots[hf_of[name]].full_shape
-            qweight, type_id = _read_experts(file, model, tensor, module, full), tensor.type_id
-            if _packs_strips(model, type_id):
-                type_id = _pack_in_place(qweight, type_id)
-            module.set_quantized(qweight, type_id)
-            used.add(name)
-            filler.mark(hf_of[name])
-        embedding = tensors.get("token_embd.weight")
-        if _quantizable(embedding, config.hidden_size):
-            # A tied head multiplies the table every step: strips where projections are.
-            tied = config.tie_word_embeddings
-            (part,) = _read_parts(file, model, [embedding], config.hidden_size, strips=tied)
-            model.set_quantized_embedding(part)
-            used.add(embedding.name)
-            filler.mark("model.embed_tokens.weight")
+    for module_path, names in _projections(config, tensors):
+        module = model.get_submodule(module_path)
+        parts = [tensors.get(name + ".weight") for name in names]
+        if not all(_quantizable(t, module.in_features) for t in parts):
+            continue
+        if any(name + ".bias" in tensors for name in names) and module.bias is None:
+            continue  # the filler reports the unexpected bias
+        module.set_quantized(
+            _read_parts(file, model, parts, module.in_features, strips=True, cache=cache)
+        )
+        for t in parts:
+            used.add(t.name)
+            filler.mark(hf_of[t.name])
+    for module_path, name in _expert_projections(config):
+        module, tensor = model.get_submodule(module_path), tensors.get(name)
+        if tensor is None or not _quantizable(tensor, module.in_features):
+            continue  # missing: the filler names it; widened otherwise
+        full = filler.slots[hf_of[name]].full_shape
+        module.set_quantized(*_read_experts(file, model, tensor, module, full, cache))
+        used.add(name)
+        filler.mark(hf_of[name])
+    embedding = tensors.get("token_embd.weight")
+    if _quantizable(embedding, config.hidden_size):
+        # A tied head multiplies the table every step: strips where projections are.
+        tied = config.tie_word_embeddings
+        (part,) = _read_parts(
+            file, model, [embedding], config.hidden_size, strips=tied, cache=cache
+        )
+        model.set_quantized_embedding(part)
+        used.add(embedding.name)
+        filler.mark("model.embed_tokens.weight")
     return used
 
 
@@ -345,13 +383,19 @@ def _read_rows(file, tensor: GGUFTensor, ranges: list[range], dest: np.ndarray, 
 
 
 def _read_parts(
-    file, model: LlamaForCausalLM, tensors: list[GGUFTensor], in_features: int, strips=False
+    file,
+    model: LlamaForCausalLM,
+    tensors: list[GGUFTensor],
+    in_features: int,
+    strips=False,
+    cache: StripCache | None = None,
 ) -> list:
     """QuantParts for consecutive tensors (their rows one after another in the output),
     each run of one type read from the file into one uint8 tensor. in_features: the
     layer's (a row-parallel rank's share of the tensor's columns). strips: runs of a
     type with strips (ops.pack_strips) become strips where this build reads them
-    natively, in a private copy packed in place."""
+    natively: mapped from the strip cache, or a copy packed in place (in the cache's
+    new file, else in private memory)."""
     from pyllm.model.linear import QuantPart
 
     parts, start, i = [], 0, 0
@@ -364,12 +408,16 @@ def _read_parts(
         row_bytes = ops.quant_row_bytes(run[0].type_id, in_features)
         pack = strips and _packs_strips(model, run[0].type_id)
         mapped = _mapped_run(model, run, in_features)
-        if mapped is not None and not pack:
-            parts.append(QuantPart(mapped.to(model.device), run[0].type_id, start, start + rows))
+        key, shape = ",".join(t.name for t in run), (rows, row_bytes)
+        packed = _cached(cache, key, run[0].type_id, shape) if pack else None
+        if packed is not None or (mapped is not None and not pack):
+            type_id = run[0].type_id if packed is None else ops.STRIPS_TYPES[run[0].type_id]
+            weight = mapped if packed is None else packed
+            parts.append(QuantPart(weight.to(model.device), type_id, start, start + rows))
             start += rows
             i += len(run)
             continue
-        qweight = zeros_committed((rows, row_bytes), torch.uint8)
+        qweight = _packing_memory(cache if pack else None, key, run[0].type_id, shape)
         if mapped is not None:  # copied by every thread: the new pages fault in parallel
             qweight.copy_(mapped)
             for t in run:
@@ -398,6 +446,18 @@ def _read_run(file, model, run: list[GGUFTensor], shares, in_features: int, qwei
         cols = range(first * row_bytes, (first + 1) * row_bytes)
         _read_rows(file, t, ranges, qweight[at : at + n].numpy(), cols)
         at += n
+
+
+def _cached(cache: StripCache | None, key: str, type_id: int, shape) -> torch.Tensor | None:
+    """The packed weight `key` from the strip cache, or None."""
+    return None if cache is None else cache.take(key, ops.STRIPS_TYPES[type_id], shape)
+
+
+def _packing_memory(cache: StripCache | None, key: str, type_id: int, shape) -> torch.Tensor:
+    """Zeroed uint8 memory to read a weight into: in the strip cache's new file when one
+    is being written, else private and committed at once."""
+    placed = None if cache is None else cache.place(key, ops.STRIPS_TYPES[type_id], shape)
+    return placed if placed is not None else zeros_committed(shape, torch.uint8)
 
 
 def _pack_in_place(qweight: torch.Tensor, type_id: int) -> int:
@@ -446,9 +506,12 @@ def _mapped_run(model: LlamaForCausalLM, run: list[GGUFTensor], in_features: int
         return torch.from_numpy(np.asarray(data)).view(rows, nbytes // rows)
 
 
-def _read_experts(file, model: LlamaForCausalLM, tensor: GGUFTensor, module, full) -> torch.Tensor:
+def _read_experts(
+    file, model: LlamaForCausalLM, tensor: GGUFTensor, module, full, cache: StripCache | None
+) -> tuple[torch.Tensor, int]:
     """A 3-D tensor of experts' blocks, of the model's shape `full` [E, N, K], as this
-    rank's uint8 [E', N', row bytes] (expert_block_ranges says which part)."""
+    rank's uint8 [E', N', row bytes] (expert_block_ranges says which part), and its type:
+    strips where this build reads them (mapped from the strip cache, or packed)."""
     if tensor.shape != full:
         raise ValueError(
             f"{file.name}: tensor {tensor.name!r} has shape {tensor.shape}, the model expects "
@@ -457,8 +520,17 @@ def _read_experts(file, model: LlamaForCausalLM, tensor: GGUFTensor, module, ful
     _, rows, cols = full
     full_bytes = ops.quant_row_bytes(tensor.type_id, cols)
     held, mine, cut = expert_block_ranges(model, module, rows, full_bytes, tensor.type_id)
-    row_bytes = len(cut)
-    qweight = torch.empty(len(held), len(mine), row_bytes, dtype=torch.uint8)
+    shape, type_id = (len(held), len(mine), len(cut)), tensor.type_id
+    pack = _packs_strips(model, type_id)
+    packed = _cached(cache, tensor.name, type_id, shape) if pack else None
+    if packed is not None:
+        return packed, ops.STRIPS_TYPES[type_id]
+    if pack:
+        qweight = _packing_memory(cache, tensor.name, type_id, shape)
+    else:
+        qweight = torch.empty(shape, dtype=torch.uint8)
     ranges = [range(e * rows + mine.start, e * rows + mine.stop) for e in held]
-    _read_rows(file, tensor, ranges, qweight.view(-1, row_bytes).numpy(), cut)
-    return qweight.to(model.device)
+    _read_rows(file, tensor, ranges, qweight.view(-1, shape[-1]).numpy(), cut)
+    if pack:
+        type_id = _pack_in_place(qweight, type_id)
+    return qweight.to(model.device), type_id
