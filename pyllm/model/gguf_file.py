@@ -221,22 +221,31 @@ class GGUFFile:
         return items.astype(dtype.newbyteorder("="))
 
     def _strings(self, count: int) -> list[str]:
-        """count strings: their lengths walked first, then all decoded from one bytes copy
-        (slicing bytes is cheaper than slicing the map's memoryview)."""
+        """count strings, walked and decoded in one pass over a bytes copy of the header
+        (slicing bytes is cheaper than slicing the map's memoryview). The copy starts at a
+        guess of 24 bytes a string and doubles while the array runs past it."""
         self._check_count(count, 8, "strings in an array")
-        view, unpack = self._view, _U64.unpack_from
-        first = pos = self._pos
-        spans = []
+        first, chunk = self._pos, b""
+        unpack, pos, out = _U64.unpack_from, 0, []
+        append = out.append
         for _ in range(count):
-            (length,) = unpack(view, pos)
+            if pos + 8 > len(chunk):
+                chunk = self._header_bytes(first, pos + 8, max(count * 24, 2 * len(chunk)))
+            (length,) = unpack(chunk, pos)
             pos += 8
-            spans.append((pos - first, pos - first + length))
+            if pos + length > len(chunk):
+                chunk = self._header_bytes(first, pos + length, max(count * 24, 2 * len(chunk)))
+            append(chunk[pos : pos + length].decode("utf-8", "replace"))
             pos += length
-        if pos > self.size:
+        self._pos = first + pos
+        return out
+
+    def _header_bytes(self, first: int, needed: int, wanted: int) -> bytes:
+        """A bytes copy of the file from `first`, `wanted` long (less at the end of the
+        file), at least `needed` (else struct.error: truncated)."""
+        if first + needed > self.size:
             raise struct.error
-        self._pos = pos
-        chunk = bytes(view[first:pos])
-        return [chunk[start:end].decode("utf-8", "replace") for start, end in spans]
+        return bytes(self._view[first : min(self.size, first + max(needed, wanted))])
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()

@@ -134,10 +134,15 @@ def train_sentencepiece(model_file: str, add_dummy_prefix: bool = True) -> None:
 
 
 def write_sentencepiece_gguf(
-    model_file: str, gguf_file: str, add_space_prefix: bool, chat_template: str | None = None
+    model_file: str,
+    gguf_file: str,
+    add_space_prefix: bool,
+    chat_template: str | None = None,
+    repeat_a_piece: bool = False,
 ) -> None:
     """Write the SentencePiece model's vocabulary as llama.cpp's converter would: tokens, scores,
-    token types and special ids under tokenizer.ggml.*, no tensors."""
+    token types and special ids under tokenizer.ggml.*, no tensors. repeat_a_piece: spell the
+    user-defined piece as BOS (a vocabulary SentencePiece refuses: a piece twice)."""
     import gguf
     import sentencepiece
 
@@ -158,7 +163,10 @@ def write_sentencepiece_gguf(
     n = sp.get_piece_size()
     writer = gguf.GGUFWriter(gguf_file, "llama")
     writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    if repeat_a_piece:
+        tokens[user_defined] = sp.id_to_piece(sp.bos_id())
+    writer.add_token_list(tokens)
     writer.add_token_scores([sp.get_score(i) for i in range(n)])
     writer.add_token_types([int(token_type(i)) for i in range(n)])
     writer.add_bos_token_id(sp.bos_id())

@@ -317,6 +317,72 @@ def test_sentencepiece_special_tokens_agree(sentencepiece_model):
         assert tok.decode(ids, skip_special_tokens=True) == f"{SP_USER_DEFINED}{space}Hello world"
 
 
+def test_sentencepiece_gguf_hf_tokenizer_encodes_alike(sentencepiece_model):
+    """A GGUF vocabulary runs on SentencePiece; the tokenizers BPE it builds for tokenizer.json
+    tools (merges ranked by score, byte fallback, the prefix normalizer) gives the same ids."""
+    sp, _, from_gguf, _ = sentencepiece_model
+    assert from_gguf.fast_tokenizer is None  # SentencePiece runs it
+    hf = from_gguf.hf_tokenizer()
+    for text in [t for t in MIXED_TEXTS if "<|" not in t] + random_texts(500, seed=5):
+        assert hf.encode(text, add_special_tokens=False).ids == sp.encode(text), text
+
+
+def test_a_vocabulary_sentencepiece_refuses_runs_on_tokenizers(tmp_path):
+    """SentencePiece refuses a vocabulary that spells two pieces alike (a few GGUF files do):
+    it then runs on the tokenizers BPE, with the same ids on text without special tokens."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    model_file = str(tmp_path / "tiny.model")
+    train_sentencepiece(model_file, add_dummy_prefix=True)
+    write_sentencepiece_gguf(model_file, str(tmp_path / "v.gguf"), True, repeat_a_piece=True)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    tokenizer = Tokenizer.from_pretrained(tmp_path / "v.gguf")
+    assert tokenizer.fast_tokenizer is not None
+    for text in [t for t in MIXED_TEXTS if "<" not in t] + random_texts(200, seed=7):
+        assert tokenizer.encode(text, add_special_tokens=False) == sp.encode(text), text
+
+
+def test_model_proto_of_short_and_long_pieces():
+    """The proto written at once for short pieces equals the one written piece by piece, and
+    a vocabulary with a piece too long for that (200 bytes) loads in SentencePiece too."""
+    import numpy as np
+
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from pyllm.model.tokenizer import sentencepiece_proto as proto
+
+    pieces = ["<unk>", "<s>", "\u2581", "a", "b", "\u2581a", "ab", "\u4f60\u597d"]
+    kinds = [2, 3, 1, 1, 1, 1, 1, 4]
+    scores = np.array([0.0, 0.0, -1.0, -2.0, -3.0, -1.5, -1.2, 0.0], dtype="<f4")
+    texts = [p.encode() for p in pieces]
+    one_by_one = b"".join(
+        proto._piece(t, float(v), k) for t, v, k in zip(texts, scores, kinds, strict=True)
+    )
+    assert proto._pieces_short(texts, scores, np.array(kinds)) == one_by_one
+    long_pieces = [*pieces, "x" * 200]
+    written = proto.bpe_model_proto(long_pieces, [*scores, -9.0], [*kinds, 1], True)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=written)
+    assert [sp.id_to_piece(i) for i in range(len(long_pieces))] == long_pieces
+    assert sp.encode("ab") == [2, 6]  # "ab" outscores "\u2581a": merged first
+    assert sp.is_unknown(0) and sp.is_control(1) and not sp.is_byte(3)
+
+
+def test_longest_match_regex_splits_as_a_longest_first_alternation():
+    import random
+    import re
+
+    from pyllm.model.tokenizer.backends import longest_match_regex
+
+    rng = random.Random(0)
+    for _ in range(50):
+        words = {"".join(rng.choices("ab<|>", k=rng.randint(1, 5))) for _ in range(20)}
+        flat = re.compile(
+            "(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + ")"
+        )
+        trie = re.compile("(" + longest_match_regex(words) + ")")
+        for _ in range(20):
+            text = "".join(rng.choices("ab<|> c", k=rng.randint(0, 30)))
+            assert trie.split(text) == flat.split(text), (words, text)
+
+
 def test_sentencepiece_hf_dir_needs_a_tokenizer(tmp_path):
     with open(os.path.join(tmp_path, "tokenizer_config.json"), "w") as f:
         f.write("{}")

@@ -129,6 +129,12 @@ class Tokenizer:
         backend = self._backend
         return backend.tokenizer if isinstance(backend, FastBackend) else None
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer | None:
+        """A `tokenizers.Tokenizer` that encodes as this one (for a tokenizer.json): the one
+        behind it, or for a GGUF SentencePiece vocabulary one built on first use (seconds for
+        Gemma 3's); None for a SentencePiece `tokenizer.model`."""
+        return self._backend.hf_tokenizer()
+
     @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids `decode(..., skip_special_tokens=True)` leaves out."""

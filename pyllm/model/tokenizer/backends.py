@@ -7,6 +7,7 @@ metadata); `SentencePieceBackend` wraps a `tokenizer.model` with HF's convention
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -57,6 +58,9 @@ class FastBackend:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        return self.tokenizer
+
     def force_bos_eos(
         self, bos_id: int | None, eos_id: int | None, add_bos: bool | None, add_eos: bool | None
     ) -> None:
@@ -86,31 +90,45 @@ class FastBackend:
 
 
 class SentencePieceBackend:
-    """A SentencePiece `tokenizer.model`, with the HF conventions around it.
+    """A SentencePiece model (a `tokenizer.model`, or one written from a GGUF file's
+    vocabulary), with the HF conventions around it.
 
     Special tokens (the model's control pieces and the config's added tokens) are cut out of the
     text first, and each run of text between them is encoded on its own, so each gets the dummy
     "\u2581" prefix -- what llama.cpp and HF's SentencePiece tokenizers do.
+
+    `hf_tokenizer()` gives the `tokenizers.Tokenizer` that encodes alike, where the source can
+    build one (`hf_factory`; a GGUF vocabulary's), for tools that take a tokenizer.json.
     """
 
     def __init__(
         self,
-        model_file: str,
+        model_file: str | None,
         added_tokens: dict[int, tuple[str, bool]],
         add_bos: bool,
         add_eos: bool,
+        *,
+        model_proto: bytes | None = None,
+        piece_types: tuple[list[int], bool] | None = None,
+        hf_factory: Callable[[], tokenizers.Tokenizer] | None = None,
     ):
+        """model_file, or model_proto (serialized) with piece_types: (each piece's type,
+        add_dummy_prefix), which a model_file's protobuf is read for."""
         import sentencepiece
 
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        if model_proto is None:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        else:
+            self.sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
         self.add_bos, self.add_eos = add_bos, add_eos
         self.bos_id = self.eos_id = None
+        self._hf_factory, self._hf = hf_factory, None
         n = self.sp.get_piece_size()
         # id -> (text, special): the model's control and unknown pieces are special, its
         # user-defined pieces are matched whole but not special; added tokens as the config says.
-        piece_types, self.add_dummy_prefix = sentencepiece_piece_types(
-            self.sp.serialized_model_proto()
-        )
+        if piece_types is None:
+            piece_types = sentencepiece_piece_types(self.sp.serialized_model_proto())
+        piece_types, self.add_dummy_prefix = piece_types
         self.added = {
             i: (self.sp.id_to_piece(i), kind != USER_DEFINED)
             for i, kind in enumerate(piece_types)
@@ -120,11 +138,16 @@ class SentencePieceBackend:
         self.added_ids = {text: i for i, (text, _) in self.added.items()}
         self.special_ids = frozenset(i for i, (_, special) in self.added.items() if special)
         self.vocab_size = max(n, max(self.added, default=-1) + 1)
-        # Longest first, so "<|im_start|>" wins over a shorter token it starts with.
-        alternatives = sorted(self.added_ids, key=len, reverse=True)
         self.split_pattern = (
-            re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
+            re.compile("(" + longest_match_regex(self.added_ids) + ")") if self.added_ids else None
         )
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer | None:
+        """The `tokenizers.Tokenizer` that encodes alike, built on first use; None where the
+        source has none (a `tokenizer.model`)."""
+        if self._hf is None and self._hf_factory is not None:
+            self._hf = self._hf_factory()
+        return self._hf
 
     def default_id(self, name: str) -> int | None:
         """The model's own id for a special token the config does not name."""
@@ -186,3 +209,28 @@ class SentencePieceBackend:
         # piece_to_id answers unk for any unknown piece; only the unk piece itself maps to it.
         unknown = token_id == self.sp.unk_id() and token != self.sp.id_to_piece(token_id)
         return None if unknown else token_id
+
+
+def longest_match_regex(words) -> str:
+    """A regex of any of `words` that takes the longest at each position ("<|im_start|>" over
+    a shorter token it starts with), as a trie: one branch per next character. A flat
+    alternation of Gemma 3's 6,400 control and user-defined tokens split 60 KB of text in
+    0.1 s; the trie in under 1 ms."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def branch(node: dict) -> str:
+        alternatives = [re.escape(c) + branch(child) for c, child in node.items() if c]
+        if not alternatives:
+            return ""
+        if "" in node:  # a word ends here: longer ones first, then this one
+            return "(?:" + "|".join(alternatives) + ")?"
+        if len(alternatives) == 1:
+            return alternatives[0]
+        return "(?:" + "|".join(alternatives) + ")"
+
+    return branch(trie)

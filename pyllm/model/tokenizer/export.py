@@ -19,7 +19,7 @@ def export_hf_tokenizer(
     """Writes tokenizer.json and tokenizer_config.json into `directory` (made if missing);
     returns their paths. transformers.AutoTokenizer.from_pretrained(directory) then
     encodes, decodes and renders chats as this tokenizer does."""
-    if tokenizer.fast_tokenizer is None:
+    if tokenizer.hf_tokenizer() is None:
         raise ValueError(
             "this tokenizer is a SentencePiece tokenizer.model, already in HF's format: "
             "point the tool at the model's own directory"
@@ -51,7 +51,7 @@ def export_hf_tokenizer(
 def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     """The tokenizer as a HF tokenizer.json document (for files, and for libraries that
     take one, such as llguidance)."""
-    fast = tokenizer.fast_tokenizer
+    fast = tokenizer.hf_tokenizer()
     if fast is None:
         raise ValueError("a SentencePiece tokenizer.model has no tokenizer.json form")
     try:
