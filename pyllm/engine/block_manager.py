@@ -37,6 +37,32 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
+class Blocks:
+    """A pool's Block objects by id, each made on first use. A pool of 43,690 blocks (Gemma 3
+    270M's default) made at once took a load 0.11 s: the objects' allocation set off a full
+    garbage collection of every object the imports had made."""
+
+    __slots__ = ("_made", "_size")
+
+    def __init__(self, size: int):
+        self._made: dict[int, Block] = {}
+        self._size = size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._size:
+                raise IndexError(f"block id {block_id} out of range for {self._size} blocks")
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self):
+        return (self[i] for i in range(self._size))
+
+
 def chain_hash(previous: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     digest = hashlib.blake2b(previous or b"", digest_size=16)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
@@ -61,10 +87,10 @@ class BlockManager:
         self.block_size = block_size
         self.block_bytes = block_bytes  # KV memory of one block, all layers of this pool
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks(num_blocks)
         # Free blocks in the order they were freed: allocation takes the oldest, so
         # a cached prefix survives as long as possible (LRU eviction).
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}  # hash -> block_id
         self.disk: BlockStore | None = None  # the prefix cache on disk, if any
         # Per sequence: how many of its blocks are hashed (registered in the cache), and

@@ -20,6 +20,7 @@ drains (lifecycle.py) and exits 0.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -48,6 +49,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     sockets = bind_sockets(config.host, config.port)
     try:
         prometheus_client.disable_created_metrics()  # no *_created series: this process is ours
+        gc.freeze()  # the imports' objects live as long as the server: collections skip them
         engine = AsyncEngine(LLMEngine(engine_config))
         name = config.served_model_name or default_model_name(engine_config.model_path)
         app = create_app(engine, name, config)

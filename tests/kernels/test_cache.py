@@ -276,6 +276,7 @@ def test_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages():
     key_cache.fill_(1.0)  # writable, and still readable after the allocation returns
     value_cache.fill_(2.0)
     after = _anon_huge_bytes()
-    # 2 x 32 MiB of cache: all but a partial 2 MiB page at each end can be huge pages.
+    # 2 x 32 MiB of cache: all but the first 2 MiB (SMALL_PAGES_FIRST) and a partial
+    # 2 MiB page at each end can be huge pages.
     assert after - before >= 48 * 2**20, (before, after)
     assert key_cache.sum().item() == key_cache.numel()
