@@ -84,6 +84,7 @@ class DecodeGraphs:
             or shape[0] > MAX_GRAPH_BATCH
         ):
             return None
+        self.model.ensure_rotary(positions)
         if shape not in self.graphs:
             if _widest(meta) > self.table_width:  # a replay's _refill checks this itself
                 return None

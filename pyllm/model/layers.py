@@ -21,6 +21,7 @@ from pyllm.attention.backend import KVPair
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, rope_inv_freq
 from pyllm.model.linear import Linear, empty_param
+from pyllm.model.memory import zeros_uncommitted
 from pyllm.model.module import Module
 
 
@@ -46,16 +47,47 @@ def rotary_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> tor
     half, sin in the second (the layout rotary_embedding reads). LongRoPE: positions past
     the pretraining context take the long factors (as vLLM does; HF switches a whole
     sequence once it grows past it), and cos/sin carry the attention factor."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
+    return rotary_cos_sin_rows(config, 0, max_positions).to(device)
+
+
+def rotary_cos_sin_rows(config: ModelConfig, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of rotary_cos_sin_cache, on the CPU: each row is computed alone,
+    so the rows of any split equal the whole table's."""
+    positions = torch.arange(start, stop, dtype=torch.float32)
     freqs = torch.outer(positions, rope_inv_freq(config))
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type") == "longrope":
-        original = scaling["original_max_position_embeddings"]
-        freqs[original:] = torch.outer(positions[original:], rope_inv_freq(config, long=True))
+        long = max(scaling["original_max_position_embeddings"] - start, 0)
+        freqs[long:] = torch.outer(positions[long:], rope_inv_freq(config, long=True))
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     if scaling.get("attention_factor", 1.0) != 1.0:
         cache = cache * scaling["attention_factor"]
-    return cache.contiguous().to(device)
+    return cache.contiguous()
+
+
+class RotaryTable:
+    """A rotary_cos_sin_cache computed as steps reach its positions, ROWS at a time, in
+    memory committed as it is written (on the CPU): Gemma 3's two tables for 32,768
+    positions held 64 MB from the first step. The table is allocated whole, so its
+    address never changes (kernel graphs hold it); elsewhere it is computed at once."""
+
+    ROWS = 4096
+
+    def __init__(self, config: ModelConfig, max_positions: int, device):
+        self.config, self.size = config, max_positions
+        if torch.device(device).type == "cpu":
+            self.table = zeros_uncommitted((max_positions, config.head_dim), torch.float32)
+            self.filled = 0
+        else:
+            self.table = rotary_cos_sin_cache(config, max_positions, device)
+            self.filled = max_positions
+
+    def ensure(self, positions: int) -> None:
+        """Rows [0, positions) computed."""
+        if positions > self.filled:
+            stop = min(self.size, -(-positions // self.ROWS) * self.ROWS)
+            self.table[self.filled : stop] = rotary_cos_sin_rows(self.config, self.filled, stop)
+            self.filled = stop
 
 
 @dataclass(slots=True)

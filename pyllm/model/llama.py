@@ -18,7 +18,7 @@ from pyllm import _C  # the per-layer ops, bound directly (csrc/torch_bindings.c
 from pyllm.attention.backend import MAIN_CACHE, AttentionBackend, CacheSpec, KVCache
 from pyllm.attention.metadata import AttentionMetadata
 from pyllm.model.config import ModelConfig, local_rope_config, resolve_max_model_len
-from pyllm.model.layers import MLP, Attention, RMSNorm, rotary_cos_sin_cache, step_buffers
+from pyllm.model.layers import MLP, Attention, RMSNorm, RotaryTable, step_buffers
 from pyllm.model.linear import (
     Linear,
     QuantPart,
@@ -147,16 +147,23 @@ class LlamaForCausalLM(Module):
             self.embed_scale = float(torch.tensor(config.embed_scale, dtype=dtype))
 
     def _register_rotary_tables(self, config: ModelConfig, device) -> None:
-        self.register_buffer(
-            "cos_sin_cache",
-            rotary_cos_sin_cache(config, self.max_model_len, device),
-            persistent=False,
-        )
+        tables = [RotaryTable(config, self.max_model_len, device)]
         # Sliding-window layers of a model with two kinds (Gemma 3) rotate by their own base.
-        local = None
         if "sliding_attention" in config.layer_types and config.rope_local_theta:
-            local = rotary_cos_sin_cache(local_rope_config(config), self.max_model_len, device)
+            tables.append(RotaryTable(local_rope_config(config), self.max_model_len, device))
+        self.rotary_tables = tables
+        self.register_buffer("cos_sin_cache", tables[0].table, persistent=False)
+        local = tables[1].table if len(tables) > 1 else None
         self.register_buffer("local_cos_sin_cache", local, persistent=False)
+
+    def ensure_rotary(self, positions: torch.Tensor) -> None:
+        """The rotary tables' rows up to the step's last position, computed (RotaryTable):
+        before a step, outside what a kernel graph records."""
+        if self.rotary_tables[0].filled >= self.max_model_len or positions.numel() == 0:
+            return
+        top = int(positions.max()) + 1
+        for table in self.rotary_tables:
+            table.ensure(top)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -245,6 +252,7 @@ class LlamaForCausalLM(Module):
         metadata themselves and checked it)."""
         if validate:
             self.validate_step(input_ids, positions, attn_metadata, kv_cache)
+        self.ensure_rotary(positions)
         return self.run_layers(self.embed(input_ids), positions, attn_metadata, kv_cache)
 
     def run_layers(

@@ -237,17 +237,27 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     (benchmarks/bench_ops.py, bf16, the same memory with THP_MEM_ALLOC_ENABLE=1 vs 0):
     decode attention over 1 GiB of KV (32 x 8192) 11.0-11.4 -> 13.0-13.4 GB/s. Without
     MADV_HUGEPAGE (not Linux) this is torch.zeros."""
-    numel = math.prod(shape)
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor, memory = _anonymous(shape, dtype)
+    nbytes = tensor.numel() * dtype.itemsize
     if nbytes > SMALL_PAGES_FIRST:
         memory.madvise(mmap.MADV_HUGEPAGE, SMALL_PAGES_FIRST, nbytes - SMALL_PAGES_FIRST)
+    return tensor
+
+
+def zeros_uncommitted(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in anonymous memory: its pages are committed as they are first
+    written, so the process holds only the part it has written."""
+    return _anonymous(shape, dtype)[0]
+
+
+def _anonymous(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    numel = math.prod(shape)
+    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    # Anonymous pages read as zero; they are committed as blocks are first written, so
-    # the process holds only the part of the pool its sequences have used.
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+    # Anonymous pages read as zero; they are committed as they are first written.
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape), memory
 
 
 def zeros_committed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -268,6 +268,36 @@ def test_yarn_matches_transformers(factor, truncate):
     torch.testing.assert_close(cache[5000], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rope", ["default", "longrope", "yarn"])
+def test_rotary_table_is_filled_as_positions_are_reached(rope):
+    """The rows a RotaryTable computes as steps reach them equal the whole table's, bit
+    for bit (LongRoPE's switch to the long factors inside a chunk included), and rows past
+    the last chunk reached are not computed."""
+    from pyllm.model.layers import RotaryTable, rotary_cos_sin_cache
+
+    parameters = {
+        "default": None,
+        "longrope": {"rope_type": "longrope", "rope_theta": 1e4,
+                     "original_max_position_embeddings": 5000,
+                     "short_factor": [1.0 + 0.1 * i for i in range(32)],
+                     "long_factor": [2.0 + 0.5 * i for i in range(32)]},
+        "yarn": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                 "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+    }[rope]  # fmt: skip
+    arch = {"architectures": ["Phi3ForCausalLM"]} if rope == "longrope" else {}
+    raw = _hf_config(**arch, **({"rope_parameters": parameters} if parameters else {}))
+    config = ModelConfig.from_hf_dict(raw)
+    whole = rotary_cos_sin_cache(config, 10000, "cpu")
+    table = RotaryTable(config, 10000, "cpu")
+    address = table.table.data_ptr()
+    table.ensure(17)
+    assert table.filled == RotaryTable.ROWS and not table.table[table.filled :].any()
+    for reached in (4096, 4097, 9000, 10000, 3):
+        table.ensure(reached)
+        assert torch.equal(table.table[: table.filled], whole[: table.filled])
+    assert table.filled == 10000 and table.table.data_ptr() == address
+
+
 def test_sliding_window_leaves_max_model_len_and_marks_layers():
     """A windowed model runs at its whole context; each layer knows its own window."""
     from pyllm.model.config import resolve_max_model_len
