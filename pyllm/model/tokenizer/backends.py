@@ -6,7 +6,6 @@ metadata); `SentencePieceBackend` wraps a `tokenizer.model` with HF's convention
 
 from __future__ import annotations
 
-import gc
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,7 +138,9 @@ class SentencePieceBackend:
         self.added_ids = {text: i for i, (text, _) in self.added.items()}
         self.special_ids = frozenset(i for i, (_, special) in self.added.items() if special)
         self.vocab_size = max(n, max(self.added, default=-1) + 1)
-        self.split_pattern = split_regex(self.added_ids) if self.added_ids else None
+        self.split_pattern = (
+            re.compile("(" + longest_match_regex(self.added_ids) + ")") if self.added_ids else None
+        )
 
     def hf_tokenizer(self) -> tokenizers.Tokenizer | None:
         """The `tokenizers.Tokenizer` that encodes alike, built on first use; None where the
@@ -208,21 +209,6 @@ class SentencePieceBackend:
         # piece_to_id answers unk for any unknown piece; only the unk piece itself maps to it.
         unknown = token_id == self.sp.unk_id() and token != self.sp.id_to_piece(token_id)
         return None if unknown else token_id
-
-
-def split_regex(words) -> re.Pattern:
-    """re.split by any of `words`, the longest at each position, keeping them. Compiled with
-    the cyclic garbage collector paused: parsing a pattern of thousands of words makes
-    ~100,000 short-lived objects, which set off a full collection of every object the
-    imports made (0.08 s of Gemma 3's load); they are freed by reference counting anyway."""
-    pattern = "(" + longest_match_regex(words) + ")"
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return re.compile(pattern)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def longest_match_regex(words) -> str:

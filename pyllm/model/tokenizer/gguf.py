@@ -212,8 +212,9 @@ def _sentencepiece_backend(
     for Gemma 3's 262,144 pieces where the `tokenizers` BPE (`_sentencepiece_bpe_from_gguf`,
     whose 513,511 merges are derived from the scores) takes 1.5 s. That one is still built
     for tools that need a tokenizer.json (`hf_tokenizer`), and is the tokenizer where
-    SentencePiece refuses the model (no unknown piece, a piece twice, an empty one). None
-    then, and where scores are missing."""
+    SentencePiece refuses the model (a piece twice, an empty piece, some byte pieces but
+    not all 256, neither an unknown piece nor byte pieces). None then, and where scores
+    are missing."""
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         return None  # _build names the problem
