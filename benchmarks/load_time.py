@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 WORKER = r"""
-import json, sys, time
+import json, os, sys, time
 engine, path = sys.argv[1], sys.argv[2]
 if engine == "llama.cpp":
     import llama_cpp
@@ -50,9 +50,8 @@ def run_once(engine: str, path: str, llama_cpp_site: str | None) -> dict | None:
     if engine == "llama.cpp" and llama_cpp_site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [llama_cpp_site, env.get("PYTHONPATH")]))
     name = "llama.cpp" if engine == "llama.cpp" else "pyllm"
-    code = "import os\n" + WORKER
     done = subprocess.run(
-        [sys.executable, "-c", code, name, path], capture_output=True, text=True, env=env
+        [sys.executable, "-c", WORKER, name, path], capture_output=True, text=True, env=env
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
     if done.returncode or not lines:

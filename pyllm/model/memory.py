@@ -252,11 +252,15 @@ def zeros_uncommitted(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return _anonymous(shape, dtype)[0]
 
 
-def _anonymous(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+def _anonymous(
+    shape: tuple[int, ...], dtype: torch.dtype, flags: int = 0
+) -> tuple[torch.Tensor, mmap.mmap]:
     numel = math.prod(shape)
-    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags |= mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
     # The tensor holds a reference to `memory`, which is unmapped when both are gone.
-    # Anonymous pages read as zero; they are committed as they are first written.
+    # Anonymous pages read as zero; without MAP_POPULATE they are committed as they are
+    # first written.
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape), memory
 
 
@@ -267,9 +271,6 @@ def zeros_committed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     faster (TinyLlama-1.1B b1, 2 threads: Q8_0 38-40 against 42-43 ms a step, Q4_K_M
     22.3-22.9 against 22.9-23.7), but faulting them in made the kernel compact memory
     where free memory was fragmented: loads of 1.2-1.9 s against 0.7-1.1 s."""
-    numel = math.prod(shape)
     if not hasattr(mmap, "MAP_POPULATE"):
         return torch.zeros(shape, dtype=dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    memory = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+    return _anonymous(shape, dtype, mmap.MAP_POPULATE)[0]

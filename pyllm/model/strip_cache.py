@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -165,7 +166,7 @@ class StripCache:
     def place(self, key: str, type_id: int, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Zeroed memory in the new file for the packed weight `key`, or None when no file
         is being written (or it has no room: the caller then packs in its own memory)."""
-        nbytes = _nbytes(shape)
+        nbytes = math.prod(shape)
         if self._writing is None or self._cursor + nbytes > self._writing[1]:
             return None
         offset = self._cursor
@@ -211,15 +212,8 @@ class StripCache:
         self.entries = {}
 
     def _view(self, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        data = torch.frombuffer(self._map, dtype=torch.uint8, count=_nbytes(shape), offset=offset)
+        data = torch.frombuffer(self._map, dtype=torch.uint8, count=math.prod(shape), offset=offset)
         return data.view(shape)
-
-
-def _nbytes(shape) -> int:
-    total = 1
-    for d in shape:
-        total *= d
-    return total
 
 
 def _fits(entry: dict, end: int) -> bool:
@@ -230,7 +224,7 @@ def _fits(entry: dict, end: int) -> bool:
     offset = entry.get("offset")
     if type(offset) is not int or offset < ALIGN or offset % ALIGN:
         return False
-    return type(entry.get("type")) is int and offset + _nbytes(shape) <= end
+    return type(entry.get("type")) is int and offset + math.prod(shape) <= end
 
 
 def _remove_orphans(path: Path) -> None:
