@@ -173,6 +173,22 @@ struct Vec16 {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
   }
+  Vec16 abs() const {
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return {_mm256_and_ps(lo, mask), _mm256_and_ps(hi, mask)};
+  }
+  int32_t store_rounded_int8(int8_t* p) const {
+    const __m256i a = _mm256_cvtps_epi32(lo), b = _mm256_cvtps_epi32(hi);
+    // packs works within 128-bit lanes: a0-3 b0-3 a4-7 b4-7, put back in order.
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    const __m256i ab = _mm256_add_epi32(a, b);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(ab), _mm256_extracti128_si256(ab, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
 
   // Lanes >= n become `fill`; a select, so garbage (NaN, inf) in them is dropped.
   Vec16 keep_first(int n, float fill) const {

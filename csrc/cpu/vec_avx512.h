@@ -100,6 +100,15 @@ struct Vec16 {
   }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  Vec16 abs() const { return {_mm512_abs_ps(v)}; }
+  // Lanes rounded to integers by the current rounding mode (nearest even, as
+  // std::nearbyint), stored as int8 at p (lanes must lie in [-128, 127]); returns
+  // their sum.
+  int32_t store_rounded_int8(int8_t* p) const {
+    const __m512i i = _mm512_cvtps_epi32(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(i));
+    return _mm512_reduce_add_epi32(i);
+  }
 
   // Lanes >= n become `fill`; a select, so garbage (NaN, inf) in them is dropped.
   Vec16 keep_first(int n, float fill) const {

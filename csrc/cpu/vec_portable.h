@@ -76,6 +76,20 @@ struct Vec16 {
     for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
     return m;
   }
+  Vec16 abs() const {
+    Vec16 r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::fabs(v[i]);
+    return r;
+  }
+  int32_t store_rounded_int8(int8_t* p) const {
+    int32_t sum = 0;
+    for (int i = 0; i < kLanes; ++i) {
+      const int q = static_cast<int>(std::nearbyint(v[i]));
+      p[i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    return sum;
+  }
   Vec16 keep_first(int n, float fill) const {
     Vec16 r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? v[i] : fill;

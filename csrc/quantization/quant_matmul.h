@@ -46,19 +46,19 @@ constexpr int64_t kGrainWeights = 1 << 16;
 // ---------------------------------------------------------------------------
 // Input rows to QuantizedRows (quant_dot.h), one span of G values at a time.
 
+// G is a multiple of 16 (32 or 256). Vectorized, the results equal a scalar loop's
+// (the same float products, rounded to nearest even as std::nearbyint); the scalar
+// loop took 1.4-1.7 ns a value, as long as an 8-row tile's products with 256 columns.
 template <typename scalar_t>
 void quantize_span(const scalar_t* x, int64_t G, int8_t* q, float* d, float* s, int16_t* isum) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
-  const float scale = amax / 127.0f;
+  using vec::Vec16;
+  Vec16 amax = Vec16::zero();
+  for (int64_t i = 0; i < G; i += vec::kLanes) amax = Vec16::max(Vec16::load(x + i).abs(), amax);
+  const float scale = amax.reduce_max() / 127.0f;
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  const Vec16 inv_v = Vec16::set1(inv);
   for (int64_t h = 0; h < G / 16; ++h) {
-    int32_t sum = 0;
-    for (int64_t i = 16 * h; i < 16 * h + 16; ++i) {
-      const int qi = static_cast<int>(std::nearbyint(static_cast<float>(x[i]) * inv));
-      q[i] = static_cast<int8_t>(qi);
-      sum += qi;
-    }
+    const int32_t sum = (Vec16::load(x + 16 * h) * inv_v).store_rounded_int8(q + 16 * h);
     isum[h] = static_cast<int16_t>(sum);
     s[h] = scale * float(sum);
   }
