@@ -207,7 +207,9 @@ template <typename S>
 bool one_group(const MoeStep<S>& s, int64_t a, int64_t b) {
   if (a == 0 || b == 0) return true;
   for (const MoeWeight* w : {&s.gate, &s.up, &s.down}) {
-    if (moe_path<S>(w->type, a, true) != moe_path<S>(w->type, b)) return false;
+    if (moe_path<S>(w->type, w->strips, a, true) != moe_path<S>(w->type, w->strips, b)) {
+      return false;
+    }
   }
   return true;
 }
@@ -258,9 +260,9 @@ void group_pairs(MoeStep<S>& s, int64_t expert_start) {
   for (int32_t g : s.order) {
     // Group 2e holds prompt rows where the expert has any: its first row's token says.
     const bool many = g % 2 == 0 && s.token[s.start[g]] < s.prompt_tokens;
-    s.gate_path[g] = moe_path<S>(s.gate.type, s.rows(g), many);
-    s.up_path[g] = moe_path<S>(s.up.type, s.rows(g), many);
-    s.down_path[g] = moe_path<S>(s.down.type, s.rows(g), many);
+    s.gate_path[g] = moe_path<S>(s.gate.type, s.gate.strips, s.rows(g), many);
+    s.up_path[g] = moe_path<S>(s.up.type, s.up.strips, s.rows(g), many);
+    s.down_path[g] = moe_path<S>(s.down.type, s.down.strips, s.rows(g), many);
   }
 }
 

@@ -32,16 +32,16 @@ enum class MoePath : uint8_t { kInt8, kPanel, kGemm, kFloatFew, kFloatMany };
 // Rows from which float weights go through ATen's GEMM instead of being streamed.
 constexpr int64_t kFloatGemmMinRows = 16;
 
-// The path of a projection of type `type` for an expert with `rows` rows of S; many:
-// the panels whatever the rows where they run (prompt tokens, as quant_linear's
-// many_rows).
+// The path of a projection of type `type` (in strips or not) for an expert with
+// `rows` rows of S; many: the panels whatever the rows where they run (prompt tokens,
+// as quant_linear's many_rows).
 template <typename S>
-MoePath moe_path(int64_t type, int64_t rows, bool many = false) {
+MoePath moe_path(int64_t type, bool strips, int64_t rows, bool many = false) {
   if (is_float_weight_type(type)) {
     return rows >= kFloatGemmMinRows ? MoePath::kFloatMany : MoePath::kFloatFew;
   }
   if constexpr (kPackedLinearVectorized<S>) {
-    const int64_t from = panel_min_rows<S>(type);
+    const int64_t from = panel_min_rows<S>(type, strips);
     if (from != INT64_MAX && (many || rows >= from)) return MoePath::kPanel;
   }
   if constexpr (std::is_same_v<S, float> && !kPackedLinearVectorized<S>) {

@@ -19,7 +19,9 @@
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
 // (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
 // vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows). A
-// step's prompt rows take the AMX tiles or panels at any count (many_rows).
+// step's prompt rows take the AMX tiles or panels at any count (many_rows). Weights
+// in strips without AMX keep the int8 products at every count, which outrun the
+// panels there (panel_min_rows).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -53,12 +55,12 @@ namespace {
 // its count alone; 0 where the int8 products (or, on AVX2, ATen's GEMM) take many
 // rows.
 template <typename S>
-int64_t many_row_path_from(int64_t qtype) {
+int64_t many_row_path_from(int64_t qtype, bool strips) {
 #ifdef PYLLM_QUANT_AMX
   if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready()) return kAmxMinRows;
 #endif
   if constexpr (kPackedLinearVectorized<S>) {
-    const int64_t from = panel_min_rows<S>(qtype);
+    const int64_t from = panel_min_rows<S>(qtype, strips);
     if (from != INT64_MAX) return from;
   }
   return 0;
@@ -90,7 +92,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   }
 #endif
   if constexpr (kPackedLinearVectorized<scalar_t>) {
-    const int64_t from = panel_min_rows<scalar_t>(qtype);
+    const int64_t from = panel_min_rows<scalar_t>(qtype, strips);
     if (n_panel == 0 && from != INT64_MAX && (many || M >= from)) {
       n_panel = N / vec::kLanes * vec::kLanes;
       dispatch_type(qtype, [&](auto t) {
@@ -229,7 +231,7 @@ void quant_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& qw
     return;
   }
   PYLLM_DISPATCH_FLOATING_TYPES(input.scalar_type(), "quant_linear", [&] {
-    const int64_t from = many_row_path_from<scalar_t>(plain_type(qtype));
+    const int64_t from = many_row_path_from<scalar_t>(plain_type(qtype), is_strips(qtype));
     int64_t P = from == 0 ? 0 : many_rows;
     if (P > 0 && M - P >= from) P = M;  // the other rows take that path too
     if (P == 0 || P == M) {

@@ -226,15 +226,22 @@ void dequantize_row_f32(const uint8_t* row, int64_t K, float* y) {
 // 16 rows 48-52 ms by panels against about 45 by int8 tiles, 64 rows 79-81 ms).
 constexpr int64_t kPanelMinRows = 32;
 
-// The 4-bit formats whose int8 products run by octets (quant_octets_avx512.h) keep
-// them for float32 inputs: 2 cores of a Zen 4, 2880x2880 Q4_0 and MXFP4, 32-512
-// rows, int8 tiles 265-319 GFLOP/s against the float32 panels' 155-212 (bf16 panels
-// 267-417 against 254-288: they still win from 32 rows); Q4_K 2048x2048 331-343
-// GFLOP/s at 32-64 rows by int8 tiles.
+// Where the int8 products outrun the panels, the panels are never taken: a row's
+// result then depends on nothing else in the call, at any count.
+//  - Weights in strips: 2 cores of a Zen 4, eight 2048x2048 weights, bf16 inputs, int8
+//    tiles against panels 1.10-1.45x at 32 rows, 1.01-1.26x at 512 (Q4_0, Q4_1, Q8_0,
+//    Q4_K, Q6_K, MXFP4), float32 inputs 2.3x; TinyLlama Q4_K_M, prefill 512 1.36x
+//    (benchmarks/quant_linear.py). The GGUF rows' own int8 kernels lose to the panels
+//    (Q5_0, Q5_K: 0.4-0.7x), so they keep them.
+//  - The 4-bit formats whose int8 products run by octets (quant_octets_avx512.h),
+//    for float32 inputs: 2880x2880 Q4_0 and MXFP4, 32-512 rows, int8 tiles 265-319
+//    GFLOP/s against the float32 panels' 155-212; Q4_K 2048x2048 331-343 GFLOP/s at
+//    32-64 rows by int8 tiles.
 template <typename scalar_t>
-int64_t panel_min_rows(int64_t type) {
+int64_t panel_min_rows(int64_t type, bool strips) {
   if (batch_invariant()) return INT64_MAX;  // only the int8 products (ops.h)
 #if defined(PYLLM_QUANT_ZMM)
+  if (strips) return INT64_MAX;
   const bool octets = is_octet_format(type) || type == kQ4_K;
   if (octets && std::is_same_v<scalar_t, float>) return INT64_MAX;
 #endif

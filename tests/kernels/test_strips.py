@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pyllm.ops as ops
+from pyllm.model.linear import _cpu_has_amx
 
 from .test_moe import (
     FLOAT_TYPE,
@@ -55,6 +56,21 @@ def rows_tolerance(type_name, dtype):
     return 1e-4 if type_name == "Q6_K" else 1e-5
 
 
+def strips_take_panels():
+    """Whether many bf16 rows over strips take float products as over GGUF rows (AMX
+    tiles; or the strips are unpacked to rows every call); else they keep the int8
+    products at every count."""
+    return not ops.strips_native() or _cpu_has_amx()
+
+
+def int8_product(x, qweight, qtype, bias=None):
+    ops.set_batch_invariant(True)
+    try:
+        return product(x, qweight, qtype, bias)
+    finally:
+        ops.set_batch_invariant(False)
+
+
 def product(x, qweight, qtype, bias=None, many_rows=0):
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
     with kernel_threads():
@@ -89,19 +105,26 @@ def test_packing_keeps_the_weight(type_name, shape_index):
 @pytest.mark.parametrize("shape_index", [0, 1])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bias):
-    """The int8 products differ from the GGUF rows' only in float rounding order; the
-    dequantized panels (bf16, many rows) are bit for bit the GGUF rows'."""
+    """The int8 products differ from the GGUF rows' only in float rounding order; where
+    the strips take float products too (bf16, many rows), they are bit for bit the GGUF
+    rows', and where they keep the int8 products, those of the batch-invariant mode."""
     qweight, type_id, strips, strips_id, in_features = weight(type_name, shape_index)
     out_features = qweight.shape[0]
     x = torch.randn(rows, in_features).to(dtype)
     b = torch.randn(out_features).to(dtype) if bias else None
     tolerance = rows_tolerance(type_name, dtype)
+    panels = ops.packed_linear_vectorized(dtype) and dtype == torch.bfloat16
     for many in (0, rows):
-        want = product(x, qweight, type_id, b, many).float()
         got = product(x, strips, strips_id, b, many).float()
+        if not strips_take_panels():
+            # The int8 products at every count, whichever path the GGUF rows take.
+            assert torch.equal(got, int8_product(x, strips, strips_id, b).float())
+            want = int8_product(x, qweight, type_id, b).float()
+        else:
+            want = product(x, qweight, type_id, b, many).float()
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-        panels = ops.packed_linear_vectorized(dtype) and dtype == torch.bfloat16
-        if panels and (many or rows >= 32) and out_features % 16 == 0 and not ops.batch_invariant():
+        floats = panels and (many or rows >= 32) and not ops.batch_invariant()
+        if floats and strips_take_panels() and out_features % 16 == 0:
             assert torch.equal(got, want)
 
 
@@ -179,18 +202,26 @@ def test_fused_moe_strips_with_a_tail():
 
 @native
 @pytest.mark.parametrize("type_name", TYPES)
-def test_fused_moe_strip_panels_equal_the_rows(type_name):
-    """A bf16 prompt (every expert on the panels) gives bitwise what the GGUF rows give."""
+def test_fused_moe_strip_prompts_keep_the_int8_products(type_name):
+    """A bf16 prompt over strips gives bitwise what the batch-invariant mode gives (the
+    int8 products, which outrun the panels there), and close to the GGUF rows'
+    panels."""
     if ops.batch_invariant() or not ops.packed_linear_vectorized(torch.bfloat16):
         pytest.skip("no bf16 panels in this build or mode")
     hidden, inter = (256, 256) if ops.QUANT_TYPES[type_name][1] == 256 else (96, 160)
     weights, ids, _ = make_weights(type_name, torch.bfloat16, 8, hidden, inter)
     packed, packed_ids = packed_strips(weights, ids)
     x, logits = torch.randn(40, hidden).to(torch.bfloat16), router_logits(40, 8)
-    want, got = torch.empty_like(x), torch.empty_like(x)
-    ops.fused_moe(want, x, logits, 2, *weights, *ids, many_rows=40)
+    rows, got, int8 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    ops.fused_moe(rows, x, logits, 2, *weights, *ids, many_rows=40)
     ops.fused_moe(got, x, logits, 2, *packed, *packed_ids, many_rows=40)
-    assert torch.equal(got, want)
+    ops.set_batch_invariant(True)
+    try:
+        ops.fused_moe(int8, x, logits, 2, *packed, *packed_ids, many_rows=40)
+    finally:
+        ops.set_batch_invariant(False)
+    assert torch.equal(got, int8)
+    torch.testing.assert_close(got.float(), rows.float(), rtol=0.05, atol=0.05)
 
 
 def test_fused_moe_refuses_strips_it_cannot_read():
