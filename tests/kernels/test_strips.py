@@ -142,6 +142,20 @@ def test_a_row_computes_alike_in_any_call(type_name, many_rows):
         assert torch.equal(part, whole[first:last])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_without_amx_a_row_computes_alike_at_any_count(type_name, dtype):
+    """Where the strips keep the int8 products, the default mode is batch-invariant for
+    them: 48 rows, a prompt of 40 among them, give each row bitwise what it gives alone."""
+    if strips_take_panels():
+        pytest.skip("many rows over strips take float products here")
+    _, _, strips, strips_id, in_features = weight(type_name, 1)
+    x = torch.randn(48, in_features).to(dtype)
+    whole = product(x, strips, strips_id, many_rows=40)
+    for row in (0, 39, 40, 47):
+        assert torch.equal(product(x[row : row + 1], strips, strips_id), whole[row : row + 1])
+
+
 def test_bad_arguments_raise():
     q4_k = ops.QUANT_TYPES["Q4_K"][0]
     with pytest.raises(ValueError, match="qweight must hold Q4_K rows"):
