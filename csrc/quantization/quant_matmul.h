@@ -230,9 +230,10 @@ constexpr int64_t kPanelMinRows = 32;
 // result then depends on nothing else in the call, at any count.
 //  - Weights in strips: 2 cores of a Zen 4, eight 2048x2048 weights, bf16 inputs, int8
 //    tiles against panels 1.10-1.45x at 32 rows, 1.01-1.26x at 512 (Q4_0, Q4_1, Q8_0,
-//    Q4_K, Q6_K, MXFP4), float32 inputs 2.3x; TinyLlama Q4_K_M, prefill 512 1.36x
-//    (benchmarks/quant_linear.py). The GGUF rows' own int8 kernels lose to the panels
-//    (Q5_0, Q5_K: 0.4-0.7x), so they keep them.
+//    Q4_K, Q6_K, MXFP4), float32 inputs 2.3x (each weight by quant_linear in the
+//    batch-invariant mode against the default, before strips left the panels);
+//    TinyLlama Q4_K_M prefill 512 1.37x end to end. The GGUF rows' own int8 kernels
+//    lose to the panels (Q5_0, Q5_K: 0.4-0.7x), so they keep them.
 //  - The 4-bit formats whose int8 products run by octets (quant_octets_avx512.h),
 //    for float32 inputs: 2880x2880 Q4_0 and MXFP4, 32-512 rows, int8 tiles 265-319
 //    GFLOP/s against the float32 panels' 155-212; Q4_K 2048x2048 331-343 GFLOP/s at

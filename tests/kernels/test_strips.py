@@ -4,6 +4,8 @@ results."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -63,12 +65,19 @@ def strips_take_panels():
     return not ops.strips_native() or _cpu_has_amx()
 
 
-def int8_product(x, qweight, qtype, bias=None):
+@contextlib.contextmanager
+def int8_products():
+    """The batch-invariant mode: the int8 products at every count."""
     ops.set_batch_invariant(True)
     try:
-        return product(x, qweight, qtype, bias)
+        yield
     finally:
         ops.set_batch_invariant(False)
+
+
+def int8_product(x, qweight, qtype, bias=None):
+    with int8_products():
+        return product(x, qweight, qtype, bias)
 
 
 def product(x, qweight, qtype, bias=None, many_rows=0):
@@ -229,11 +238,8 @@ def test_fused_moe_strip_prompts_keep_the_int8_products(type_name):
     rows, got, int8 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     ops.fused_moe(rows, x, logits, 2, *weights, *ids, many_rows=40)
     ops.fused_moe(got, x, logits, 2, *packed, *packed_ids, many_rows=40)
-    ops.set_batch_invariant(True)
-    try:
+    with int8_products():
         ops.fused_moe(int8, x, logits, 2, *packed, *packed_ids, many_rows=40)
-    finally:
-        ops.set_batch_invariant(False)
     assert torch.equal(got, int8)
     torch.testing.assert_close(got.float(), rows.float(), rtol=0.05, atol=0.05)
 
