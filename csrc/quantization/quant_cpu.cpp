@@ -18,7 +18,8 @@
 // Many rows (a prompt chunk, a large batch) go instead through float products of
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
 // (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
-// vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows). A
+// vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows; the
+// K-quants keep the int8 products on AVX2: gemm_min_rows). A
 // step's prompt rows take the AMX tiles or panels at any count (many_rows). Weights
 // in strips without AMX keep the int8 products at every count, which outrun the
 // panels there (panel_min_rows).
@@ -102,7 +103,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
     }
   }
   if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
-    if (n_panel == 0 && M >= kGemmMinRows && !batch_invariant()) {
+    if (n_panel == 0 && M >= gemm_min_rows(qtype)) {
       dispatch_type(qtype, [&](auto t) {
         gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
       });
