@@ -398,8 +398,8 @@ def test_tiny_model_through_gguf_matches_hf(tmp_path, variant):
 
 def kept_type(qtype: int) -> int:
     """The type a GGUF projection of type qtype is held in: strips where this build's
-    kernels read them (all but MXFP4's), else the file's rows."""
-    if ops.strips_native() and qtype in ops.STRIPS_TYPES and qtype != Q.MXFP4:
+    kernels read them, else the file's rows."""
+    if ops.strips_native() and qtype in ops.STRIPS_TYPES:
         return ops.STRIPS_TYPES[qtype]
     return qtype
 
