@@ -9,7 +9,8 @@ shared by every process that maps the file, as the GGUF file's own blocks are.
 A cache file belongs to one GGUF file (real path, size, modification time), one
 tensor-parallel rank, one pyllm version and one strip layout (a digest of a small probe
 packed by this build), and lists every weight with its type and shape: a file that does not
-match is rewritten, a weight it lacks is packed in memory. Where: $PYLLM_CACHE_DIR, else
+match is rewritten, a weight it lacks is packed in memory and the file removed, for the
+next load to write whole (the types a build packs can change). Where: $PYLLM_CACHE_DIR, else
 $XDG_CACHE_HOME/pyllm, else ~/.cache/pyllm, under strips/. `PYLLM_STRIP_CACHE=0` turns it
 off. A load leaves the cache off when the disk would keep less than 1 GiB free.
 
@@ -94,6 +95,7 @@ class StripCache:
         self._map: mmap.mmap | None = None
         self._writing: tuple[Path, int] | None = None  # (temporary file, its capacity)
         self._cursor = ALIGN
+        self._missed = 0  # weights asked of a complete file that it lacks
 
     # ---------------------------------------------------------------- reading
     def open(self) -> bool:
@@ -121,10 +123,11 @@ class StripCache:
 
     def take(self, key: str, type_id: int, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The packed weight `key` of this type and shape as a read-only view, or None."""
-        entry = self.entries.get(key)
-        if self._writing or entry is None or entry["type"] != type_id:
+        if self._writing:
             return None
-        if tuple(entry["shape"]) != tuple(shape):
+        entry = self.entries.get(key)
+        if entry is None or entry["type"] != type_id or tuple(entry["shape"]) != tuple(shape):
+            self._missed += 1
             return None
         with warnings.catch_warnings():
             # Read-only: the kernels only read weights; a write would fault, not corrupt.
@@ -175,8 +178,15 @@ class StripCache:
         return self._view(offset, shape)
 
     def finish(self) -> None:
-        """Writes the index after the weights and renames the file into place."""
+        """Writes the index after the weights and renames the file into place; removes a
+        complete file that lacked weights of this load (its map stays valid)."""
         if self._writing is None:
+            if self._missed:
+                logger.info("pyllm: %s lacked %d packed weights; removed", self.path, self._missed)
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
             return
         temporary, _ = self._writing
         index = json.dumps({"identity": self.identity, "entries": self.entries}).encode()

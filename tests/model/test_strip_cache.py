@@ -124,6 +124,31 @@ def test_a_cache_file_that_does_not_match_is_rewritten(cache_dir, q8_file, tmp_p
 
 
 @pytest.mark.skipif(not ops.strips_native(), reason="this build's kernels read no strips")
+def test_a_cache_file_that_lacks_a_weight_is_replaced(cache_dir, q8_file, tmp_path):
+    """As one written by a build that packed fewer types: the load packs what it lacks in
+    memory and removes it; the next load writes a whole file, and the one after maps it."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(q8_file.read_bytes())
+    _, reference = load(source)
+    (written,) = cache_files(cache_dir)
+    data = bytearray(written.read_bytes())
+    magic, at, length = strip_cache._HEADER.unpack_from(data)
+    index = json.loads(data[at : at + length])
+    lacking = next(key for key in index["entries"] if "attn_q" in key)
+    del index["entries"][lacking]
+    text = json.dumps(index).encode()
+    data[at:] = text
+    data[: strip_cache._HEADER.size] = strip_cache._HEADER.pack(magic, at, len(text))
+    written.write_bytes(bytes(data))
+    qkv, logits = load(source)
+    assert torch.equal(logits, reference)
+    assert mapped_from(qkv) is None and cache_files(cache_dir) == []
+    load(source)
+    qkv, logits = load(source)
+    assert torch.equal(logits, reference) and mapped_from(qkv) == str(written)
+
+
+@pytest.mark.skipif(not ops.strips_native(), reason="this build's kernels read no strips")
 def test_no_cache_where_the_disk_is_short_or_the_directory_unusable(
     cache_dir, q8_file, tmp_path, monkeypatch, caplog
 ):
