@@ -20,8 +20,9 @@ Before any speed is reported, pyllm's float32 greedy text is checked against HF'
 
 GGUF mode: pyllm and llama.cpp on the same GGUF file(s), each engine in its own process
     PYTHONPATH=. python benchmarks/compare.py --gguf A.gguf,B.gguf [--pyllm-arg dtype=float32]
-Each engine's worker process (this file with --worker ENGINE FILE) loads the file, runs
-every case once and reports its load time and peak RSS (its VmHWM: Linux would count the
+Each engine's worker process (this file with --worker ENGINE FILE) loads the file, warms
+up (two short prompts, then the long prompt untimed: every weight read once), runs every
+case once and reports its load time and peak RSS (its VmHWM: Linux would count the
 launching process's high-water mark in a child's ru_maxrss); per repeat the engines' workers
 run one after the other, and each figure is the best of --repeats. The prompts are
 tokenized once, with pyllm's tokenizer of that file. A worker is skipped when MemAvailable
@@ -595,6 +596,9 @@ def gguf_worker(
     load_s = time.perf_counter() - start
     after_load = process_memory("self")
     engine.generate(workload["batch8"]["prompts"][:2], 2)  # first-call costs are not counted
+    # The long prompt reads every weight once: a file (or pyllm's strip cache) too large
+    # to read ahead would otherwise fault its pages in from disk inside the first case.
+    engine.generate(workload["prefill"]["prompts"], 1)
     rates, seconds, tokens = {}, {}, {}
     for name in CASES:
         seconds[name], out = timed(engine, workload[name])
