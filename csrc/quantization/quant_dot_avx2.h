@@ -158,8 +158,8 @@ void block32_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, i
         __m256i p[8];
         for (int i = 0; i < 8; ++i) {
           __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
-          if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, u[i]);
-          p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[i], xv), _mm256_set1_epi16(1));
+          if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, u[i]);  // dot_s8_s8, |u| hoisted
+          p[i] = dot_u8_s8(mag[i], xv);
         }
         const __m256 dx = x.span_shift == 0 ? _mm256_loadu_ps(&x.d[m * (K / 32) + b])
                                             : _mm256_set1_ps(x.dx(m, b));
