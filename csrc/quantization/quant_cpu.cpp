@@ -19,10 +19,9 @@
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
 // (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
 // vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows; the
-// K-quants keep the int8 products on AVX2: gemm_min_rows). A
-// step's prompt rows take the AMX tiles or panels at any count (many_rows). Weights
-// in strips without AMX keep the int8 products at every count, which outrun the
-// panels there (panel_min_rows).
+// K-quants keep the int8 products on AVX2: gemm_min_rows). A step's prompt rows take
+// the AMX tiles or panels at any count (many_rows). Weights in strips without AMX keep
+// the int8 products at every count, which outrun the panels there (panel_min_rows).
 #include <atomic>
 #include <cstdint>
 #include <cstring>

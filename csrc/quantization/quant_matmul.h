@@ -542,7 +542,9 @@ constexpr int64_t kGemmMinRows = 64;
 // the int8 products at every count: 2 cores of a Zen 4 running an x86-64-v3 build,
 // eight 2048x2048 weights, float32, int8 products against the GEMM at 64-512 rows
 // Q4_K 1.22-2.04x, Q6_K 1.06-1.41x (Q8_0 and Q4_0: 1.38-1.70x at 64 rows, 0.64-0.88x
-// from 128; the GEMM keeps those), TinyLlama Q4_K_M prefill 512 1.35x.
+// from 128; the GEMM keeps those), TinyLlama Q4_K_M prefill 512 1.35x. With blocks of
+// 32 scaled once per eight blocks, at 64-127 rows TinyLlama Q8_0's int8 products were
+// 1.04-1.25x the GEMM but SmolLM2 Q4_1's 0.81-0.93x: no one threshold is better.
 inline int64_t gemm_min_rows(int64_t type) {
   if (batch_invariant()) return INT64_MAX;
 #if defined(PYLLM_QUANT_AVX2)
