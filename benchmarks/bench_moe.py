@@ -10,7 +10,7 @@ Shapes: qwen3-30b-a3b (hidden 2048, expert FFN 768, 128 experts, top 8, silu) an
 gpt-oss-20b (hidden 2880, expert FFN 2880, 32 experts, top 4, swigluoai with biases).
 Types: Q4_K_M (llama.cpp's mix for experts: Q4_K gate/up, Q6_K down), Q8_0, Q4_0, and
 MXFP4 where ops.QUANT_TYPES has it; --strips packs the types with strips
-(ops.pack_strips) on both sides, as the GGUF loader does on AVX-512 VNNI builds.
+(ops.pack_strips) on both sides, as the GGUF loader does on AVX2 and AVX-512 builds.
 
 Per case: the time per call over several routings (at 1 token each routing picks
 top_k experts no neighbouring call uses, so their weights come from memory, not the

@@ -185,11 +185,11 @@ bool packed_linear_vectorized_for(at::ScalarType dtype);
 // Process-wide, set by the engine (EngineConfig.batch_invariant). In quant_cpu.cpp.
 bool batch_invariant();
 void set_batch_invariant(bool on);
-// Q4_0, Q4_1, Q8_0 or Q4_K weights rearranged in place into strips of 16 rows
-// (quantization/quant_strips.h), which quant_linear and dequantize_rows read as qtype
-// 1000 + qtype on the CPU; strips_native: whether this build's kernels read them as
-// they lie (AVX-512 VNNI), where the others turn them back into GGUF's rows on each
-// call. In quant_cpu.cpp.
+// Q4_0, Q4_1, Q8_0, MXFP4, Q4_K or Q6_K weights rearranged in place into strips of 16
+// rows (quantization/quant_strips.h), which quant_linear and dequantize_rows read as
+// qtype 1000 + qtype on the CPU; strips_native: whether this build's kernels read them
+// as they lie (AVX2 and AVX-512), where the portable build turns them back into GGUF's
+// rows on each call. In quant_cpu.cpp.
 void pack_strips_(at::Tensor& qweight, int64_t qtype);
 bool strips_native();
 // The GGML type ids that have strips, and their strips' ids.

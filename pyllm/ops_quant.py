@@ -63,7 +63,8 @@ def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     Q4_K, Q6_K), uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU, rearranged in
     strips of 16 rows, of type ``STRIPS_TYPES[qtype]``: each strip's blocks
     interleaved so that the AVX-512 kernels read eight weights of 16 output features
-    per 64-byte load, with no sums across lanes (csrc/quantization/quant_strips.h).
+    per 64-byte load (AVX2: of 8 per 32-byte half), with no sums across lanes
+    (csrc/quantization/quant_strips.h).
     Same bytes and shape; rows past the last whole strip stay as they were. A 3-D
     ``[E, N, row bytes]`` weight of experts (fused_moe) packs each expert's rows apart.
     Results equal the GGUF rows' up to float rounding. Worth it where
@@ -76,7 +77,8 @@ def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def strips_native() -> bool:
-    """Whether this build's kernels read strips (pack_strips) as they lie (AVX-512 VNNI)."""
+    """Whether this build's kernels read strips (pack_strips) as they lie (AVX2 and
+    AVX-512 builds; not the portable one)."""
     return bool(_C.strips_native())
 
 

@@ -564,10 +564,10 @@ void fused_moe(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& rout
                                          gate_type, up_type, down_type, gate_bias, up_bias,
                                          down_bias, activation, alpha, limit, expert_start,
                                          many_rows);
-#ifndef PYLLM_QUANT_ZMM
+#ifndef PYLLM_QUANT_STRIPS
   for (const int64_t type : {gate_type, up_type, down_type}) {
     TORCH_CHECK_VALUE(!is_strips(type), "type ", type, " (strips of GGML type ",
-                      plain_type(type), ") is read by AVX-512 VNNI builds only ",
+                      plain_type(type), ") is read by AVX2 and AVX-512 builds only ",
                       "(ops.strips_native() is False here); pass the GGUF rows");
   }
 #endif

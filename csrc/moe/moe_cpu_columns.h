@@ -45,7 +45,7 @@ MoePath moe_path(int64_t type, bool strips, int64_t rows, bool many = false) {
     if (from != INT64_MAX && (many || rows >= from)) return MoePath::kPanel;
   }
   if constexpr (std::is_same_v<S, float> && !kPackedLinearVectorized<S>) {
-    if (rows >= gemm_min_rows(type)) return MoePath::kGemm;
+    if (rows >= gemm_min_rows(type, strips)) return MoePath::kGemm;
   }
   return MoePath::kInt8;
 }

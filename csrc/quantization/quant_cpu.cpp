@@ -102,7 +102,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
     }
   }
   if constexpr (std::is_same_v<scalar_t, float> && !kPackedLinearVectorized<scalar_t>) {
-    if (n_panel == 0 && M >= gemm_min_rows(qtype)) {
+    if (n_panel == 0 && M >= gemm_min_rows(qtype, strips)) {
       dispatch_type(qtype, [&](auto t) {
         gemm_matmul<decltype(t)::value>(input, w, row_bytes, N, bias, out);
       });
@@ -133,9 +133,9 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   }
 }
 
-// Strips (quant_strips.h) are read natively by the AVX-512 VNNI kernels; other builds
-// take them back to GGUF's layout per call.
-#ifdef PYLLM_QUANT_ZMM
+// Strips (quant_strips.h) are read natively by the AVX-512 VNNI and AVX2 kernels;
+// portable builds take them back to GGUF's layout per call.
+#ifdef PYLLM_QUANT_STRIPS
 constexpr bool kStripsNative = true;
 #else
 constexpr bool kStripsNative = false;

@@ -111,7 +111,7 @@ template <int64_t T>
 void strip_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t N, const QuantizedRows& x,
                 int64_t m0, int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1,
                 const uint8_t* stop = nullptr) {
-#ifdef PYLLM_QUANT_ZMM
+#ifdef PYLLM_QUANT_STRIPS
   if constexpr (has_strips(T)) {
     const int64_t whole = std::min(n1, N / kStripColumns * kStripColumns);
     if (n0 < whole) {
@@ -545,8 +545,10 @@ constexpr int64_t kGemmMinRows = 64;
 // from 128; the GEMM keeps those), TinyLlama Q4_K_M prefill 512 1.35x. With blocks of
 // 32 scaled once per eight blocks, at 64-127 rows TinyLlama Q8_0's int8 products were
 // 1.04-1.25x the GEMM but SmolLM2 Q4_1's 0.81-0.93x: no one threshold is better.
-inline int64_t gemm_min_rows(int64_t type) {
-  if (batch_invariant()) return INT64_MAX;
+// Weights in strips keep the int8 products at every count: there they were 1.2-1.8x
+// the GEMM at 64-512 rows (TinyLlama Q8_0's and SmolLM2 Q4_1's projections).
+inline int64_t gemm_min_rows(int64_t type, bool strips) {
+  if (batch_invariant() || strips) return INT64_MAX;
 #if defined(PYLLM_QUANT_AVX2)
   if (type == kQ4_K || type == kQ6_K) return INT64_MAX;
 #endif

@@ -78,40 +78,6 @@ inline __m512i strip_sum(const __m512i (&part)[kChains]) {
   return sum;
 }
 
-// Strips are prefetched into L2 this far ahead, twice quant_dot.h's distance: a
-// thread reads one stream where the GGUF rows' kernels read two (4 rows over
-// TinyLlama's projections, three rounds: 23.8-26.6 ms against 26.1-28.9 at 8 KiB).
-constexpr int kStripPrefetchBytes = 16384;
-
-// Not past `stop` where given: fused_moe's items end where weights nobody reads may
-// begin (an expert no token chose), and fetching them cost a decode step's stream
-// 10-15% (qwen3-30b-a3b Q4_K_M layer, 1 token: 0.80-0.93 ms against 0.76-0.78 for
-// the GGUF rows).
-template <int kBytes>
-inline void strip_prefetch(const uint8_t* p, const uint8_t* stop) {
-  const uint8_t* from = p + kStripPrefetchBytes;
-  int64_t bytes = kBytes;
-  if (stop != nullptr) bytes = std::clamp<int64_t>(stop - from, 0, kBytes);
-  for (int64_t line = 0; line < bytes; line += 64) vec::prefetch_l2(from + line);
-}
-
-// Per input row and block, the int8 inputs' sums per 32 (sub-block), as int16 pairs
-// (sub-blocks 2p, 2p + 1 in dword p): the mins' vpdpwssd operand.
-inline const int32_t* strip_input_sums(const QuantizedRows& x, int64_t m0, int R,
-                                       int64_t blocks) {
-  thread_local std::vector<int32_t> pairs;
-  pairs.resize(static_cast<size_t>(R * blocks * 4));
-  for (int r = 0; r < R; ++r) {
-    const int16_t* isum = x.isum_row(m0 + r);
-    for (int64_t i = 0; i < blocks * 4; ++i) {
-      const int32_t lo = isum[4 * i] + isum[4 * i + 1], hi = isum[4 * i + 2] + isum[4 * i + 3];
-      pairs[r * blocks * 4 + i] = static_cast<int32_t>(static_cast<uint16_t>(lo) |
-                                                       static_cast<uint32_t>(hi) << 16);
-    }
-  }
-  return pairs.data();
-}
-
 // Sub-block pair p's scales (lane c: words sc[2p], sc[2p + 1]) and mins (the same).
 inline void strip_scales(const uint8_t* blk, int p, __m512i& scales, __m512i& mins) {
   using S = quant::Q4KStrip;

@@ -197,7 +197,7 @@ def test_many_strips_over_threads(type_name):
 
 
 native = pytest.mark.skipif(
-    not ops.strips_native(), reason="fused_moe reads strips on AVX-512 VNNI builds"
+    not ops.strips_native(), reason="fused_moe reads strips on AVX2 and AVX-512 builds"
 )
 
 

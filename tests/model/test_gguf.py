@@ -579,7 +579,7 @@ def test_quantized_weights_are_views_of_the_mapped_file(monkeypatch):
 
 @pytest.mark.skipif(not ops.strips_native(), reason="this build's kernels read no strips")
 def test_projections_load_as_strips_where_the_kernels_read_them():
-    """On AVX-512 VNNI builds the Q4_1 projections are packed into strips (a private
+    """On AVX2 and AVX-512 builds the Q4_1 projections are packed into strips (a private
     copy), and so is the tied token table (Q8_0), which the LM head multiplies and the
     embedding looks rows up in. The int8 inputs' rounding makes
     a model's logits jump with any change of float rounding (a projection's outputs
