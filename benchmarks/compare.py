@@ -435,16 +435,31 @@ def meminfo() -> dict[str, int]:
 def warm_page_cache(path: str) -> str:
     """Reads the file once, so that every engine loads it from the page cache: the
     first engine to open a file the kernel has dropped (it reclaims idle pages here)
-    would otherwise pay the disk for both. Skipped past half of MemAvailable."""
-    size = os.path.getsize(path)
+    would otherwise pay the disk for both. pyllm's strip cache file of it, where there
+    is one, is read too: it is what pyllm maps instead of the file's packed tensors.
+    Skipped past half of MemAvailable."""
+    paths = [path, *strip_cache_files(path)]
+    size = sum(os.path.getsize(p) for p in paths)
     if size > meminfo()["MemAvailable"] // 2:
-        return f"page cache: {gib(size)} file not read ahead (over half of MemAvailable)"
+        return f"page cache: {gib(size)} not read ahead (over half of MemAvailable)"
     start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(8 << 20)
-        while f.readinto(buffer):
-            pass
-    return f"page cache: read the {gib(size)} file first ({time.perf_counter() - start:.1f} s)"
+    buffer = bytearray(8 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+    what = "file" if len(paths) == 1 else "file and its strip cache file"
+    return f"page cache: read the {gib(size)} {what} first ({time.perf_counter() - start:.1f} s)"
+
+
+def strip_cache_files(path: str) -> list[str]:
+    """pyllm's strip cache file of the GGUF file (one rank), where it exists."""
+    try:
+        from pyllm.model.strip_cache import StripCache
+    except ImportError:
+        return []
+    cached = StripCache(path).path
+    return [str(cached)] if cached.exists() else []
 
 
 def process_memory(pid: int | str) -> dict[str, int]:
