@@ -53,6 +53,24 @@ inline __m256 e8m0_eight(const uint8_t* p) {
 // registers but took 1.2x as long at 2-8 rows: TinyLlama Q4_K_M's projections.)
 constexpr int kHalves = 2;
 
+template <typename V, int R>
+inline void set_zero(V (&v)[R][kHalves]) {
+  for (auto& row : v) {
+    for (V& x : row) x = V{};
+  }
+}
+
+// Row r's sums of the strip's 16 columns to out[r * out_stride + n, + 16).
+template <int R>
+inline void store_strip(const __m256 (&acc)[R][kHalves], float* out, int64_t out_stride,
+                        int64_t n) {
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < kHalves; ++i) {
+      _mm256_storeu_ps(out + r * out_stride + n + kStripHalf * i, acc[r][i]);
+    }
+  }
+}
+
 // Q4_K: per sub-block, 8 vpmaddubsw of 4-bit weights (|sum| <= 8 * 2 * 15 * 127 <
 // 2^15) summed in int16 and scaled by one vpmaddwd.
 template <int R>
@@ -62,25 +80,21 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
   using S = quant::Q4KStrip;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[R][kHalves];
-  for (auto& row : acc) {
-    for (__m256& a : row) a = _mm256_setzero_ps();
-  }
+  set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
     strip_prefetch<S::kBytes>(blk, stop);
     __m256i total[R][kHalves], mins[R][kHalves];
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < kHalves; ++i) total[r][i] = mins[r][i] = _mm256_setzero_si256();
-    }
+    set_zero(total);
+    set_zero(mins);
     for (int p = 0; p < 4; ++p) {
       __m256i scale_words[kHalves];
       for (int i = 0; i < kHalves; ++i) {
-        const int h = i;
         const __m256i bytes = _mm256_cvtepu8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + S::kScales + 32 * p + 16 * h)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + S::kScales + 32 * p + 16 * i)));
         scale_words[i] = _mm256_and_si256(bytes, _mm256_set1_epi16(63));
         const __m256i high = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + S::kMinHigh + 16 * p + 8 * h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + S::kMinHigh + 16 * p + 8 * i)));
         const __m256i nibbles = _mm256_or_si256(
             _mm256_and_si256(high, _mm256_set1_epi32(0x0F)),
             _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(0xF0)), 12));
@@ -94,9 +108,7 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
       for (int odd = 0; odd < 2; ++odd) {
         const int s = 2 * p + odd;
         __m256i part[R][kHalves];
-        for (int r = 0; r < R; ++r) {
-          for (int i = 0; i < kHalves; ++i) part[r][i] = _mm256_setzero_si256();
-        }
+        set_zero(part);
         for (int v = 0; v < 4; ++v) {
           __m256i xl[R], xh[R];
           for (int r = 0; r < R; ++r) {
@@ -124,9 +136,8 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
       }
     }
     for (int i = 0; i < kHalves; ++i) {
-      const int h = i;
-      const __m256 d = half_floats(blk + S::kD + 16 * h);
-      const __m256 dmin = half_floats(blk + S::kDmin + 16 * h);
+      const __m256 d = half_floats(blk + S::kD + 16 * i);
+      const __m256 dmin = half_floats(blk + S::kDmin + 16 * i);
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(x.d[(m0 + r) * blocks + b]);
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][i]), _mm256_mul_ps(d, dx),
@@ -136,11 +147,7 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < kHalves; ++i) {
-      _mm256_storeu_ps(out + r * out_stride + n + kStripHalf * i, acc[r][i]);
-    }
-  }
+  store_strip(acc, out, out_stride, n);
 }
 
 // Q6_K's four weight vectors of sub-block j's half h (quant_strips_avx512.h's
@@ -167,16 +174,13 @@ inline void q6k_strips(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
                        const uint8_t* stop) {
   using S = quant::Q6KStrip;
   __m256 acc[R][kHalves];
-  for (auto& row : acc) {
-    for (__m256& a : row) a = _mm256_setzero_ps();
-  }
+  set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
     strip_prefetch<S::kBytes>(blk, stop);
     __m256i total[R][kHalves], offset[R][kHalves];
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < kHalves; ++i) total[r][i] = offset[r][i] = _mm256_setzero_si256();
-    }
+    set_zero(total);
+    set_zero(offset);
     for (int p = 0; p < 8; ++p) {
       __m256i words[kHalves];
       for (int i = 0; i < kHalves; ++i) {
@@ -221,11 +225,7 @@ inline void q6k_strips(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < kHalves; ++i) {
-      _mm256_storeu_ps(out + r * out_stride + n + kStripHalf * i, acc[r][i]);
-    }
-  }
+  store_strip(acc, out, out_stride, n);
 }
 
 // A unit's integer sums per row and half for Q4_0, Q4_1 and MXFP4 (4 vectors of 8
@@ -298,25 +298,20 @@ inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t
     table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
   }
   __m256 acc[R][kHalves];
-  for (auto& row : acc) {
-    for (__m256& a : row) a = _mm256_setzero_ps();
-  }
+  set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* unit = strip + b * S::kBytes;
     strip_prefetch<S::kBytes>(unit, stop);
     __m256i sum[R][kHalves];
-    for (auto& row : sum) {
-      for (__m256i& s : row) s = _mm256_setzero_si256();
-    }
+    set_zero(sum);
     if constexpr (T == quant::kQ8_0) {
       q8_unit_sums<R>(unit + S::kQs, x, m0, 32 * b, sum);
     } else {
       nibble_unit_sums<T, R>(unit + S::kQs, x, m0, 32 * b, table, sum);
     }
     for (int i = 0; i < kHalves; ++i) {
-      const int h = i;
-      const __m256 d = T == quant::kMXFP4 ? e8m0_eight(unit + S::kD + 8 * h)
-                                          : half_floats(unit + S::kD + 16 * h);
+      const __m256 d = T == quant::kMXFP4 ? e8m0_eight(unit + S::kD + 8 * i)
+                                          : half_floats(unit + S::kD + 16 * i);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         __m256i total = sum[r][i];
@@ -329,17 +324,13 @@ inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r][i]);
         if constexpr (T == quant::kQ4_1) {
           const float* s = x.s_row(m) + 2 * b;
-          acc[r][i] = _mm256_fmadd_ps(half_floats(unit + S::kM + 16 * h),
+          acc[r][i] = _mm256_fmadd_ps(half_floats(unit + S::kM + 16 * i),
                                       _mm256_set1_ps(s[0] + s[1]), acc[r][i]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < kHalves; ++i) {
-      _mm256_storeu_ps(out + r * out_stride + n + kStripHalf * i, acc[r][i]);
-    }
-  }
+  store_strip(acc, out, out_stride, n);
 }
 
 // Columns [n0, n1) (whole strips) of strips of type T for input rows [m0, m0 + R);
