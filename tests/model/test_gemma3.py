@@ -91,11 +91,16 @@ def test_prompt_past_the_sliding_window_matches_hf(hf_gemma3, ours):
 
 def test_quantized_weights_follow_the_widened_ones(ours):
     """The file's own blocks (quant_linear) against the same weights widened, as for
-    SmolLM2 (test_quantized.py)."""
+    SmolLM2 (test_quantized.py). The mean correlation of these prompts lies at
+    0.9989-0.9991: the quantized projections are bit for bit the same on AVX2 and
+    AVX-512 builds, but the other ops' float rounding differs by ~1e-7, which the
+    inputs' int8 rounding turns into logit differences of ~1 (the widened logits agree
+    to 1e-4). The bound is for decoding errors, which move whole projections, not
+    the fourth decimal."""
     quantized, _ = load_model(gemma3_gguf(), dtype="float32")
     widened, _ = load_model(gemma3_gguf(), dtype="float32", quantization="none")
     prompts = [ours.encode(p) for p in PROMPTS]
-    assert_greedy_follows(quantized, widened, prompts, ours, new_tokens=16)
+    assert_greedy_follows(quantized, widened, prompts, ours, new_tokens=16, min_mean=0.998)
 
 
 def test_tokenizer_matches_hf(hf_gemma3, ours):

@@ -54,14 +54,16 @@ def test_greedy_tokens_follow_the_widened_model(smollm2):
     assert_greedy_follows(quantized, widened, [tokenizer.encode(p) for p in PROMPTS], tokenizer)
 
 
-def assert_greedy_follows(quantized, widened, prompts, tokenizer, new_tokens: int = 32) -> None:
+def assert_greedy_follows(
+    quantized, widened, prompts, tokenizer, new_tokens: int = 32, min_mean: float = 0.999
+) -> None:
     """new_tokens greedy tokens of the quantized model per prompt, and the widened model fed
     the same tokens: per prompt, either every greedy choice is the same, or, up to the step
     where the two part, the logits correlate >= 0.997 at every step. (The quantized path
     multiplies int8-rounded inputs, as llama.cpp does; the widened one float32 inputs. A
     step's correlation moves with the CPU's kernels: 0.9974-0.9994 on one AVX-512 CPU,
     above 0.999 on another.) Over all steps of all prompts the mean correlation stays
-    >= 0.999."""
+    >= min_mean."""
     run = run_sequences(quantized, prompts, max_new_tokens=new_tokens)
     all_corrs = []
     for prompt, generated, q_logits in zip(prompts, run.generated, run.logits, strict=True):
@@ -80,7 +82,7 @@ def assert_greedy_follows(quantized, widened, prompts, tokenizer, new_tokens: in
         assert parted >= 1 and min(corrs[:parted]) >= 0.997, (
             f"{tokenizer.decode(prompt)!r} parts at step {parted}; correlations {corrs[:parted]}"
         )
-    assert sum(all_corrs) / len(all_corrs) >= 0.999, all_corrs
+    assert sum(all_corrs) / len(all_corrs) >= min_mean, all_corrs
 
 
 def perplexity(model, tokens: list[int], chunk_size: int) -> float:
