@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import pyllm.ops as ops
 from pyllm import _C, LLM, SamplingParams
 from pyllm.engine import decode_graphs
 from pyllm.model.step_graph import record
@@ -83,7 +84,14 @@ def test_steps_verifying_drafts_are_recorded_and_replay_exactly():
         assert _generate(graphs, batch, params) == _generate(eager, batch, params)
     recorded = graphs.engine.runner.graphs
     verifying = [s for s, g in recorded.graphs.items() if g is not None and s[1]]
-    assert verifying and not recorded.refused
+    assert verifying
+    if ops.packed_linear_vectorized(torch.float32):
+        assert not recorded.refused
+    else:
+        # Float32 weights without a word-packed kernel (AVX2 builds) take oneDNN's packed
+        # copy past SMALL_BATCH_MAX_ROWS rows, which a recording refuses: those steps
+        # run op by op (and equal the eager ones, above).
+        assert all(s[0] > ops.SMALL_BATCH_MAX_ROWS for s in recorded.refused), recorded.refused
     assert all(s[2] in (1, 2) and s[1] >= 2 * s[2] for s in verifying)
     stats = graphs.engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
