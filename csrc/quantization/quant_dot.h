@@ -76,7 +76,7 @@ inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
   }
 }
 
-// Strips are prefetched into L2 this far ahead, twice quant_dot.h's distance: a
+// Strips are prefetched into L2 this far ahead, twice kPrefetchBytes: a
 // thread reads one stream where the GGUF rows' kernels read two (4 rows over
 // TinyLlama's projections, three rounds: 23.8-26.6 ms against 26.1-28.9 at 8 KiB).
 constexpr int kStripPrefetchBytes = 16384;
@@ -94,7 +94,7 @@ inline void strip_prefetch(const uint8_t* p, const uint8_t* stop) {
 }
 
 // Per input row and block, the int8 inputs' sums per 32 (sub-block), as int16 pairs
-// (sub-blocks 2p, 2p + 1 in dword p): the mins' vpdpwssd operand.
+// (sub-blocks 2p, 2p + 1 in dword p): the mins' vpdpwssd (AVX2: vpmaddwd) operand.
 inline const int32_t* strip_input_sums(const QuantizedRows& x, int64_t m0, int R,
                                        int64_t blocks) {
   thread_local std::vector<int32_t> pairs;
