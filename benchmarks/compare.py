@@ -437,19 +437,26 @@ def warm_page_cache(path: str) -> str:
     first engine to open a file the kernel has dropped (it reclaims idle pages here)
     would otherwise pay the disk for both. pyllm's strip cache file of it, where there
     is one, is read too: it is what pyllm maps instead of the file's packed tensors.
-    Skipped past half of MemAvailable."""
-    paths = [path, *strip_cache_files(path)]
-    size = sum(os.path.getsize(p) for p in paths)
-    if size > meminfo()["MemAvailable"] // 2:
-        return f"page cache: {gib(size)} not read ahead (over half of MemAvailable)"
-    start = time.perf_counter()
+    Each is skipped where the bytes read so far would pass half of MemAvailable."""
+    budget = meminfo()["MemAvailable"] // 2
+    start, size_read, read, skipped = time.perf_counter(), 0, [], []
     buffer = bytearray(8 << 20)
-    for p in paths:
+    named = [("the file", path)] + [("its strip cache file", p) for p in strip_cache_files(path)]
+    for name, p in named:
+        size = os.path.getsize(p)
+        if size_read + size > budget:
+            skipped.append(f"{name}, {gib(size)}")
+            continue
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buffer):
                 pass
-    what = "file" if len(paths) == 1 else "file and its strip cache file"
-    return f"page cache: read the {gib(size)} {what} first ({time.perf_counter() - start:.1f} s)"
+        size_read += size
+        read.append(name)
+    done = " and ".join(read) or "nothing"
+    line = f"page cache: read {done} first, {gib(size_read)} ({time.perf_counter() - start:.1f} s)"
+    if skipped:
+        line += f"; not read ahead (over half of MemAvailable): {'; '.join(skipped)}"
+    return line
 
 
 def strip_cache_files(path: str) -> list[str]:
