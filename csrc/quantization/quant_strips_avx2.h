@@ -14,7 +14,8 @@
 namespace pyllm::cpu {
 namespace {
 
-constexpr int kStripHalf = 8;  // columns per 32-byte half
+constexpr int kHalves = 2;  // 32-byte halves per 64-byte vector
+constexpr int kStripHalf = quant::kStripColumns / kHalves;  // columns per half
 
 inline __m256i strip_half(const uint8_t* p, int h) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
@@ -51,7 +52,6 @@ inline __m256 e8m0_eight(const uint8_t* p) {
 // columns from n), all blocks, into out: the strip streams once. (One half a pass,
 // the second reading the strip from cache, kept fewer sums in the 16 vector
 // registers but took 1.2x as long at 2-8 rows: TinyLlama Q4_K_M's projections.)
-constexpr int kHalves = 2;
 
 template <typename V, int R>
 inline void set_zero(V (&v)[R][kHalves]) {
