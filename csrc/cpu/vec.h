@@ -72,8 +72,19 @@ struct WordOps<float> {
 
 // Hints that p's cache line will be read soon: into L1, or only into L2 when
 // it is wanted later and would be evicted from L1 before then (prefetcht0 and
-// prefetcht1 on x86, as _mm_prefetch's _MM_HINT_T0 and _MM_HINT_T1).
+// prefetcht1 on x86). On x86 they are volatile asm: GCC 12 deleted loops of
+// __builtin_prefetch whose bound it could not follow (every strip kernel's, and
+// some attention kernels'), leaving no prefetch in the built library.
+#if defined(__x86_64__) || defined(__i386__)
+inline void prefetch_l1(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+#else
 inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+#endif
 
 }  // namespace pyllm::vec

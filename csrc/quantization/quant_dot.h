@@ -81,12 +81,18 @@ inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
 // TinyLlama's projections, three rounds: 23.8-26.6 ms against 26.1-28.9 at 8 KiB).
 constexpr int kStripPrefetchBytes = 16384;
 
-// Not past `stop` where given: fused_moe's items end where weights nobody reads may
-// begin (an expert no token chose), and fetching them cost a decode step's stream
-// 10-15% (qwen3-30b-a3b Q4_K_M layer, 1 token: 0.80-0.93 ms against 0.76-0.78 for
-// the GGUF rows).
-template <int kBytes>
+// Kernels over fewer input rows than this leave the stream to the hardware
+// prefetchers: 2 threads, 57 random 4096x2048 weights (benchmarks/quant_linear.py
+// --matrix), 1 row: Q4_K strips 7.8-8.9 ms without, 8.2-9.7 with; 2 rows even;
+// 3 rows 10.0-11.5 against 9.3-10.1, 8 rows 21.4 against 15.9.
+constexpr int kStripPrefetchMinRows = 3;
+
+// A strip kernel over R rows, at the block at p: the block kStripPrefetchBytes
+// ahead into L2. Not past `stop` where given: fused_moe's items end where weights
+// nobody reads may begin (an expert no token chose).
+template <int kBytes, int R>
 inline void strip_prefetch(const uint8_t* p, const uint8_t* stop) {
+  if constexpr (R < kStripPrefetchMinRows) return;
   const uint8_t* from = p + kStripPrefetchBytes;
   int64_t bytes = kBytes;
   if (stop != nullptr) bytes = std::clamp<int64_t>(stop - from, 0, kBytes);

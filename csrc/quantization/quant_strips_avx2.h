@@ -83,7 +83,7 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
   set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk, stop);
+    strip_prefetch<S::kBytes, R>(blk, stop);
     __m256i total[R][kHalves], mins[R][kHalves];
     set_zero(total);
     set_zero(mins);
@@ -177,7 +177,7 @@ inline void q6k_strips(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
   set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk, stop);
+    strip_prefetch<S::kBytes, R>(blk, stop);
     __m256i total[R][kHalves], offset[R][kHalves];
     set_zero(total);
     set_zero(offset);
@@ -301,7 +301,7 @@ inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t
   set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* unit = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(unit, stop);
+    strip_prefetch<S::kBytes, R>(unit, stop);
     __m256i sum[R][kHalves];
     set_zero(sum);
     if constexpr (T == quant::kQ8_0) {

@@ -105,7 +105,7 @@ inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const i
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk, stop);
+    strip_prefetch<S::kBytes, R>(blk, stop);
     __m512i total[R], mins[R];
     for (int r = 0; r < R; ++r) total[r] = mins[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
@@ -207,7 +207,7 @@ inline void q6k_strip_pass(const uint8_t* strip, const QuantizedRows& x, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(blk, stop);
+    strip_prefetch<S::kBytes, R>(blk, stop);
     __m512i total[R], offset[R];
     for (int r = 0; r < R; ++r) total[r] = offset[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p) {
@@ -272,7 +272,7 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* unit = strip + b * S::kBytes;
-    strip_prefetch<S::kBytes>(unit, stop);
+    strip_prefetch<S::kBytes, R>(unit, stop);
     __m512i part[R][kChains];
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
