@@ -24,7 +24,7 @@ random quants and random (but sensible) block scales, chosen so that every dequa
 The data is generated chunk by chunk from a fixed seed and streamed to disk, so memory
 stays small whatever the file size, and the same arguments always give the same bytes.
 
-Types (--type): Q8_0, Q4_0, Q4_K_M and F16, each the mix llama.cpp's quantizer makes
+Types (--type): Q8_0, Q4_0, Q4_K_M, Q5_K_M and F16, each the mix llama.cpp's quantizer makes
 for that file type (see tensor_type), and MXFP4 (every projection MXFP4, the head
 Q8_0: gpt-oss's format on a dense model's projections); --pure gives every 2-D weight
 the one type.
@@ -107,6 +107,7 @@ FILE_TYPES = {
     "Q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
     "Q4_K_M": (Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "Q5_K_M": (Q.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_M),
     "F16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
     "MXFP4": (Q.MXFP4, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
@@ -140,7 +141,7 @@ def _fallback(qtype: Q, cols: int) -> Q:
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
     if cols % block_size == 0:
         return qtype
-    fallback = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}.get(qtype, Q.F16)
+    fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}.get(qtype, Q.F16)
     if cols % gguf.GGML_QUANT_SIZES[fallback][0] != 0:
         fallback = Q.F16
     return fallback
@@ -152,8 +153,8 @@ def tensor_type(
     """The type of one 2-D weight, following the mixes of llama.cpp's quantizer:
     - the output head (token_embd when the embeddings are tied) is Q6_K in every
       quantized mix except Q8_0, which keeps Q8_0, and MXFP4, whose head is Q8_0;
-    - in Q4_K_M, attn_v and ffn_down are Q6_K in the layers _more_bits picks, and every
-      other weight (token_embd of an untied model included) is Q4_K;
+    - in Q4_K_M (Q5_K_M), attn_v and ffn_down are Q6_K in the layers _more_bits picks,
+      and every other weight (token_embd of an untied model included) is Q4_K (Q5_K);
     - in Q8_0, Q4_0 and MXFP4 every other weight has the file's type (but a gpt-oss
       MXFP4 file's weights other than the experts' are Q8_0, as its releases are);
       F16 is all F16;
@@ -173,7 +174,7 @@ def tensor_type(
             qtype = Q.Q8_0
         elif base != Q.Q8_0:
             qtype = Q.Q6_K
-    elif file_type == "Q4_K_M" and layer is not None:
+    elif file_type in ("Q4_K_M", "Q5_K_M") and layer is not None:
         if name.endswith(more_bits_names) and _more_bits(layer, shape.layers):
             qtype = Q.Q6_K
     return _fallback(qtype, cols)
@@ -299,13 +300,21 @@ def _headers(qtype: Q, seed: int) -> _Headers:
         q_rms = _q_rms(levels, levels // 2)
         d = _signed(rng, u) * WEIGHT_STD / (q_rms * np.sqrt(np.mean(u**2)))
         return _Headers(0, _fp16_bytes(d))
-    if qtype == Q.Q4_K:
-        # w = d*sc*q - dmin*m with dmin = 7.5*d and m = sc: d*sc*(q - 7.5), mean 0
+    if qtype == Q.Q5_1:
+        # w = d*q + m with m = -15.5*d: mean 0 (d and m fp16, then 4 bytes of fifth bits)
+        d = _signed(rng, u) * WEIGHT_STD / (_q_rms(32, 15.5) * np.sqrt(np.mean(u**2)))
+        d16 = d.astype(np.float16)
+        m16 = (-15.5 * d16.astype(np.float32)).astype(np.float16)
+        return _Headers(0, np.concatenate([_fp16_bytes(d16), _fp16_bytes(m16)], axis=1))
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        # w = d*sc*q - dmin*m with dmin = c*d and m = sc: d*sc*(q - c), mean 0 (c: the
+        # middle of the quants, 7.5 or 15.5); Q5_K's fifth bits follow the header
+        center = 7.5 if qtype == Q.Q4_K else 15.5
         sc = rng.integers(32, 64, (TABLE_SIZE, 8)).astype(np.uint8)
         eff = u[:, None] * sc
-        d = u * WEIGHT_STD / (_q_rms(16, 7.5) * np.sqrt(np.mean(eff**2)))
+        d = u * WEIGHT_STD / (_q_rms(int(2 * center + 1), center) * np.sqrt(np.mean(eff**2)))
         d16 = d.astype(np.float16)
-        dmin16 = (7.5 * d16.astype(np.float32)).astype(np.float16)
+        dmin16 = (center * d16.astype(np.float32)).astype(np.float16)
         table = np.concatenate(
             [_fp16_bytes(d16), _fp16_bytes(dmin16), _pack_q4_k_scales(sc, sc)], axis=1
         )

@@ -363,7 +363,16 @@ void dequantize_weight_panel(const uint8_t* w, int64_t row_bytes, int64_t N, boo
         const int64_t c = c0 + b * vec::kLanes;
         S* block = panel + b * K * vec::kLanes;
         if (c + vec::kLanes <= whole) {
-          dequantize_strip_panel<T>(w + c * row_bytes, K, block);
+          if constexpr (T == kQ5_K) {
+            // No panel decoder reads Q5_K strips: the strip back to GGUF rows first.
+            thread_local std::vector<uint8_t> plain;
+            plain.resize(kStripColumns * row_bytes);
+            unpack_strip<T>(w + c * row_bytes, row_bytes, plain.data());
+            dequantize_panel<T>(plain.data(), row_bytes, 0, 1, K, rows, words, block,
+                                vec::kLanes);
+          } else {
+            dequantize_strip_panel<T>(w + c * row_bytes, K, block);
+          }
         } else {
           dequantize_panel<T>(w, row_bytes, c, 1, K, rows, words, block, cols - b * vec::kLanes);
         }

@@ -31,6 +31,13 @@
 //   [256, 2304)  the weight vectors, 4 per sub-block (vector 4s + v: weights
 //                32s + 8v + ...)
 //
+// Q5_K (16 x 176 bytes): Q4_K's [0, 256), then per sub-block s 320 bytes from 256 +
+// 320s: its 4 vectors of low 4 bits as Q4_K's, then one vector of fifth bits: lane c,
+// byte j, bit t holds weight 32s + 4t + j's (the order the kernels take the nibble
+// halves in: vector v's low nibbles, then its high ones). A kernel reads the block
+// front to back (the fifth bits after all the nibbles: 1 row streamed at a third of
+// the speed, the hardware prefetchers following two streams a block).
+//
 // Q6_K (16 x 210 bytes), column c, sub-block j of 16 weights (scale j):
 //   [0, 32)      d (fp16) of column c at 2c
 //   [32, 288)    scales (int8) of sub-blocks 2p then 2p + 1 at 32 + 32p + 2c + j % 2
@@ -41,6 +48,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_formats.h"
 
@@ -52,7 +60,7 @@ inline constexpr int kStripColumns = 16;
 inline constexpr int64_t kStripsBase = 1000;
 constexpr bool has_strips(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kMXFP4 || type == kQ4_K ||
-         type == kQ6_K;
+         type == kQ5_K || type == kQ6_K;
 }
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
 constexpr int64_t strips_type(int64_t type) { return kStripsBase + type; }
@@ -63,6 +71,17 @@ constexpr int64_t plain_type(int64_t type) { return is_strips(type) ? type - kSt
 struct Q4KStrip {
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * 144;
   static constexpr int kD = 0, kDmin = 32, kScales = 64, kMinHigh = 192, kQs = 256;
+  // Sub-block s's 4 weight vectors.
+  static constexpr int weights(int s) { return kQs + 256 * s; }
+};
+
+// A block of Q5_K strips: Q4KStrip's header; each sub-block's fifth bits after its
+// weight vectors.
+struct Q5KStrip : Q4KStrip {
+  static constexpr int kBytes = kColumns * 176, kSubBytes = 256 + 64;
+  static_assert(kQs + 8 * kSubBytes == kBytes);
+  static constexpr int weights(int s) { return kQs + kSubBytes * s; }
+  static constexpr int fifth(int s) { return weights(s) + 256; }
 };
 
 // A block of Q6_K strips.
@@ -168,10 +187,11 @@ inline void unpack_strip32(const uint8_t* src, uint8_t* const* blk) {
   }
 }
 
-// Column c's GGUF block (at blk[c]) into the strip block at dst.
+// Column c's GGUF block of Q4_K or Q5_K (at blk[c]) into the strip block at dst.
+template <int64_t T>
 inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
-  using S = Q4KStrip;
-  using L = Layout<kQ4_K>;
+  using S = std::conditional_t<T == kQ5_K, Q5KStrip, Q4KStrip>;
+  using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     const uint8_t* b = blk[c];
     std::memcpy(dst + S::kD + 2 * c, b + L::kD, 2);
@@ -192,16 +212,26 @@ inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
         std::memcpy(&lo, b + L::kQs + 32 * (s / 2) + 8 * v, 4);
         std::memcpy(&hi, b + L::kQs + 32 * (s / 2) + 8 * v + 4, 4);
         const uint32_t word = strip_word(lo, hi, s % 2);
-        std::memcpy(dst + S::kQs + 64 * (4 * s + v) + 4 * c, &word, 4);
+        std::memcpy(dst + S::weights(s) + 64 * v + 4 * c, &word, 4);
+      }
+    }
+    if constexpr (T == kQ5_K) {  // qh[l] bit s: weight 32s + l's fifth bit
+      for (int s = 0; s < 8; ++s) {
+        uint8_t bytes[4] = {};
+        for (int l = 0; l < 32; ++l) {
+          bytes[l % 4] |= static_cast<uint8_t>(((b[L::kQh + l] >> s) & 1) << (l / 4));
+        }
+        std::memcpy(dst + Q5KStrip::fifth(s) + 4 * c, bytes, 4);
       }
     }
   }
 }
 
 // The inverse: the strip block at src into column c's GGUF block at blk[c].
+template <int64_t T>
 inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
-  using S = Q4KStrip;
-  using L = Layout<kQ4_K>;
+  using S = std::conditional_t<T == kQ5_K, Q5KStrip, Q4KStrip>;
+  using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     uint8_t* b = blk[c];
     std::memcpy(b + L::kD, src + S::kD + 2 * c, 2);
@@ -222,9 +252,18 @@ inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
     std::memset(b + L::kQs, 0, 128);
     for (int s = 0; s < 8; ++s) {
       for (int k = 0; k < 32; ++k) {
-        const uint8_t byte = src[S::kQs + 64 * (4 * s + k / 8) + 4 * c + k % 4];
+        const uint8_t byte = src[S::weights(s) + 64 * (k / 8) + 4 * c + k % 4];
         const int q = (k % 8) < 4 ? byte & 0x0F : byte >> 4;
         b[L::kQs + 32 * (s / 2) + k] |= static_cast<uint8_t>(s % 2 ? q << 4 : q);
+      }
+    }
+    if constexpr (T == kQ5_K) {
+      std::memset(b + L::kQh, 0, 32);
+      for (int s = 0; s < 8; ++s) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = src[Q5KStrip::fifth(s) + 4 * c + l % 4];
+          b[L::kQh + l] |= static_cast<uint8_t>(((byte >> (l / 4)) & 1) << s);
+        }
       }
     }
   }
@@ -288,8 +327,8 @@ inline void pack_strip(const uint8_t* rows, int64_t row_bytes, uint8_t* strip) {
   const uint8_t* blk[kStripColumns];
   for (int64_t b = 0; b < row_bytes / kBytes; ++b) {
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
-    if constexpr (T == kQ4_K) {
-      pack_strip_block(blk, strip + b * kStripColumns * kBytes);
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      pack_strip_block<T>(blk, strip + b * kStripColumns * kBytes);
     } else if constexpr (T == kQ6_K) {
       pack_strip6(blk, strip + b * kStripColumns * kBytes);
     } else if constexpr (T == kQ8_0) {
@@ -306,8 +345,8 @@ inline void unpack_strip(const uint8_t* strip, int64_t row_bytes, uint8_t* rows)
   uint8_t* blk[kStripColumns];
   for (int64_t b = 0; b < row_bytes / kBytes; ++b) {
     for (int c = 0; c < kStripColumns; ++c) blk[c] = rows + c * row_bytes + b * kBytes;
-    if constexpr (T == kQ4_K) {
-      unpack_strip_block(strip + b * kStripColumns * kBytes, blk);
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      unpack_strip_block<T>(strip + b * kStripColumns * kBytes, blk);
     } else if constexpr (T == kQ6_K) {
       unpack_strip6(strip + b * kStripColumns * kBytes, blk);
     } else if constexpr (T == kQ8_0) {

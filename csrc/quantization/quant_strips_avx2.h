@@ -72,13 +72,16 @@ inline void store_strip(const __m256 (&acc)[R][kHalves], float* out, int64_t out
 }
 
 // Q4_K: per sub-block, 8 vpmaddubsw of 4-bit weights (|sum| <= 8 * 2 * 15 * 127 <
-// 2^15) summed in int16 and scaled by one vpmaddwd.
-template <int R>
+// 2^15) summed in int16 and scaled by one vpmaddwd. Q5_K: the fifth bits merged into
+// the nibbles, and a vpmaddwd after every 4 vpmaddubsw (4 * 2 * 31 * 127 < 2^15).
+template <int R, int64_t T = quant::kQ4_K>
 inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
                        int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n,
                        const uint8_t* stop) {
-  using S = quant::Q4KStrip;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  using S = std::conditional_t<T == quant::kQ5_K, quant::Q5KStrip, quant::Q4KStrip>;
+  constexpr bool kFifth = T == quant::kQ5_K;
+  constexpr int kFlush = kFifth ? 2 : 4;  // vectors per int16 run
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   __m256 acc[R][kHalves];
   set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -107,8 +110,12 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
       }
       for (int odd = 0; odd < 2; ++odd) {
         const int s = 2 * p + odd;
-        __m256i part[R][kHalves];
+        __m256i part[R][kHalves], scale[kHalves], bits[kHalves] = {};
         set_zero(part);
+        for (int i = 0; i < kHalves; ++i) {
+          scale[i] = spread_word(scale_words[i], odd);
+          if constexpr (kFifth) bits[i] = strip_half(blk + S::fifth(s), i);
+        }
         for (int v = 0; v < 4; ++v) {
           __m256i xl[R], xh[R];
           for (int r = 0; r < R; ++r) {
@@ -117,20 +124,24 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
             xh[r] = broadcast4(xq + 4);
           }
           for (int i = 0; i < kHalves; ++i) {
-            const __m256i wv = strip_half(blk + S::kQs + 256 * s + 64 * v, i);
-            const __m256i wl = _mm256_and_si256(wv, low);
-            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+            const __m256i wv = strip_half(blk + S::weights(s) + 64 * v, i);
+            __m256i wl = _mm256_and_si256(wv, low);
+            __m256i wh = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+            if constexpr (kFifth) {  // bit 0 of each byte to bit 4, then the next bit
+              wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi32(bits[i], 4), bit4));
+              wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi32(bits[i], 3), bit4));
+              bits[i] = _mm256_srli_epi32(bits[i], 2);
+            }
             for (int r = 0; r < R; ++r) {
               part[r][i] = _mm256_add_epi16(
                   part[r][i], _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl[r]),
                                                _mm256_maddubs_epi16(wh, xh[r])));
+              if (v % kFlush == kFlush - 1) {
+                total[r][i] =
+                    _mm256_add_epi32(total[r][i], _mm256_madd_epi16(part[r][i], scale[i]));
+                part[r][i] = __m256i{};
+              }
             }
-          }
-        }
-        for (int i = 0; i < kHalves; ++i) {
-          const __m256i scale = spread_word(scale_words[i], odd);
-          for (int r = 0; r < R; ++r) {
-            total[r][i] = _mm256_add_epi32(total[r][i], _mm256_madd_epi16(part[r][i], scale));
           }
         }
       }
@@ -345,11 +356,12 @@ void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int
     strip_rows<T, R - 2>(w, row_bytes, x, m0 + 2, K, out + 2 * out_stride, out_stride, n0, n1,
                          stop);
   } else {
-    const int32_t* sums = T == quant::kQ4_K ? strip_input_sums(x, m0, R, K / 256) : nullptr;
+    constexpr bool kMins = T == quant::kQ4_K || T == quant::kQ5_K;
+    const int32_t* sums = kMins ? strip_input_sums(x, m0, R, K / 256) : nullptr;
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
       const uint8_t* strip = w + n * row_bytes;
-      if constexpr (T == quant::kQ4_K) {
-        q4k_strips<R>(strip, x, sums, m0, K / 256, out, out_stride, n, stop);
+      if constexpr (kMins) {
+        q4k_strips<R, T>(strip, x, sums, m0, K / 256, out, out_stride, n, stop);
       } else if constexpr (T == quant::kQ6_K) {
         q6k_strips<R>(strip, x, m0, K / 256, out, out_stride, n, stop);
       } else {

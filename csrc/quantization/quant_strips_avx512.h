@@ -32,17 +32,27 @@ inline __m512i mxfp4_table() {
 
 // part[r][i] += the products of 32 weights of 16 columns (the 4 vectors at w) with
 // inputs [k, k + 32) of row m0 + r, spread over kChains sums. kTable: the nibbles are
-// codes, looked up in `table` (MXFP4).
-template <int R, int kChains, bool kTable = false>
+// codes, looked up in `table` (MXFP4). kFifth: each nibble gains its fifth bit from
+// the vector at `fifth` (Q5_K: bit t of a byte for the t-th nibble half taken).
+template <int R, int kChains, bool kTable = false, bool kFifth = false>
 inline void strip_dots(const uint8_t* w, const QuantizedRows& x, int64_t m0, int64_t k,
-                       __m512i (&part)[R][kChains], __m512i table = __m512i{}) {
+                       __m512i (&part)[R][kChains], __m512i table = __m512i{},
+                       const uint8_t* fifth = nullptr) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i bits = kFifth ? _mm512_loadu_si512(fifth) : __m512i{};
   for (int v = 0; v < 4; ++v) {
     const __m512i wv = _mm512_loadu_si512(w + 64 * v);
     __m512i half[2] = {_mm512_and_si512(wv, low),
                        _mm512_and_si512(_mm512_srli_epi16(wv, 4), low)};
     if constexpr (kTable) {
       for (__m512i& h : half) h = _mm512_shuffle_epi8(table, h);
+    }
+    if constexpr (kFifth) {  // bit 0 of each byte of `bits` to bit 4, then the next bit
+      for (__m512i& h : half) {
+        h = _mm512_ternarylogic_epi32(h, _mm512_slli_epi32(bits, 4), _mm512_set1_epi8(0x10),
+                                      0xF8);  // a | (b & c)
+        bits = _mm512_srli_epi32(bits, 1);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q_row(m0 + r) + k + 8 * v;
@@ -92,14 +102,14 @@ inline void strip_scales(const uint8_t* blk, int p, __m512i& scales, __m512i& mi
   mins = _mm512_or_si512(_mm512_srli_epi16(bytes, 6), _mm512_slli_epi16(nibbles, 2));
 }
 
-// Q4_K strip columns [n, n + 16) for input rows [m0, m0 + R). Without the L2
-// prefetches (strip_prefetch), 2 threads over TinyLlama's projections read the same
-// at 1 row but 4 rows took 27-31 ms instead of 21, 8 rows 41-42 instead of 31.
-template <int R>
+// Q4_K (or Q5_K: its weights' fifth bits merged into the nibbles) strip columns
+// [n, n + 16) for input rows [m0, m0 + R).
+template <int R, int64_t T = quant::kQ4_K>
 inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
                            int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n,
                            const uint8_t* stop) {
-  using S = quant::Q4KStrip;
+  using S = std::conditional_t<T == quant::kQ5_K, quant::Q5KStrip, quant::Q4KStrip>;
+  constexpr bool kFifth = T == quant::kQ5_K;
   constexpr int kChains = strip_chains(R);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -121,7 +131,10 @@ inline void q4k_strip_pass(const uint8_t* strip, const QuantizedRows& x, const i
         for (int r = 0; r < R; ++r) {
           for (int i = 0; i < kChains; ++i) part[r][i] = _mm512_setzero_si512();
         }
-        strip_dots<R, kChains>(blk + S::kQs + 256 * s, x, m0, b * 256 + 32 * s, part);
+        const uint8_t* fifth = nullptr;
+        if constexpr (kFifth) fifth = blk + S::fifth(s);
+        strip_dots<R, kChains, false, kFifth>(blk + S::weights(s), x, m0, b * 256 + 32 * s,
+                                              part, __m512i{}, fifth);
         const __m512i scale = h ? _mm512_srli_epi32(scale_words, 16)
                                 : _mm512_and_si512(scale_words, _mm512_set1_epi32(0xFFFF));
         for (int r = 0; r < R; ++r) {
@@ -312,11 +325,11 @@ template <int64_t T, int R>
 void strip_rows(const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t m0,
                 int64_t K, float* out, int64_t out_stride, int64_t n0, int64_t n1,
                 const uint8_t* stop = nullptr) {
-  if constexpr (T == quant::kQ4_K) {
+  if constexpr (T == quant::kQ4_K || T == quant::kQ5_K) {
     const int64_t blocks = K / 256;
     const int32_t* sums = strip_input_sums(x, m0, R, blocks);
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
-      q4k_strip_pass<R>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n, stop);
+      q4k_strip_pass<R, T>(w + n * row_bytes, x, sums, m0, blocks, out, out_stride, n, stop);
     }
   } else if constexpr (T == quant::kQ6_K) {
     for (int64_t n = n0; n < n1; n += quant::kStripColumns) {
@@ -407,6 +420,7 @@ void dequantize_q6k_strip_panel(const uint8_t* strip, int64_t K, uint32_t* dst) 
 // of the GGUF layout bit for bit.
 template <int64_t T, typename S>
 void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
+  static_assert(T != quant::kQ5_K, "Q5_K strips are unpacked to rows for panels");
   auto* dst = reinterpret_cast<uint32_t*>(panel);
   auto half16 = [](const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

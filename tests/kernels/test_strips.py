@@ -1,4 +1,4 @@
-"""Strips (ops.pack_strips) of Q4_0, Q4_1, Q8_0 and Q4_K: the same weight as its GGUF rows,
+"""Strips (ops.pack_strips) of every type that has them: the same weight as its GGUF rows,
 read by quant_linear and dequantize_rows on the CPU; compared with the GGUF rows'
 results."""
 
@@ -172,7 +172,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="qweight must be uint8"):
         ops.pack_strips(torch.zeros(16, 144), q4_k)
     with pytest.raises(ValueError, match="qtype must be one with a strip layout"):
-        ops.pack_strips(torch.zeros(16, 176, dtype=torch.uint8), ops.QUANT_TYPES["Q5_K"][0])
+        ops.pack_strips(torch.zeros(16, 22, dtype=torch.uint8), ops.QUANT_TYPES["Q5_0"][0])
     strips_id = ops.STRIPS_TYPES[q4_k]
     weight = torch.zeros(16, 144, dtype=torch.uint8)
     with pytest.raises(ValueError, match="qweight must be"):

@@ -12,6 +12,9 @@ import gguf
 import gguf.quants
 import numpy as np
 import pytest
+import torch
+
+import pyllm.ops as ops
 
 Q = gguf.GGMLQuantizationType
 
@@ -42,10 +45,13 @@ SMOL_LAYER_NAMES = [
 
 def smol_expected(file_type: str) -> dict[str, tuple[Q, tuple[int, ...]]]:
     """name -> (type, numpy shape) of a 2-layer smollm2-135m file. Its rows of 576 are
-    not whole 256-weight blocks: Q4_K falls back to Q5_0 and Q6_K to Q8_0 there."""
-    weight = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K_M": Q.Q5_0, "F16": Q.F16, "MXFP4": Q.MXFP4}[
-        file_type
-    ]
+    not whole 256-weight blocks: Q4_K falls back to Q5_0, Q5_K to Q5_1 and Q6_K to Q8_0
+    there."""
+    weight = {
+        "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K_M": Q.Q5_0, "Q5_K_M": Q.Q5_1, "F16": Q.F16,
+        "MXFP4": Q.MXFP4,
+    }[file_type]  # fmt: skip
+    k_quant = {"Q4_K_M": Q.Q4_K, "Q5_K_M": Q.Q5_K}.get(file_type)
     # The tied head (token_embd) takes Q6_K (-> Q8_0) in the quantized mixes but Q8_0 and
     # MXFP4, Q8_0 itself.
     head = Q.F16 if file_type == "F16" else Q.Q8_0
@@ -64,10 +70,10 @@ def smol_expected(file_type: str) -> dict[str, tuple[Q, tuple[int, ...]]]:
     for i in range(2):
         for part in SMOL_LAYER_NAMES:
             qtype = Q.F32 if part.endswith("norm") else weight
-            if file_type == "Q4_K_M" and part == "ffn_down":
-                # 1536 columns are whole Q4_K blocks; layer 1 of 2 is a "more bits" layer
-                qtype = Q.Q6_K if i == 1 else Q.Q4_K
-            if file_type == "Q4_K_M" and part == "attn_v" and i == 1:
+            if k_quant is not None and part == "ffn_down":
+                # 1536 columns are whole K-quant blocks; layer 1 of 2 is a "more bits" layer
+                qtype = Q.Q6_K if i == 1 else k_quant
+            if k_quant is not None and part == "attn_v" and i == 1:
                 qtype = Q.Q8_0  # Q6_K's fallback
             out[f"blk.{i}.{part}.weight"] = (qtype, shapes[part])
     return out
@@ -94,7 +100,7 @@ def field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
 
 
-@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M", "F16", "MXFP4"])
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "F16", "MXFP4"])
 def test_smollm2_shape_file(tmp_path, file_type):
     result = mg.write_gguf("smollm2-135m", file_type, tmp_path, layers=2, tokenizer=[])
     assert result.written
@@ -233,7 +239,7 @@ def test_refuses_without_room(tmp_path, monkeypatch):
     "kwargs, match",
     [
         (dict(shape_name="llama-3-8b"), "shape"),
-        (dict(file_type="Q5_K_M"), "file_type"),
+        (dict(file_type="Q3_K_M"), "file_type"),
         (dict(layers=0), "layers"),
     ],
 )
@@ -309,3 +315,31 @@ def test_gpt_oss_plan_and_file(tmp_path, monkeypatch):
     gate = tensors["blk.0.ffn_gate_exps.weight"]
     values = gguf.quants.dequantize(np.asarray(gate.data).reshape(-1, 17 * 8), Q.MXFP4)
     assert_weight_stats(gate.name, values, is_norm=False)
+
+
+def test_q5_k_m_file_loads_as_strips(tmp_path):
+    """A Q5_K_M file's Q5_K weights (layer 0's ffn_down of a 2-layer smollm2-135m file)
+    load as strips where the kernels read them, and the model follows the widened
+    weights as closely as with those weights left in GGUF rows."""
+    from pyllm.model import loader_gguf
+    from pyllm.model.loader import load_model
+    from tests.model.conftest import run_sequences
+
+    path = str(mg.write_gguf("smollm2-135m", "Q5_K_M", tmp_path, layers=2, tokenizer=[]).path)
+    q5_k = ops.QUANT_TYPES["Q5_K"][0]
+    strips, _ = load_model(path, dtype="float32")
+    kept = ops.STRIPS_TYPES[q5_k] if ops.strips_native() else q5_k
+    assert [p.qtype for p in strips.model.layers[0].mlp.down_proj.qparts] == [kept]
+    packs = loader_gguf._packs_strips
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader_gguf, "_packs_strips", lambda m, t: t != q5_k and packs(m, t))
+        rows, _ = load_model(path, dtype="float32")
+    assert [p.qtype for p in rows.model.layers[0].mlp.down_proj.qparts] == [q5_k]
+    widened, _ = load_model(path, dtype="float32", quantization=None)
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    logits = {
+        name: torch.cat(run_sequences(model, tokens, [2, 2], chunk_size=8).logits)
+        for name, model in (("strips", strips), ("rows", rows), ("widened", widened))
+    }
+    error = {k: float((logits[k] - logits["widened"]).abs().mean()) for k in ("strips", "rows")}
+    assert error["strips"] <= 1.25 * error["rows"], error
