@@ -59,8 +59,8 @@ def batch_invariant() -> bool:
 
 
 def pack_strips(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """A weight of a type with strips (the keys of STRIPS_TYPES: Q4_0, Q4_1, Q8_0, MXFP4,
-    Q4_K, Q5_K, Q6_K), uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU, rearranged in
+    """A weight of a type with strips (the keys of STRIPS_TYPES: every type of
+    QUANT_TYPES), uint8 ``[N, quant_row_bytes(qtype, K)]`` on the CPU, rearranged in
     strips of 16 rows, of type ``STRIPS_TYPES[qtype]``: each strip's blocks
     interleaved so that the AVX-512 kernels read eight weights of 16 output features
     per 64-byte load (AVX2: of 8 per 32-byte half), with no sums across lanes

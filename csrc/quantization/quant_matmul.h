@@ -363,8 +363,8 @@ void dequantize_weight_panel(const uint8_t* w, int64_t row_bytes, int64_t N, boo
         const int64_t c = c0 + b * vec::kLanes;
         S* block = panel + b * K * vec::kLanes;
         if (c + vec::kLanes <= whole) {
-          if constexpr (T == kQ5_K) {
-            // No panel decoder reads Q5_K strips: the strip back to GGUF rows first.
+          if constexpr (has_fifth_bits(T)) {
+            // No panel decoder reads these strips: the strip back to GGUF rows first.
             thread_local std::vector<uint8_t> plain;
             plain.resize(kStripColumns * row_bytes);
             unpack_strip<T>(w + c * row_bytes, row_bytes, plain.data());

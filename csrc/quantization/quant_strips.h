@@ -18,7 +18,8 @@
 // Q4_0, Q4_1 (16 x 18 or 20 bytes): d (fp16) of column c at 2c; Q4_1's m at 32 + 2c;
 // then the 4 weight vectors. MXFP4 (16 x 17 bytes): the E8M0 byte of column c at c,
 // then the 4 vectors of codes. Q8_0 (16 x 34 bytes): d, then 8 vectors of 4 weights per
-// lane (vector v: weights 4v..4v+3), each weight + 128 (an unsigned byte).
+// lane (vector v: weights 4v..4v+3), each weight + 128 (an unsigned byte). Q5_0, Q5_1
+// (16 x 22 or 24 bytes): as Q4_0, Q4_1, then one vector of fifth bits, as Q5_K's below.
 //
 // Q4_K (16 x 144 bytes), column c, sub-block s (weights 32s..32s+31 of the block):
 //   [0, 32)      d (fp16) of column c at 2c
@@ -60,7 +61,7 @@ inline constexpr int kStripColumns = 16;
 inline constexpr int64_t kStripsBase = 1000;
 constexpr bool has_strips(int64_t type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kMXFP4 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K;
+         type == kQ5_0 || type == kQ5_1 || type == kQ5_K || type == kQ6_K;
 }
 constexpr bool is_strips(int64_t type) { return type > kStripsBase && has_strips(type - kStripsBase); }
 constexpr int64_t strips_type(int64_t type) { return kStripsBase + type; }
@@ -94,12 +95,23 @@ struct Q6KStrip {
   static constexpr int high(int j) { return kWeights + kSubBytes * j + 128; }
 };
 
-// A unit of Q4_0, Q4_1, Q8_0 or MXFP4 strips (MXFP4: kD holds the E8M0 bytes).
+// Types whose blocks hold a fifth bit per weight.
+constexpr bool has_fifth_bits(int64_t type) {
+  return type == kQ5_0 || type == kQ5_1 || type == kQ5_K;
+}
+// Types with a scale and an offset m per block.
+constexpr bool has_block_min(int64_t type) { return type == kQ4_1 || type == kQ5_1; }
+
+// A unit of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4 strips (MXFP4: kD holds the E8M0
+// bytes; Q5_0, Q5_1: the fifth bits at kQh).
 template <int64_t T>
 struct Strip32 {
-  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kMXFP4);
+  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 ||
+                T == kMXFP4);
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * Layout<T>::kBytes;
-  static constexpr int kD = 0, kM = 32, kQs = T == kQ4_1 ? 64 : T == kMXFP4 ? 16 : 32;
+  static constexpr int kD = 0, kM = 32;
+  static constexpr int kQs = has_block_min(T) ? 64 : T == kMXFP4 ? 16 : 32, kQh = kQs + 256;
+  static_assert(!has_fifth_bits(T) || kQh + 64 == kBytes);
 };
 
 // A block's scale field: fp16 d, or MXFP4's E8M0 byte.
@@ -148,8 +160,21 @@ inline uint32_t strip_word(uint32_t lo, uint32_t hi, bool high_half) {
                    : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
 }
 
-// Column c's GGUF block of Q4_0, Q4_1 or MXFP4 (at blk[c]) into the strip unit at
-// dst: weight k < 16 is qs[k]'s low nibble, k >= 16 qs[k - 16]'s high one.
+// The fifth bits of 32 weights (bit l: weight l's) as a strip lane: byte j, bit t holds
+// weight 4t + j's; and back.
+inline uint32_t fifth_lane(uint32_t bits) {
+  uint32_t lane = 0;
+  for (int l = 0; l < 32; ++l) lane |= ((bits >> l) & 1u) << (8 * (l % 4) + l / 4);
+  return lane;
+}
+inline uint32_t fifth_bits(uint32_t lane) {
+  uint32_t bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= ((lane >> (8 * (l % 4) + l / 4)) & 1u) << l;
+  return bits;
+}
+
+// Column c's GGUF block of Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 (at blk[c]) into the strip
+// unit at dst: weight k < 16 is qs[k]'s low nibble, k >= 16 qs[k - 16]'s high one.
 template <int64_t T>
 inline void pack_strip32(const uint8_t* const* blk, uint8_t* dst) {
   using S = Strip32<T>;
@@ -158,13 +183,19 @@ inline void pack_strip32(const uint8_t* const* blk, uint8_t* dst) {
     const uint8_t* b = blk[c];
     constexpr int kScale = scale_bytes<T>();
     std::memcpy(dst + S::kD + kScale * c, b + scale_at<T>(), kScale);
-    if constexpr (T == kQ4_1) std::memcpy(dst + S::kM + 2 * c, b + L::kM, 2);
+    if constexpr (has_block_min(T)) std::memcpy(dst + S::kM + 2 * c, b + L::kM, 2);
     for (int v = 0; v < 4; ++v) {
       uint32_t lo, hi;
       std::memcpy(&lo, b + L::kQs + 8 * (v % 2), 4);
       std::memcpy(&hi, b + L::kQs + 8 * (v % 2) + 4, 4);
       const uint32_t word = strip_word(lo, hi, v >= 2);
       std::memcpy(dst + S::kQs + 64 * v + 4 * c, &word, 4);
+    }
+    if constexpr (has_fifth_bits(T)) {
+      uint32_t bits;
+      std::memcpy(&bits, b + L::kQh, 4);
+      const uint32_t lane = fifth_lane(bits);
+      std::memcpy(dst + S::kQh + 4 * c, &lane, 4);
     }
   }
 }
@@ -177,12 +208,18 @@ inline void unpack_strip32(const uint8_t* src, uint8_t* const* blk) {
     uint8_t* b = blk[c];
     constexpr int kScale = scale_bytes<T>();
     std::memcpy(b + scale_at<T>(), src + S::kD + kScale * c, kScale);
-    if constexpr (T == kQ4_1) std::memcpy(b + L::kM, src + S::kM + 2 * c, 2);
+    if constexpr (has_block_min(T)) std::memcpy(b + L::kM, src + S::kM + 2 * c, 2);
     std::memset(b + L::kQs, 0, 16);
     for (int k = 0; k < 32; ++k) {
       const uint8_t byte = src[S::kQs + 64 * (k / 8) + 4 * c + k % 4];
       const int q = (k % 8) < 4 ? byte & 0x0F : byte >> 4;
       b[L::kQs + k % 16] |= static_cast<uint8_t>(k < 16 ? q : q << 4);
+    }
+    if constexpr (has_fifth_bits(T)) {
+      uint32_t lane;
+      std::memcpy(&lane, src + S::kQh + 4 * c, 4);
+      const uint32_t bits = fifth_bits(lane);
+      std::memcpy(b + L::kQh, &bits, 4);
     }
   }
 }
@@ -217,11 +254,10 @@ inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
     }
     if constexpr (T == kQ5_K) {  // qh[l] bit s: weight 32s + l's fifth bit
       for (int s = 0; s < 8; ++s) {
-        uint8_t bytes[4] = {};
-        for (int l = 0; l < 32; ++l) {
-          bytes[l % 4] |= static_cast<uint8_t>(((b[L::kQh + l] >> s) & 1) << (l / 4));
-        }
-        std::memcpy(dst + Q5KStrip::fifth(s) + 4 * c, bytes, 4);
+        uint32_t bits = 0;
+        for (int l = 0; l < 32; ++l) bits |= ((b[L::kQh + l] >> s) & 1u) << l;
+        const uint32_t lane = fifth_lane(bits);
+        std::memcpy(dst + Q5KStrip::fifth(s) + 4 * c, &lane, 4);
       }
     }
   }
@@ -260,10 +296,10 @@ inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
     if constexpr (T == kQ5_K) {
       std::memset(b + L::kQh, 0, 32);
       for (int s = 0; s < 8; ++s) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t byte = src[Q5KStrip::fifth(s) + 4 * c + l % 4];
-          b[L::kQh + l] |= static_cast<uint8_t>(((byte >> (l / 4)) & 1) << s);
-        }
+        uint32_t lane;
+        std::memcpy(&lane, src + Q5KStrip::fifth(s) + 4 * c, 4);
+        const uint32_t bits = fifth_bits(lane);
+        for (int l = 0; l < 32; ++l) b[L::kQh + l] |= static_cast<uint8_t>(((bits >> l) & 1) << s);
       }
     }
   }

@@ -239,16 +239,23 @@ inline void q6k_strips(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
   store_strip(acc, out, out_stride, n);
 }
 
-// A unit's integer sums per row and half for Q4_0, Q4_1 and MXFP4 (4 vectors of 8
-// nibbles a lane; MXFP4's looked up as values + 12 in `table`). Products add up in
-// int16 over 8 vpmaddubsw for 4-bit weights (8 * 2 * 15 * 127 < 2^15), over 4 for
-// MXFP4's values up to 24.
+// A unit's integer sums per row and half for Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 (4
+// vectors of 8 nibbles a lane; MXFP4's looked up as values + 12 in `table`; Q5_0's and
+// Q5_1's fifth bits, at `fifth`, merged as Q5_K's). Products add up in int16 over 8
+// vpmaddubsw for 4-bit weights (8 * 2 * 15 * 127 < 2^15), over 4 for MXFP4's values
+// up to 24 and 5-bit weights.
 template <int64_t T, int R>
 inline void nibble_unit_sums(const uint8_t* w, const QuantizedRows& x, int64_t m0, int64_t k,
-                             __m256i table, __m256i (&sum)[R][kHalves]) {
-  constexpr int kFlush = T == quant::kMXFP4 ? 2 : 4;  // vectors per int16 run
+                             __m256i table, __m256i (&sum)[R][kHalves],
+                             const uint8_t* fifth = nullptr) {
+  constexpr bool kFifth = quant::has_fifth_bits(T);
+  constexpr int kFlush = T == quant::kMXFP4 || kFifth ? 2 : 4;  // vectors per int16 run
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256i part[R][kHalves];
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  __m256i part[R][kHalves], bits[kHalves] = {};
+  if constexpr (kFifth) {
+    for (int i = 0; i < kHalves; ++i) bits[i] = strip_half(fifth, i);
+  }
   for (int v = 0; v < 4; ++v) {
     __m256i xl[R], xh[R];
     for (int r = 0; r < R; ++r) {
@@ -261,6 +268,11 @@ inline void nibble_unit_sums(const uint8_t* w, const QuantizedRows& x, int64_t m
       if constexpr (T == quant::kMXFP4) {
         wl = _mm256_shuffle_epi8(table, wl);
         wh = _mm256_shuffle_epi8(table, wh);
+      }
+      if constexpr (kFifth) {
+        wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi32(bits[i], 4), bit4));
+        wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi32(bits[i], 3), bit4));
+        bits[i] = _mm256_srli_epi32(bits[i], 2);
       }
       for (int r = 0; r < R; ++r) {
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl[r]),
@@ -295,8 +307,9 @@ inline void q8_unit_sums(const uint8_t* w, const QuantizedRows& x, int64_t m0, i
   }
 }
 
-// Q4_0, Q4_1, Q8_0 or MXFP4: per unit of 32, the sums less the weights' offset times
-// the inputs' sum (Q4_0: 8, MXFP4: 12), scaled; Q4_1 plus m times the inputs' sum.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4: per unit of 32, the sums less the weights'
+// offset times the inputs' sum (Q4_0: 8, Q5_0: 16, MXFP4: 12), scaled; Q4_1 and Q5_1
+// plus m times the inputs' sum.
 template <int64_t T, int R>
 inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
                            int64_t blocks, float* out, int64_t out_stride, int64_t n,
@@ -318,7 +331,9 @@ inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t
     if constexpr (T == quant::kQ8_0) {
       q8_unit_sums<R>(unit + S::kQs, x, m0, 32 * b, sum);
     } else {
-      nibble_unit_sums<T, R>(unit + S::kQs, x, m0, 32 * b, table, sum);
+      const uint8_t* fifth = nullptr;
+      if constexpr (quant::has_fifth_bits(T)) fifth = unit + S::kQh;
+      nibble_unit_sums<T, R>(unit + S::kQs, x, m0, 32 * b, table, sum, fifth);
     }
     for (int i = 0; i < kHalves; ++i) {
       const __m256 d = T == quant::kMXFP4 ? e8m0_eight(unit + S::kD + 8 * i)
@@ -326,14 +341,14 @@ inline void strip32_strips(const uint8_t* strip, const QuantizedRows& x, int64_t
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         __m256i total = sum[r][i];
-        if constexpr (T == quant::kQ4_0 || T == quant::kMXFP4) {
+        if constexpr (T == quant::kQ4_0 || T == quant::kQ5_0 || T == quant::kMXFP4) {
           const int16_t* isum = x.isum_row(m) + 2 * b;
-          const int offset = T == quant::kQ4_0 ? 8 : 12;
+          const int offset = T == quant::kQ4_0 ? 8 : T == quant::kQ5_0 ? 16 : 12;
           total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (isum[0] + isum[1])));
         }
         const __m256 dx = _mm256_set1_ps(x.d[m * blocks + b]);
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r][i]);
-        if constexpr (T == quant::kQ4_1) {
+        if constexpr (quant::has_block_min(T)) {
           const float* s = x.s_row(m) + 2 * b;
           acc[r][i] = _mm256_fmadd_ps(half_floats(unit + S::kM + 16 * i),
                                       _mm256_set1_ps(s[0] + s[1]), acc[r][i]);

@@ -273,7 +273,8 @@ inline __m512 strip32_scales(const uint8_t* unit) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + quant::Strip32<T>::kD)));
 }
 
-// Q4_0, Q4_1, Q8_0 or MXFP4 strip columns [n, n + 16) for input rows [m0, m0 + R).
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4 strip columns [n, n + 16) for input rows
+// [m0, m0 + R).
 template <int64_t T, int R>
 inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m0,
                          int64_t blocks, float* out, int64_t out_stride, int64_t n,
@@ -294,6 +295,9 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
       strip8_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
     } else if constexpr (T == quant::kMXFP4) {
       strip_dots<R, kChains, true>(unit + S::kQs, x, m0, 32 * b, part, table);
+    } else if constexpr (quant::has_fifth_bits(T)) {
+      strip_dots<R, kChains, false, true>(unit + S::kQs, x, m0, 32 * b, part, __m512i{},
+                                          unit + S::kQh);
     } else {
       strip_dots<R, kChains>(unit + S::kQs, x, m0, 32 * b, part);
     }
@@ -301,14 +305,15 @@ inline void strip32_pass(const uint8_t* strip, const QuantizedRows& x, int64_t m
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       __m512i sum = strip_sum<kChains>(part[r]);
-      if constexpr (T != quant::kQ4_1) {  // the weights' offset
+      if constexpr (!quant::has_block_min(T)) {  // the weights' offset
         const int16_t* isum = x.isum_row(m) + 2 * b;
-        const int offset = T == quant::kQ4_0 ? 8 : T == quant::kMXFP4 ? 12 : 128;
+        const int offset = T == quant::kQ4_0 ? 8 : T == quant::kMXFP4 ? 12
+                           : T == quant::kQ5_0 ? 16 : 128;
         sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset * (isum[0] + isum[1])));
       }
       const __m512 dx = _mm512_set1_ps(x.d[m * blocks + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
-      if constexpr (T == quant::kQ4_1) {
+      if constexpr (quant::has_block_min(T)) {
         const __m512 mins = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + S::kM)));
         const float* s = x.s_row(m) + 2 * b;
@@ -420,7 +425,7 @@ void dequantize_q6k_strip_panel(const uint8_t* strip, int64_t K, uint32_t* dst) 
 // of the GGUF layout bit for bit.
 template <int64_t T, typename S>
 void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
-  static_assert(T != quant::kQ5_K, "Q5_K strips are unpacked to rows for panels");
+  static_assert(!quant::has_fifth_bits(T), "strips with fifth bits are unpacked for panels");
   auto* dst = reinterpret_cast<uint32_t*>(panel);
   auto half16 = [](const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -467,8 +467,8 @@ def _pack_in_place(qweight: torch.Tensor, type_id: int) -> int:
 
 
 def _packs_strips(model: LlamaForCausalLM, type_id: int) -> bool:
-    """Whether rows of this type are read as strips (ops.pack_strips): Q4_0, Q4_1, Q8_0,
-    Q4_K, Q5_K, Q6_K and MXFP4, whose GGUF-row kernels were bound by their own instructions (2
+    """Whether rows of this type are read as strips (ops.pack_strips): every quantized
+    type (Q4_0 to MXFP4), whose GGUF-row kernels were bound by their own instructions (2
     threads of a Zen 4, 2048x2048 Q4_K weights streamed: 4 / 8 rows 1.4x / 1.5x the GGUF
     rows' speed; SmolLM2 Q4_1's projections 1.4x at 1 row, 1.9x at 8; Q6_K 2048x5632 at
     8 rows 2.1x, at 1 row 0.86-1.08x; Q8_0 49152x2048 from memory at 1 / 5 / 8 rows

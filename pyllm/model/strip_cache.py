@@ -1,7 +1,7 @@
 """Packed weights kept on disk, so that a later load maps them instead of copying and packing.
 
-Where kernels read strips (`ops.strips_native`), the loader copies each Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K, Q6_K and MXFP4 weight out of the GGUF file and packs it (`loader_gguf`). The first
+Where kernels read strips (`ops.strips_native`), the loader copies each quantized weight
+out of the GGUF file and packs it (`loader_gguf`). The first
 load of a file packs them into one cache file, through a shared map of it; later loads of
 the unchanged file map that file read-only: no copy and no packing, and the pages are the
 page cache's, shared by every process that maps the file, as the GGUF file's own blocks are.
