@@ -173,6 +173,21 @@ def run_sequences(
     )
 
 
+def assert_strips_follow_widened(strips, rows, widened) -> None:
+    """A model with weights in strips holds to the widened weights' logits at least as
+    closely as with those weights in GGUF rows (the int8 inputs' rounding makes logits
+    jump with any change of float rounding, so both are held to the widened ones)."""
+    tokens = [list(range(5, 30)), list(range(200, 209))]
+    logits = {
+        name: torch.cat(run_sequences(model, tokens, [2, 2], chunk_size=8).logits)
+        for name, model in (("strips", strips), ("rows", rows), ("widened", widened))
+    }
+    error = {k: float((logits[k] - logits["widened"]).abs().mean()) for k in ("strips", "rows")}
+    assert error["strips"] <= 1.25 * error["rows"], error
+    top1 = {k: int((logits[k].argmax(-1) == logits["widened"].argmax(-1)).sum()) for k in error}
+    assert top1["strips"] >= top1["rows"] - 1, top1
+
+
 def _sequences(tokens, prompt_lens, targets, block_size: int, seed: int):
     """One _Seq per prompt, each owning its blocks, all in a shuffled order; and the
     number of blocks they own together."""

@@ -20,7 +20,12 @@ from pyllm.model.default_model import default_model_path
 from pyllm.model.layers import Linear
 from pyllm.model.loader import load_config, load_model
 from pyllm.model.loader_gguf import SUPPORTED_TYPES, dequantize
-from tests.model.conftest import hf_logits, make_hf_model, run_sequences
+from tests.model.conftest import (
+    assert_strips_follow_widened,
+    hf_logits,
+    make_hf_model,
+    run_sequences,
+)
 from tests.model.test_loader import assert_params_equal, expected_params
 
 Q = gguf.GGMLQuantizationType
@@ -599,12 +604,4 @@ def test_projections_load_as_strips_where_the_kernels_read_them():
         patch.setattr(loader_gguf, "_packs_strips", lambda *args: False)
         rows, _ = load_model(path, dtype="float32")
     widened, _ = load_model(path, dtype="float32", quantization=None)
-    tokens = [list(range(5, 30)), list(range(200, 209))]
-    logits = {
-        name: torch.cat(run_sequences(model, tokens, [2, 2], chunk_size=8).logits)
-        for name, model in (("strips", strips), ("rows", rows), ("widened", widened))
-    }
-    error = {k: float((logits[k] - logits["widened"]).abs().mean()) for k in ("strips", "rows")}
-    assert error["strips"] <= 1.25 * error["rows"], error
-    top1 = {k: int((logits[k].argmax(-1) == logits["widened"].argmax(-1)).sum()) for k in error}
-    assert top1["strips"] >= top1["rows"] - 1, top1
+    assert_strips_follow_widened(strips, rows, widened)

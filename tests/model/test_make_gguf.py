@@ -12,7 +12,6 @@ import gguf
 import gguf.quants
 import numpy as np
 import pytest
-import torch
 
 import pyllm.ops as ops
 
@@ -323,7 +322,7 @@ def test_q5_k_m_file_loads_as_strips(tmp_path):
     weights as closely as with those weights left in GGUF rows."""
     from pyllm.model import loader_gguf
     from pyllm.model.loader import load_model
-    from tests.model.conftest import run_sequences
+    from tests.model.conftest import assert_strips_follow_widened
 
     path = str(mg.write_gguf("smollm2-135m", "Q5_K_M", tmp_path, layers=2, tokenizer=[]).path)
     q5_k = ops.QUANT_TYPES["Q5_K"][0]
@@ -336,10 +335,4 @@ def test_q5_k_m_file_loads_as_strips(tmp_path):
         rows, _ = load_model(path, dtype="float32")
     assert [p.qtype for p in rows.model.layers[0].mlp.down_proj.qparts] == [q5_k]
     widened, _ = load_model(path, dtype="float32", quantization=None)
-    tokens = [list(range(5, 30)), list(range(200, 209))]
-    logits = {
-        name: torch.cat(run_sequences(model, tokens, [2, 2], chunk_size=8).logits)
-        for name, model in (("strips", strips), ("rows", rows), ("widened", widened))
-    }
-    error = {k: float((logits[k] - logits["widened"]).abs().mean()) for k in ("strips", "rows")}
-    assert error["strips"] <= 1.25 * error["rows"], error
+    assert_strips_follow_widened(strips, rows, widened)
