@@ -48,6 +48,15 @@ inline __m256 e8m0_eight(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
 }
 
+// Fifth bits (Q5_0, Q5_1, Q5_K) into a vector's two nibble halves: bit 0 of each byte
+// of `bits` to bit 4 of wl's, bit 1 to wh's; then on to the next vector's bits.
+inline void merge_fifth_bits(__m256i& wl, __m256i& wh, __m256i& bits) {
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi32(bits, 4), bit4));
+  wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi32(bits, 3), bit4));
+  bits = _mm256_srli_epi32(bits, 2);
+}
+
 // The passes below take input rows [m0, m0 + R) over both halves of one strip (its
 // columns from n), all blocks, into out: the strip streams once. (One half a pass,
 // the second reading the strip from cache, kept fewer sums in the 16 vector
@@ -81,7 +90,7 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
   using S = std::conditional_t<T == quant::kQ5_K, quant::Q5KStrip, quant::Q4KStrip>;
   constexpr bool kFifth = T == quant::kQ5_K;
   constexpr int kFlush = kFifth ? 2 : 4;  // vectors per int16 run
-  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[R][kHalves];
   set_zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -127,11 +136,7 @@ inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32
             const __m256i wv = strip_half(blk + S::weights(s) + 64 * v, i);
             __m256i wl = _mm256_and_si256(wv, low);
             __m256i wh = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
-            if constexpr (kFifth) {  // bit 0 of each byte to bit 4, then the next bit
-              wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi32(bits[i], 4), bit4));
-              wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi32(bits[i], 3), bit4));
-              bits[i] = _mm256_srli_epi32(bits[i], 2);
-            }
+            if constexpr (kFifth) merge_fifth_bits(wl, wh, bits[i]);
             for (int r = 0; r < R; ++r) {
               part[r][i] = _mm256_add_epi16(
                   part[r][i], _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl[r]),
@@ -251,7 +256,6 @@ inline void nibble_unit_sums(const uint8_t* w, const QuantizedRows& x, int64_t m
   constexpr bool kFifth = quant::has_fifth_bits(T);
   constexpr int kFlush = T == quant::kMXFP4 || kFifth ? 2 : 4;  // vectors per int16 run
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i bit4 = _mm256_set1_epi8(0x10);
   __m256i part[R][kHalves], bits[kHalves] = {};
   if constexpr (kFifth) {
     for (int i = 0; i < kHalves; ++i) bits[i] = strip_half(fifth, i);
@@ -269,11 +273,7 @@ inline void nibble_unit_sums(const uint8_t* w, const QuantizedRows& x, int64_t m
         wl = _mm256_shuffle_epi8(table, wl);
         wh = _mm256_shuffle_epi8(table, wh);
       }
-      if constexpr (kFifth) {
-        wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi32(bits[i], 4), bit4));
-        wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_slli_epi32(bits[i], 3), bit4));
-        bits[i] = _mm256_srli_epi32(bits[i], 2);
-      }
+      if constexpr (kFifth) merge_fifth_bits(wl, wh, bits[i]);
       for (int r = 0; r < R; ++r) {
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl[r]),
                                            _mm256_maddubs_epi16(wh, xh[r]));
