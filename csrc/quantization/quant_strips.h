@@ -85,6 +85,10 @@ struct Q5KStrip : Q4KStrip {
   static constexpr int fifth(int s) { return weights(s) + 256; }
 };
 
+// The strip block of Q4_K or Q5_K.
+template <int64_t T>
+using KStrip = std::conditional_t<T == kQ5_K, Q5KStrip, Q4KStrip>;
+
 // A block of Q6_K strips.
 struct Q6KStrip {
   static constexpr int kColumns = kStripColumns, kBytes = kColumns * 210;
@@ -227,7 +231,7 @@ inline void unpack_strip32(const uint8_t* src, uint8_t* const* blk) {
 // Column c's GGUF block of Q4_K or Q5_K (at blk[c]) into the strip block at dst.
 template <int64_t T>
 inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
-  using S = std::conditional_t<T == kQ5_K, Q5KStrip, Q4KStrip>;
+  using S = KStrip<T>;
   using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     const uint8_t* b = blk[c];
@@ -266,7 +270,7 @@ inline void pack_strip_block(const uint8_t* const* blk, uint8_t* dst) {
 // The inverse: the strip block at src into column c's GGUF block at blk[c].
 template <int64_t T>
 inline void unpack_strip_block(const uint8_t* src, uint8_t* const* blk) {
-  using S = std::conditional_t<T == kQ5_K, Q5KStrip, Q4KStrip>;
+  using S = KStrip<T>;
   using L = Layout<T>;
   for (int c = 0; c < S::kColumns; ++c) {
     uint8_t* b = blk[c];

@@ -87,7 +87,7 @@ template <int R, int64_t T = quant::kQ4_K>
 inline void q4k_strips(const uint8_t* strip, const QuantizedRows& x, const int32_t* sums,
                        int64_t m0, int64_t blocks, float* out, int64_t out_stride, int64_t n,
                        const uint8_t* stop) {
-  using S = std::conditional_t<T == quant::kQ5_K, quant::Q5KStrip, quant::Q4KStrip>;
+  using S = quant::KStrip<T>;
   constexpr bool kFifth = T == quant::kQ5_K;
   constexpr int kFlush = kFifth ? 2 : 4;  // vectors per int16 run
   const __m256i low = _mm256_set1_epi8(0x0F);
