@@ -58,11 +58,11 @@ def rows_tolerance(type_name, dtype):
     return 1e-4 if type_name == "Q6_K" else 1e-5
 
 
-def strips_take_panels():
-    """Whether many bf16 rows over strips take float products as over GGUF rows (AMX
+def strips_take_panels(dtype):
+    """Whether many rows over strips take float products as over GGUF rows (bf16 on AMX
     tiles; or the strips are unpacked to rows every call); else they keep the int8
     products at every count."""
-    return not ops.strips_native() or _cpu_has_amx()
+    return not ops.strips_native() or (_cpu_has_amx() and dtype == torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bi
     panels = ops.packed_linear_vectorized(dtype) and dtype == torch.bfloat16
     for many in (0, rows):
         got = product(x, strips, strips_id, b, many).float()
-        if not strips_take_panels():
+        if not strips_take_panels(dtype):
             # The int8 products at every count, whichever path the GGUF rows take.
             assert torch.equal(got, int8_product(x, strips, strips_id, b).float())
             want = int8_product(x, qweight, type_id, b).float()
@@ -133,7 +133,7 @@ def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bi
             want = product(x, qweight, type_id, b, many).float()
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
         floats = panels and (many or rows >= 32) and not ops.batch_invariant()
-        if floats and strips_take_panels() and out_features % 16 == 0:
+        if floats and strips_take_panels(dtype) and out_features % 16 == 0:
             assert torch.equal(got, want)
 
 
@@ -156,7 +156,7 @@ def test_a_row_computes_alike_in_any_call(type_name, many_rows):
 def test_without_amx_a_row_computes_alike_at_any_count(type_name, dtype):
     """Where the strips keep the int8 products, the default mode is batch-invariant for
     them: 48 rows, a prompt of 40 among them, give each row bitwise what it gives alone."""
-    if strips_take_panels():
+    if strips_take_panels(dtype):
         pytest.skip("many rows over strips take float products here")
     _, _, strips, strips_id, in_features = weight(type_name, 1)
     x = torch.randn(48, in_features).to(dtype)
