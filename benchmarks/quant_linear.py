@@ -130,7 +130,13 @@ def main() -> None:
     parser.add_argument(
         "--strips", action="store_true", help="pack the weights into strips as the loader does"
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the int8 products at every row count (ops.set_batch_invariant)",
+    )
     args = parser.parse_args()
+    ops.set_batch_invariant(args.batch_invariant)
     print(f"# {platform.processor() or platform.machine()}, torch threads "
           f"{torch.get_num_threads()}, device {args.device}")  # fmt: skip
     if args.matrix:

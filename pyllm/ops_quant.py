@@ -43,11 +43,12 @@ def quant_row_bytes(qtype: int, in_features: int) -> int:
 def set_batch_invariant(on: bool) -> None:
     """Batch-invariant mode, process-wide: quant_linear and fused_moe take the int8
     products at every row count, so a row's result never depends on the other rows of
-    the call. Off (the default), many rows (from 32 in bf16, or 16 with AMX) go through
-    dequantized panels or AMX tiles instead where those are faster, and their rounding
-    differs from the int8 products', so a prompt's output may depend on how it was
-    batched or chunked. Weights in strips (strips_native() builds) without AMX keep the
-    int8 products at every count anyway: there the mode changes only the other formats."""
+    the call. Off (the default), many rows (from 32 in bf16, or with AMX 16, 64 over
+    strips) go through dequantized panels or AMX tiles instead where those are faster,
+    and their rounding differs from the int8 products', so a prompt's output may depend
+    on how it was batched or chunked. Weights in strips (strips_native() builds)
+    without AMX keep the int8 products at every count anyway: there the mode changes
+    only the other formats."""
     if not isinstance(on, bool):
         raise ValueError(f"on must be True or False, got {on!r}")
     _C.set_batch_invariant(on)

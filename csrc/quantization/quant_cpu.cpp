@@ -17,7 +17,7 @@
 //
 // Many rows (a prompt chunk, a large batch) go instead through float products of
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
-// (from 16 rows), else packed_linear's register tile (from 32 rows, where it is
+// (from 16 rows; 64 over strips), else packed_linear's register tile (from 32 rows, where it is
 // vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows; the
 // K-quants keep the int8 products on AVX2: gemm_min_rows). A step's prompt rows take
 // the AMX tiles or panels at any count (many_rows). Weights in strips without AMX keep
@@ -57,7 +57,9 @@ namespace {
 template <typename S>
 int64_t many_row_path_from(int64_t qtype, bool strips) {
 #ifdef PYLLM_QUANT_AMX
-  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready()) return kAmxMinRows;
+  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready()) {
+    return amx_min_rows(strips);
+  }
 #endif
   if constexpr (kPackedLinearVectorized<S>) {
     const int64_t from = panel_min_rows<S>(qtype, strips);
@@ -83,7 +85,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
   int64_t n_panel = 0;
 #ifdef PYLLM_QUANT_AMX
-  if (std::is_same_v<scalar_t, c10::BFloat16> && (many || M >= kAmxMinRows) &&
+  if (std::is_same_v<scalar_t, c10::BFloat16> && (many || M >= amx_min_rows(strips)) &&
       !batch_invariant() && amx_ready()) {
     dispatch_type(qtype, [&](auto t) {
       n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,

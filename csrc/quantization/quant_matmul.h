@@ -363,16 +363,7 @@ void dequantize_weight_panel(const uint8_t* w, int64_t row_bytes, int64_t N, boo
         const int64_t c = c0 + b * vec::kLanes;
         S* block = panel + b * K * vec::kLanes;
         if (c + vec::kLanes <= whole) {
-          if constexpr (has_fifth_bits(T)) {
-            // No panel decoder reads these strips: the strip back to GGUF rows first.
-            thread_local std::vector<uint8_t> plain;
-            plain.resize(kStripColumns * row_bytes);
-            unpack_strip<T>(w + c * row_bytes, row_bytes, plain.data());
-            dequantize_panel<T>(plain.data(), row_bytes, 0, 1, K, rows, words, block,
-                                vec::kLanes);
-          } else {
-            dequantize_strip_panel<T>(w + c * row_bytes, K, block);
-          }
+          dequantize_strip_panel<T>(w + c * row_bytes, K, block);
         } else {
           dequantize_panel<T>(w, row_bytes, c, 1, K, rows, words, block, cols - b * vec::kLanes);
         }
@@ -416,19 +407,23 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 
 // ---------------------------------------------------------------------------
 // Many rows on CPUs with AMX (a build whose -march names one): the tile unit
-// multiplies bf16 at several times the vector units' rate. Its B operand must hold
-// pairs of K for 16 columns per 64-byte row, so the roles are swapped: the weight
-// (32 of its rows at a time, dequantized to bf16 in a buffer that stays in L1/L2)
-// is the A operand, as it lies; the inputs, rearranged once per call into such
-// pairs for 16 rows at a time, are B; each 16 x 16 float32 tile of sums is
-// out^T. For bf16 inputs only: rounding float32 inputs and weights to bf16 moved
-// SmolLM2's float32 logits visibly (correlation with the widened model's down to
-// 0.9975 against >= 0.999 for the float32 panels), so float32 keeps float products.
+// multiplies bf16 at several times the vector units' rate. Its B operand holds pairs
+// of K for 16 columns per 64-byte row: the word-packed layout of packed_linear's
+// panels, so a panel of 32 weight columns is dequantized as for panel_matmul (from
+// strips straight, a strip per 16 columns) into a buffer that stays in L1/L2, and
+// is B; the inputs, as bf16 rows of K, are A; each 16 x 16 float32 tile of sums is
+// a tile of out. For bf16 inputs only: rounding float32 inputs and weights to bf16
+// moved SmolLM2's float32 logits visibly (correlation with the widened model's down
+// to 0.9975 against >= 0.999 for the float32 panels), so float32 keeps float products.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PYLLM_QUANT_AMX 1
 
-// Input rows from which the tile unit takes over from the int8 tiles.
-constexpr int64_t kAmxMinRows = 16;
+// Input rows from which the tile unit takes over from the int8 tiles: decoding a
+// panel costs about as much as 16-48 rows of int8 products over GGUF rows, more over
+// strips, whose int8 kernels are faster (2 cores of a Xeon with AMX, bf16, TinyLlama
+// Q4_K_M / Q8_0 / Q5_K_M and SmolLM2 Q4_1 strips, tiles against int8 products: 16
+// rows 0.58-0.80x, 32 rows 0.87-1.02x, 48 rows 0.79-1.06x, Q4_K 64 rows 1.40x).
+inline int64_t amx_min_rows(bool strips) { return strips ? 64 : 16; }
 
 // Linux hands out the tile registers' state only on request, once per process.
 bool amx_ready() {
@@ -439,8 +434,8 @@ bool amx_ready() {
   return ready;
 }
 
-// Tiles 0-3: four 16 x 16 float32 sums; 4, 5: 16 weight rows each; 6, 7: 16 input
-// rows each. Every tile is 16 rows of 64 bytes.
+// Tiles 0-3: four 16 x 16 float32 sums; 4, 5: 16 input rows each; 6, 7: the pairs
+// of 16 weight columns each. Every tile is 16 rows of 64 bytes.
 void load_tile_config() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -454,37 +449,36 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// Rows [0, M) of x as bf16 pairs of K for 16 rows at a time: word k / 2 of row m
-// at [m / 16][k / 2][m % 16]; rows past M are zero, up to a multiple of 32.
+// Rows [0, M) of x as bf16 rows of K; rows past M are zero, up to a multiple of 32.
 template <typename S>
-std::vector<uint32_t> pair_inputs(const S* x, int64_t x_stride, int64_t M, int64_t K) {
-  const int64_t rows = (M + 31) / 32 * 32, words = K / 2;
-  std::vector<uint32_t> pairs(rows * words, 0);
+std::vector<c10::BFloat16> bf16_inputs(const S* x, int64_t x_stride, int64_t M, int64_t K) {
+  const int64_t rows = (M + 31) / 32 * 32;
+  std::vector<c10::BFloat16> y(rows * K, c10::BFloat16(0.0f));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    std::vector<c10::BFloat16> row(K);
     for (int64_t m = m0; m < m1; ++m) {
-      const S* src = x + m * x_stride;
-      for (int64_t k = 0; k < K; k += vec::kLanes) vec::Vec16::load(src + k).store(row.data() + k);
-      const auto* word = reinterpret_cast<const uint32_t*>(row.data());
-      uint32_t* dst = pairs.data() + (m / 16) * words * 16 + m % 16;
-      for (int64_t i = 0; i < words; ++i) dst[i * 16] = word[i];
+      for (int64_t k = 0; k < K; k += vec::kLanes) {
+        vec::Vec16::load(x + m * x_stride + k).store(y.data() + m * K + k);
+      }
     }
   });
-  return pairs;
+  return y;
 }
 
-// sums[n][m] (32 x 32) = weight rows [0, 32) (bf16 rows of K) . input rows [0, 32).
-inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t K, float* sums) {
-  const int64_t w_bytes = K * 2, words = K / 2;
+// sums[m][n] (32 x 32) = input rows [0, 32) (bf16 rows of K) . the panel's two
+// blocks of 16 columns.
+inline void amx_chunk(const c10::BFloat16* in, const c10::BFloat16* panel, int64_t K,
+                      float* sums) {
+  const int64_t in_bytes = K * 2;
+  const c10::BFloat16* second = panel + K * vec::kLanes;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
-    _tile_loadd(4, wrows + k, w_bytes);
-    _tile_loadd(5, wrows + 16 * K + k, w_bytes);
-    _tile_loadd(6, pairs + k / 2 * 16, 64);
-    _tile_loadd(7, pairs + (words + k / 2) * 16, 64);
+    _tile_loadd(4, in + k, in_bytes);
+    _tile_loadd(5, in + 16 * K + k, in_bytes);
+    _tile_loadd(6, panel + k * vec::kLanes, 64);
+    _tile_loadd(7, second + k * vec::kLanes, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
@@ -497,39 +491,30 @@ inline void amx_chunk(const c10::BFloat16* wrows, const uint32_t* pairs, int64_t
 }
 
 // Columns [0, N / 32 * 32) of out = x . W^T (+ bias); returns how many.
-// strips: W is strips of type T, two of them per panel of 32 rows.
+// strips: W is strips of type T, two of them per panel of 32 columns.
 template <int64_t T, typename S>
 int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
                    int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
                    bool strips = false) {
   const int64_t panels = N / 32;
-  const std::vector<uint32_t> pairs = pair_inputs(x, x_stride, M, K);
+  const std::vector<c10::BFloat16> in = bf16_inputs(x, x_stride, M, K);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     load_tile_config();
-    std::vector<c10::BFloat16> wrows(32 * K);
-    std::vector<uint8_t> plain(strips ? 32 * row_bytes : 0);
+    std::vector<float> rows(vec::kLanes * K);
+    std::vector<c10::BFloat16> words(vec::kLanes * K), panel(2 * vec::kLanes * K);
     alignas(64) float sums[32 * 32];
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * 32;
-      const uint8_t* rows = w + n0 * row_bytes;
-      if constexpr (has_strips(T)) {
-        if (strips) {
-          unpack_strip<T>(rows, row_bytes, plain.data());
-          unpack_strip<T>(rows + 16 * row_bytes, row_bytes, plain.data() + 16 * row_bytes);
-          rows = plain.data();
-        }
-      }
-      for (int n = 0; n < 32; ++n) {
-        dequantize_row_bf16<T>(rows + n * row_bytes, K, wrows.data() + n * K);
-      }
+      dequantize_weight_panel<T>(w, row_bytes, N, strips, n0, 2, K, rows.data(), words.data(),
+                                 panel.data(), 32);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        amx_chunk(wrows.data(), pairs.data() + m0 * K / 2, K, sums);
+        amx_chunk(in.data() + m0 * K, panel.data(), K, sums);
         for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
           S* o = out + m * ld + n0;
+          const float* row = sums + (m - m0) * 32;
           for (int n = 0; n < 32; ++n) {
-            o[n] = static_cast<S>(sums[n * 32 + (m - m0)] +
-                                  (bias ? static_cast<float>(bias[n0 + n]) : 0.0f));
+            o[n] = static_cast<S>(row[n] + (bias ? static_cast<float>(bias[n0 + n]) : 0.0f));
           }
         }
       }

@@ -374,17 +374,24 @@ inline void store_panel_words(uint32_t* dst, int64_t k0, const __m512 (&y)[8]) {
   }
 }
 
-// 32 values (the 4 weight vectors at w) of a strip's columns, a * q + off per lane,
-// into the panel from value k0.
-template <typename S>
+// 32 values (the 4 weight vectors at w; kFifth: and the vector of their fifth bits
+// after them) of a strip's columns, a * q + off per lane, into the panel from value k0.
+template <typename S, bool kFifth = false>
 inline void dequantize_strip_group(const uint8_t* w, __m512 a, __m512 off, int64_t k0,
                                    uint32_t* dst) {
-  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const __m512i nibble = _mm512_set1_epi32(0x0F), bit4 = _mm512_set1_epi32(0x10);
+  const __m512i fifth = kFifth ? _mm512_loadu_si512(w + 256) : _mm512_setzero_si512();
   for (int v = 0; v < 4; ++v) {
     const __m512i wv = _mm512_loadu_si512(w + 64 * v);
     __m512 y[8];  // value 8v + t of each column
     for (int t = 0; t < 8; ++t) {
-      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(wv, 8 * (t % 4) + 4 * (t / 4)), nibble);
+      __m512i q = _mm512_and_si512(_mm512_srli_epi32(wv, 8 * (t % 4) + 4 * (t / 4)), nibble);
+      if constexpr (kFifth) {  // value 8v + t's fifth bit: byte t % 4, bit 2v + t / 4
+        const int at = 8 * (t % 4) + 2 * v + t / 4;
+        const __m512i high = at >= 4 ? _mm512_srli_epi32(fifth, at - 4)
+                                     : _mm512_slli_epi32(fifth, 4 - at);
+        q = _mm512_ternarylogic_epi32(q, high, bit4, 0xF8);  // q | (high & bit4)
+      }
       y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, off);
     }
     store_panel_words<S>(dst, k0 + 8 * v, y);
@@ -425,7 +432,6 @@ void dequantize_q6k_strip_panel(const uint8_t* strip, int64_t K, uint32_t* dst) 
 // of the GGUF layout bit for bit.
 template <int64_t T, typename S>
 void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
-  static_assert(!quant::has_fifth_bits(T), "strips with fifth bits are unpacked for panels");
   auto* dst = reinterpret_cast<uint32_t*>(panel);
   auto half16 = [](const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -470,18 +476,19 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
       }
     }
     return;
-  } else if constexpr (T != quant::kQ4_K) {
+  } else if constexpr (T != quant::kQ4_K && T != quant::kQ5_K) {
     using L = quant::Strip32<T>;
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* unit = strip + b * L::kBytes;
       const __m512 d = half16(unit + L::kD);
-      const __m512 off = T == quant::kQ4_1 ? half16(unit + L::kM)
-                                            : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-      dequantize_strip_group<S>(unit + L::kQs, d, off, 32 * b, dst);
+      const __m512 off = quant::has_block_min(T)
+                             ? half16(unit + L::kM)
+                             : _mm512_mul_ps(d, _mm512_set1_ps(T == quant::kQ5_0 ? -16.0f : -8.0f));
+      dequantize_strip_group<S, quant::has_fifth_bits(T)>(unit + L::kQs, d, off, 32 * b, dst);
     }
     return;
   }
-  using L = quant::Q4KStrip;
+  using L = quant::KStrip<T>;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* blk = strip + b * L::kBytes;
     const __m512 d = half16(blk + L::kD), dmin = half16(blk + L::kDmin);
@@ -497,7 +504,8 @@ void dequantize_strip_panel(const uint8_t* strip, int64_t K, S* panel) {
         const __m512 off = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
                                          _mm512_cvtepi32_ps(word(min_words)));
         const int s = 2 * p + h;
-        dequantize_strip_group<S>(blk + L::kQs + 256 * s, a, off, b * 256 + 32 * s, dst);
+        dequantize_strip_group<S, T == quant::kQ5_K>(blk + L::weights(s), a, off,
+                                                     b * 256 + 32 * s, dst);
       }
     }
   }

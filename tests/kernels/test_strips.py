@@ -58,11 +58,22 @@ def rows_tolerance(type_name, dtype):
     return 1e-4 if type_name == "Q6_K" else 1e-5
 
 
+# Rows from which bf16 rows over strips take the AMX tiles (amx_min_rows).
+AMX_STRIP_ROWS = 64
+
+
 def strips_take_panels(dtype):
     """Whether many rows over strips take float products as over GGUF rows (bf16 on AMX
     tiles; or the strips are unpacked to rows every call); else they keep the int8
     products at every count."""
     return not ops.strips_native() or (_cpu_has_amx() and dtype == torch.bfloat16)
+
+
+def strips_take_rows_path(dtype, rows, many):
+    """Whether a call over strips takes the path the GGUF rows take."""
+    if not ops.strips_native():
+        return True
+    return strips_take_panels(dtype) and (many > 0 or rows >= AMX_STRIP_ROWS)
 
 
 @contextlib.contextmanager
@@ -108,8 +119,8 @@ def test_packing_keeps_the_weight(type_name, shape_index):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# The register tile heights, a partial tile after a whole one, many rows.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+# The register tile heights, a partial tile after a whole one, many rows (64: AMX tiles).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape_index", [0, 1])
 @pytest.mark.parametrize("type_name", TYPES)
@@ -125,15 +136,16 @@ def test_strips_compute_as_the_gguf_rows(type_name, shape_index, dtype, rows, bi
     panels = ops.packed_linear_vectorized(dtype) and dtype == torch.bfloat16
     for many in (0, rows):
         got = product(x, strips, strips_id, b, many).float()
-        if not strips_take_panels(dtype):
-            # The int8 products at every count, whichever path the GGUF rows take.
+        same_path = strips_take_rows_path(dtype, rows, many)
+        if not same_path:
+            # The int8 products, whichever path the GGUF rows take.
             assert torch.equal(got, int8_product(x, strips, strips_id, b).float())
             want = int8_product(x, qweight, type_id, b).float()
         else:
             want = product(x, qweight, type_id, b, many).float()
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
         floats = panels and (many or rows >= 32) and not ops.batch_invariant()
-        if floats and strips_take_panels(dtype) and out_features % 16 == 0:
+        if floats and same_path and out_features % 16 == 0:
             assert torch.equal(got, want)
 
 
