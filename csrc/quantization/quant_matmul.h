@@ -449,34 +449,37 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// Rows [0, M) of x as bf16 rows of K; rows past M are zero, up to a multiple of 32.
+// Rows [0, M) of x in bf16, as A tiles: 16 rows x 32 values a tile, 1 KiB each, those
+// of rows [16g, 16g + 16) at g * K / 32 tiles (rows of K apart lay the 16 rows a tile
+// reads on the same L1 set when K * 2 is a multiple of 4 KiB); rows past M are zero,
+// up to a multiple of 32.
 template <typename S>
-std::vector<c10::BFloat16> bf16_inputs(const S* x, int64_t x_stride, int64_t M, int64_t K) {
+std::vector<c10::BFloat16> input_tiles(const S* x, int64_t x_stride, int64_t M, int64_t K) {
   const int64_t rows = (M + 31) / 32 * 32;
   std::vector<c10::BFloat16> y(rows * K, c10::BFloat16(0.0f));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
+      c10::BFloat16* dst = y.data() + (m / 16) * 16 * K + (m % 16) * 32;
       for (int64_t k = 0; k < K; k += vec::kLanes) {
-        vec::Vec16::load(x + m * x_stride + k).store(y.data() + m * K + k);
+        vec::Vec16::load(x + m * x_stride + k).store(dst + (k / 32) * 512 + k % 32);
       }
     }
   });
   return y;
 }
 
-// sums[m][n] (32 x 32) = input rows [0, 32) (bf16 rows of K) . the panel's two
-// blocks of 16 columns.
+// sums[m][n] (32 x 32) = input rows [0, 32) (input_tiles) . the panel's two blocks
+// of 16 columns.
 inline void amx_chunk(const c10::BFloat16* in, const c10::BFloat16* panel, int64_t K,
                       float* sums) {
-  const int64_t in_bytes = K * 2;
   const c10::BFloat16* second = panel + K * vec::kLanes;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
-    _tile_loadd(4, in + k, in_bytes);
-    _tile_loadd(5, in + 16 * K + k, in_bytes);
+    _tile_loadd(4, in + k * 16, 64);
+    _tile_loadd(5, in + 16 * K + k * 16, 64);
     _tile_loadd(6, panel + k * vec::kLanes, 64);
     _tile_loadd(7, second + k * vec::kLanes, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -497,7 +500,7 @@ int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, co
                    int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
                    bool strips = false) {
   const int64_t panels = N / 32;
-  const std::vector<c10::BFloat16> in = bf16_inputs(x, x_stride, M, K);
+  const std::vector<c10::BFloat16> in = input_tiles(x, x_stride, M, K);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     load_tile_config();
