@@ -57,7 +57,8 @@ namespace {
 template <typename S>
 int64_t many_row_path_from(int64_t qtype, bool strips) {
 #ifdef PYLLM_QUANT_AMX
-  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready()) {
+  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready() &&
+      amx_min_rows(strips) != INT64_MAX) {
     return amx_min_rows(strips);
   }
 #endif
@@ -85,8 +86,9 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
   // Columns the panel path takes (whole blocks of 16); the int8 tiles do the rest.
   int64_t n_panel = 0;
 #ifdef PYLLM_QUANT_AMX
-  if (std::is_same_v<scalar_t, c10::BFloat16> && (many || M >= amx_min_rows(strips)) &&
-      !batch_invariant() && amx_ready()) {
+  const int64_t amx_from = amx_min_rows(strips);
+  if (std::is_same_v<scalar_t, c10::BFloat16> && amx_from != INT64_MAX &&
+      (many || M >= amx_from) && !batch_invariant() && amx_ready()) {
     dispatch_type(qtype, [&](auto t) {
       n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
                                                ld, strips);

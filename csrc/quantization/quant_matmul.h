@@ -241,8 +241,10 @@ constexpr int64_t kPanelMinRows = 32;
 template <typename scalar_t>
 int64_t panel_min_rows(int64_t type, bool strips) {
   if (batch_invariant()) return INT64_MAX;  // only the int8 products (ops.h)
-#if defined(PYLLM_QUANT_ZMM)
+  // Strips: faster by int8 products where panels could read them (ZMM builds), and
+  // no panel decoder reads them elsewhere.
   if (strips) return INT64_MAX;
+#if defined(PYLLM_QUANT_ZMM)
   const bool octets = is_octet_format(type) || type == kQ4_K;
   if (octets && std::is_same_v<scalar_t, float>) return INT64_MAX;
 #endif
@@ -347,6 +349,14 @@ void panel_rows(const S* x, int64_t x_stride, int64_t M, const S* panel, int64_t
   });
 }
 
+// Whether dequantize_weight_panel reads strips: their panel decoders are AVX-512 VNNI
+// builds' (quant_strips_avx512.h).
+#ifdef PYLLM_QUANT_ZMM
+constexpr bool kStripPanels = true;
+#else
+constexpr bool kStripPanels = false;
+#endif
+
 // The panel of W's columns [c0, c0 + 16 nb) (cols of them real) from GGUF rows, or
 // where `strips` (a build with PYLLM_QUANT_ZMM) each block of 16 inside a whole strip
 // by dequantize_strip_panel (the same values) and the rest from the rows past the
@@ -423,7 +433,11 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 // strips, whose int8 kernels are faster (2 cores of a Xeon with AMX, bf16, TinyLlama
 // Q4_K_M / Q8_0 / Q5_K_M and SmolLM2 Q4_1 strips, tiles against int8 products: 16
 // rows 0.58-0.80x, 32 rows 0.87-1.02x, 48 rows 0.79-1.06x, Q4_K 64 rows 1.40x).
-inline int64_t amx_min_rows(bool strips) { return strips ? 64 : 16; }
+// INT64_MAX: never (strips where no panel decoder reads them).
+inline int64_t amx_min_rows(bool strips) {
+  if (strips) return kStripPanels ? 64 : INT64_MAX;
+  return 16;
+}
 
 // Linux hands out the tile registers' state only on request, once per process.
 bool amx_ready() {
