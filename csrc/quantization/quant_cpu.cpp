@@ -17,9 +17,9 @@
 //
 // Many rows (a prompt chunk, a large batch) go instead through float products of
 // dequantized panels of W: AMX tiles for bf16 inputs where the build targets them
-// (from 16 rows; 64 over strips), else packed_linear's register tile (from 32 rows, where it is
-// vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64 rows; the
-// K-quants keep the int8 products on AVX2: gemm_min_rows). A step's prompt rows take
+// (from 16 rows; 64 over strips), else packed_linear's register tile (from 32 rows,
+// where it is vectorized), else (float32 on AVX2) chunks through ATen's GEMM (from 64
+// rows; the K-quants keep the int8 products on AVX2: gemm_min_rows). A step's prompt rows take
 // the AMX tiles or panels at any count (many_rows). Weights in strips without AMX keep
 // the int8 products at every count, which outrun the panels there (panel_min_rows).
 #include <atomic>
@@ -57,9 +57,10 @@ namespace {
 template <typename S>
 int64_t many_row_path_from(int64_t qtype, bool strips) {
 #ifdef PYLLM_QUANT_AMX
-  if (std::is_same_v<S, c10::BFloat16> && !batch_invariant() && amx_ready() &&
-      amx_min_rows(strips) != INT64_MAX) {
-    return amx_min_rows(strips);
+  const int64_t amx_from = amx_min_rows(strips);
+  if (std::is_same_v<S, c10::BFloat16> && amx_from != INT64_MAX && !batch_invariant() &&
+      amx_ready()) {
+    return amx_from;
   }
 #endif
   if constexpr (kPackedLinearVectorized<S>) {
