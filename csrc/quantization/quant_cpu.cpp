@@ -101,8 +101,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
     if (n_panel == 0 && from != INT64_MAX && (many || M >= from)) {
       n_panel = N / vec::kLanes * vec::kLanes;
       dispatch_type(qtype, [&](auto t) {
-        panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o, ld,
-                                         strips);
+        panel_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o, ld);
       });
     }
   }

@@ -385,12 +385,11 @@ void dequantize_weight_panel(const uint8_t* w, int64_t row_bytes, int64_t N, boo
   dequantize_panel<T>(w, row_bytes, c0, nb, K, rows, words, panel, cols);
 }
 
-// Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S.
-// strips: W is strips of type T (a build with PYLLM_QUANT_ZMM).
+// Columns [0, N / 16 * 16) of out = x . W^T (+ bias), in x's dtype S; W in GGUF rows
+// (strips never take the panels: panel_min_rows).
 template <int64_t T, typename S>
 void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const S* x,
-                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld,
-                  bool strips = false) {
+                  int64_t x_stride, int64_t M, const S* bias, S* out, int64_t ld) {
   constexpr int NB = tile_blocks(kTileRows);
   const int64_t panels = (N / vec::kLanes + NB - 1) / NB;
   // Panels from a shared counter, as quant_matmul's strips.
@@ -401,8 +400,8 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
     for (int64_t p = next++; p < panels; p = next++) {
       const int64_t n0 = p * NB * vec::kLanes;
       const int nb = static_cast<int>(std::min<int64_t>(NB, N / vec::kLanes - p * NB));
-      dequantize_weight_panel<T>(w, row_bytes, N, strips, n0, nb, K, row.data(), row_words.data(),
-                                 panel.data(), nb * vec::kLanes);
+      dequantize_panel<T>(w, row_bytes, n0, nb, K, row.data(), row_words.data(), panel.data(),
+                          nb * vec::kLanes);
       const S* b = bias ? bias + n0 : nullptr;
       if (nb == NB) {
         panel_rows<S, NB>(x, x_stride, M, panel.data(), K, b, out + n0, ld);
@@ -421,10 +420,11 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 // of K for 16 columns per 64-byte row: the word-packed layout of packed_linear's
 // panels, so a panel of 32 weight columns is dequantized as for panel_matmul (from
 // strips straight, a strip per 16 columns) into a buffer that stays in L1/L2, and
-// is B; the inputs, as bf16 rows of K, are A; each 16 x 16 float32 tile of sums is
-// a tile of out. For bf16 inputs only: rounding float32 inputs and weights to bf16
-// moved SmolLM2's float32 logits visibly (correlation with the widened model's down
-// to 0.9975 against >= 0.999 for the float32 panels), so float32 keeps float products.
+// is B; the inputs, laid out once per call as 16 x 32 tiles (input_tiles), are A;
+// each 16 x 16 float32 tile of sums is a tile of out. For bf16 inputs only: rounding
+// float32 inputs and weights to bf16 moved SmolLM2's float32 logits visibly
+// (correlation with the widened model's down to 0.9975 against >= 0.999 for the
+// float32 panels), so float32 keeps float products.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PYLLM_QUANT_AMX 1
 
