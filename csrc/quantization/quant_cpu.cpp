@@ -59,7 +59,7 @@ int64_t many_row_path_from(int64_t qtype, bool strips) {
 #ifdef PYLLM_QUANT_AMX
   const int64_t amx_from = amx_min_rows(strips);
   if (std::is_same_v<S, c10::BFloat16> && amx_from != INT64_MAX && !batch_invariant() &&
-      amx_ready()) {
+      amx::ready()) {
     return amx_from;
   }
 #endif
@@ -89,7 +89,7 @@ void linear_rows(at::Tensor& out, const at::Tensor& input, const at::Tensor& qwe
 #ifdef PYLLM_QUANT_AMX
   const int64_t amx_from = amx_min_rows(strips);
   if (std::is_same_v<scalar_t, c10::BFloat16> && amx_from != INT64_MAX &&
-      (many || M >= amx_from) && !batch_invariant() && amx_ready()) {
+      (many || M >= amx_from) && !batch_invariant() && amx::ready()) {
     dispatch_type(qtype, [&](auto t) {
       n_panel = amx_matmul<decltype(t)::value>(w, row_bytes, N, K, in, input.stride(0), M, b, o,
                                                ld, strips);

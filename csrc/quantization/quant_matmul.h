@@ -16,9 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -27,6 +24,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "../cpu/amx.h"
 #include "../cpu/packed_tile.h"
 #include "../ops.h"  // batch_invariant
 #include "gguf_blocks.h"
@@ -425,7 +423,7 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 // float32 inputs and weights to bf16 moved SmolLM2's float32 logits visibly
 // (correlation with the widened model's down to 0.9975 against >= 0.999 for the
 // float32 panels), so float32 keeps float products.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#ifdef PYLLM_AMX
 #define PYLLM_QUANT_AMX 1
 
 // Input rows from which the tile unit takes over from the int8 tiles: decoding a
@@ -437,30 +435,6 @@ void panel_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 inline int64_t amx_min_rows(bool strips) {
   if (strips) return kStripPanels ? 64 : INT64_MAX;
   return 16;
-}
-
-// Linux hands out the tile registers' state only on request, once per process.
-bool amx_ready() {
-  static const bool ready = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
-
-// Tiles 0-3: four 16 x 16 float32 sums; 4, 5: 16 input rows each; 6, 7: the pairs
-// of 16 weight columns each. Every tile is 16 rows of 64 bytes.
-void load_tile_config() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
 }
 
 // Rows [0, M) of x in bf16, as A tiles: 16 rows x 32 values a tile, 1 KiB each, those
@@ -517,7 +491,7 @@ int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, co
   const std::vector<c10::BFloat16> in = input_tiles(x, x_stride, M, K);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(panels, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    load_tile_config();
+    amx::load_config();  // tiles 0-3: sums; 4, 5: input rows; 6, 7: weight pairs
     std::vector<float> rows(vec::kLanes * K);
     std::vector<c10::BFloat16> words(vec::kLanes * K), panel(2 * vec::kLanes * K);
     alignas(64) float sums[32 * 32];
