@@ -64,8 +64,11 @@ struct Vec16 {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     return scale_pow2(p, n);
   }
+  // As Vec16::exp2_nonpositive of vec_avx512.h: 0 below -125, where the product
+  // would be a denormal (a microcode assist per lane).
   static __m256 exp2_nonpositive8(__m256 v) {
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-150.0f), v);
+    const __m256 live = _mm256_cmp_ps(v, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-125.0f), v);  // NaN: v
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(1.3333558e-3f);
@@ -74,7 +77,7 @@ struct Vec16 {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.24022651f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.69314718f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    return scale_pow2(p, n);
+    return _mm256_and_ps(live, scale_pow2(p, n));
   }
   static __m128 sum4(__m256 x) {
     return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

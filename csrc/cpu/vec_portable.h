@@ -112,7 +112,7 @@ struct Vec16 {
   }
   Vec16 exp2_nonpositive() const {
     Vec16 r;
-    for (int i = 0; i < kLanes; ++i) r.v[i] = std::exp2(v[i]);
+    for (int i = 0; i < kLanes; ++i) r.v[i] = v[i] < -125.0f ? 0.0f : std::exp2(v[i]);  // as AVX
     return r;
   }
 };
