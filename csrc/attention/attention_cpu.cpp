@@ -1,12 +1,13 @@
 // The CPU attention ops: paged decode (v1, v2), paged causal prefill, and the same
 // kernels over the contiguous layout. The kernels are in attention_cpu_kernels.h
-// (decode and the general prefill) and attention_cpu_prefill_lanes.h (prefill on
-// AVX-512), their scheduling in attention_cpu_tasks.h; the argument contract in
-// attention_checks.h (shared with CUDA), the CPU's own index checks in
-// attention_cpu_checks.h.
+// (decode and the general prefill), attention_cpu_prefill_lanes.h (prefill on
+// AVX-512) and attention_cpu_prefill_amx.h (bfloat16 prefill on AMX), their
+// scheduling in attention_cpu_tasks.h; the argument contract in attention_checks.h
+// (shared with CUDA), the CPU's own index checks in attention_cpu_checks.h.
 
 #include "attention_cpu_checks.h"
 #include "attention_cpu_kernels.h"
+#include "attention_cpu_prefill_amx.h"
 #include "attention_cpu_prefill_lanes.h"
 #include "attention_cpu_tasks.h"
 
@@ -256,6 +257,18 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
     prefill_lanes(cache, query.data_ptr<float>(), query.stride(0), out.data_ptr<float>(),
                   shape.num_heads, num_seqs, lens, starts, float(scale), alibi, sliding_window,
                   sink);
+    return;
+  }
+#endif
+#ifdef PYLLM_AMX
+  // bfloat16 on the tile unit (see prefill_amx), where the rows fill its tiles: on
+  // average a tile of 16 rows or more per sequence.
+  if (query.scalar_type() == at::kBFloat16 && !quantized && !alibi && head_size % 32 == 0 &&
+      shape.num_tokens * group >= kAmxRows * num_seqs && amx::ready()) {
+    const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
+    prefill_amx(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
+                out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
+                float(scale), sliding_window, sink);
     return;
   }
 #endif
