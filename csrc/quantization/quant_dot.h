@@ -81,18 +81,32 @@ inline void prefetch_ahead(const uint8_t* blk, bool to_l2 = false) {
 // TinyLlama's projections, three rounds: 23.8-26.6 ms against 26.1-28.9 at 8 KiB).
 constexpr int kStripPrefetchBytes = 16384;
 
-// Kernels over fewer input rows than this leave the stream to the hardware
-// prefetchers: 2 threads, 57 random 4096x2048 weights (benchmarks/quant_linear.py
-// --matrix), 1 row: Q4_K strips 7.8-8.9 ms without, 8.2-9.7 with; 2 rows even;
-// 3 rows 10.0-11.5 against 9.3-10.1, 8 rows 21.4 against 15.9.
+// On AMD CPUs, kernels over fewer input rows than this leave the stream to the
+// hardware prefetchers: Zen 4, 2 threads, 57 random 4096x2048 weights
+// (benchmarks/quant_linear.py --matrix), 1 row: Q4_K strips 7.8-8.9 ms without,
+// 8.2-9.7 with; 2 rows even; 3 rows 10.0-11.5 against 9.3-10.1, 8 rows 21.4 against
+// 15.9. Intel's cores keep fewer misses in flight per core, and there every row count
+// prefetches: a Xeon with AMX (family 6 model 167), 2 threads, Q4_K_M experts of the
+// qwen3-30b-a3b shape (benchmarks/bench_moe.py --strips), 1 token 15.4 -> 17.8 GB/s,
+// 8 tokens 15.7 -> 17.7; a dense layer at 1 row 15.1 -> 18.1.
 constexpr int kStripPrefetchMinRows = 3;
+
+inline bool strip_prefetch_few_rows() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
 
 // A strip kernel over R rows, at the block at p: the block kStripPrefetchBytes
 // ahead into L2. Not past `stop` where given: fused_moe's items end where weights
 // nobody reads may begin (an expert no token chose).
 template <int kBytes, int R>
 inline void strip_prefetch(const uint8_t* p, const uint8_t* stop) {
-  if constexpr (R < kStripPrefetchMinRows) return;
+  if constexpr (R < kStripPrefetchMinRows) {
+    if (!strip_prefetch_few_rows()) return;
+  }
   const uint8_t* from = p + kStripPrefetchBytes;
   int64_t bytes = kBytes;
   if (stop != nullptr) bytes = std::clamp<int64_t>(stop - from, 0, kBytes);
