@@ -337,29 +337,11 @@ inline void prefill_amx(const PagedCache<Bf16>& cache, const Bf16* query, int64_
   pack_keys_values(cache, num_seqs, lens, starts, sliding_window, packed, buffer);
   const Bf16* base = buffer.data_ptr<Bf16>();
 
-  struct Task {
-    int64_t seq;
-    int first_row;  // of the sequence's q_len * group rows
-    int count;
-    int64_t cost;
-  };
-  std::vector<Task> tasks;
   int64_t work = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int q_len = starts[s + 1] - starts[s];
-    for (int r = 0; r < q_len * group; r += kAmxRows) {
-      const int count = std::min(kAmxRows, q_len * group - r);
-      const int first_pos = lens[s] - q_len + r / group;
-      const int last_pos = lens[s] - q_len + (r + count - 1) / group;
-      const int first_key = window_start(first_pos, sliding_window);
-      tasks.push_back({s, r, count, int64_t(last_pos + 1 - first_key) * count});
-      work += tasks.back().cost;
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<RowTask> tasks =
+      row_tasks(num_seqs, lens, starts, group, kAmxRows, sliding_window, work);
 
-  auto run = [&](const Task& t, int kv_head, AmxWorkspace& ws) {
+  auto run = [&](const RowTask& t, int kv_head, AmxWorkspace& ws) {
     const int q_len = starts[t.seq + 1] - starts[t.seq];
     const int pos0 = lens[t.seq] - q_len;  // position of query token 0
     const int64_t token0 = starts[t.seq];

@@ -321,31 +321,12 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
                    float scale, const float* alibi, int sliding_window, const float* sinks) {
   const int num_kv_heads = cache.num_kv_heads, D = cache.head_size;
   const int group = int(num_heads / num_kv_heads);
-  struct Task {
-    int64_t seq;
-    int first_row;  // of the sequence's q_len * group rows
-    int count;
-    int64_t cost;
-  };
-  std::vector<Task> tasks;
   int64_t work = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int q_len = starts[s + 1] - starts[s];
-    const int rows = q_len * group;
-    for (int r = 0; r < rows; r += kLaneRows) {
-      const int count = std::min(kLaneRows, rows - r);
-      const int first_pos = lens[s] - q_len + r / group;
-      const int last_pos = lens[s] - q_len + (r + count - 1) / group;
-      const int first_key = window_start(first_pos, sliding_window);
-      tasks.push_back({s, r, count, int64_t(last_pos + 1 - first_key) * count});
-      work += tasks.back().cost;
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<RowTask> tasks =
+      row_tasks(num_seqs, lens, starts, group, kLaneRows, sliding_window, work);
 
   using W = LaneWords<T>;
-  auto run = [&](auto rv_tag, const Task& t, int kv_head, LaneWorkspace<T>& ws) {
+  auto run = [&](auto rv_tag, const RowTask& t, int kv_head, LaneWorkspace<T>& ws) {
     constexpr int RV = decltype(rv_tag)::value;
     const int q_len = starts[t.seq + 1] - starts[t.seq];
     const int pos0 = lens[t.seq] - q_len;  // position of query token 0
@@ -448,7 +429,7 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
   // runs: they are scattered (one head's row per token), and the packing and
   // the stores above would otherwise stall on each line.
   auto prefetch_rows = [&](int64_t i) {
-    const Task& t = tasks[i / num_kv_heads];
+    const RowTask& t = tasks[i / num_kv_heads];
     const int kv_head = int(i % num_kv_heads);
     for (int row = t.first_row; row < t.first_row + t.count; ++row) {
       const int64_t token = starts[t.seq] + row / group;
@@ -473,7 +454,7 @@ void prefill_lanes(const PagedCache<T>& cache, const T* query, int64_t q_stride,
     for (int64_t i = next.fetch_add(1); i < num_tasks;) {
       const int64_t following = next.fetch_add(1);
       if (following < num_tasks) prefetch_rows(following);
-      const Task& t = tasks[i / num_kv_heads];
+      const RowTask& t = tasks[i / num_kv_heads];
       const int kv_head = int(i % num_kv_heads);
       if (t.count > kLanes) {
         run(std::integral_constant<int, 2>{}, t, kv_head, ws);

@@ -44,6 +44,40 @@ inline int window_start(int query_pos, int sliding_window) {
   return sliding_window > 0 ? std::max(0, query_pos - sliding_window + 1) : 0;
 }
 
+// A prefill task of the row kernels (lanes, AMX tiles): up to their rows per task
+// consecutive query rows of one sequence, row r being (query token r / group, head
+// r % group), and its cost: rows x the keys they read.
+struct RowTask {
+  int64_t seq;
+  int first_row;  // of the sequence's q_len * group rows
+  int count;
+  int64_t cost;
+};
+
+// Every sequence's rows as tasks of up to rows_per_task, the costliest first (claimed
+// in that order, they spread evenly over the threads); work: their summed cost.
+inline std::vector<RowTask> row_tasks(int64_t num_seqs, const int32_t* lens,
+                                      const int32_t* starts, int group, int rows_per_task,
+                                      int sliding_window, int64_t& work) {
+  std::vector<RowTask> tasks;
+  work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int q_len = starts[s + 1] - starts[s];
+    const int rows = q_len * group;
+    for (int r = 0; r < rows; r += rows_per_task) {
+      const int count = std::min(rows_per_task, rows - r);
+      const int first_pos = lens[s] - q_len + r / group;
+      const int last_pos = lens[s] - q_len + (r + count - 1) / group;
+      const int first_key = window_start(first_pos, sliding_window);
+      tasks.push_back({s, r, count, int64_t(last_pos + 1 - first_key) * count});
+      work += tasks.back().cost;
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const RowTask& a, const RowTask& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
 // The cache block that holds key position `pos`, as its first token position.
 inline int block_start(int pos, int block_size) { return pos / block_size * block_size; }
 
