@@ -261,10 +261,11 @@ static void attention_prefill(const char* op, const AttentionShape& shape, at::T
   }
 #endif
 #ifdef PYLLM_AMX
-  // bfloat16 on the tile unit (see prefill_amx), where the rows fill its tiles: on
-  // average a tile of 16 rows or more per sequence.
+  // bfloat16 on the tile unit (see prefill_amx), whatever the rows per sequence: a
+  // row's result must not depend on how its prompt was split or batched, and the
+  // tiles and the lanes round differently.
   if (query.scalar_type() == at::kBFloat16 && !quantized && !alibi && head_size % 32 == 0 &&
-      shape.num_tokens * group >= kAmxRows * num_seqs && amx::ready()) {
+      amx::ready()) {
     const auto cache = make_cache<c10::BFloat16>(key_cache, value_cache, addressing, shape);
     prefill_amx(cache, query.data_ptr<c10::BFloat16>(), query.stride(0),
                 out.data_ptr<c10::BFloat16>(), shape.num_heads, num_seqs, lens, starts,
