@@ -82,6 +82,8 @@ using vec::kLanes;
 using vec::Vec16;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The prefill kernels' softmax runs in base 2: logits, alibi slopes and sinks times log2(e).
+constexpr float kLog2e = 1.44269504f;
 // Row tiles of at most this many query rows share each loaded key vector
 // (4 where a Vec16 takes two of AVX2's 16 registers).
 constexpr int kMaxRowTile = vec::kRegisterVecs >= 16 ? 8 : 4;

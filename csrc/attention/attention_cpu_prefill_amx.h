@@ -36,7 +36,6 @@ namespace {
 constexpr int kAmxRows = 16;   // query rows per task: one A tile
 constexpr int kAmxStep = 64;   // key tokens per step: four tiles of logits
 constexpr int kAmxGroup = 8;   // tokens a cache block always holds together
-constexpr float kAmxLog2e = 1.44269504f;
 
 using Bf16 = c10::BFloat16;
 
@@ -46,8 +45,9 @@ struct AmxPacked {
   std::vector<int> first_step;  // per seq
   int64_t step_elems = 0;       // 2 * kAmxStep * D: keys, then values
 
-  const Bf16* step(const Bf16* base, int64_t seq, int kv_head, int num_kv_heads, int s) const {
-    return base + offset[seq * num_kv_heads + kv_head] + (s - first_step[seq]) * step_elems;
+  // Elements from the buffer's start to step s of (seq, kv_head).
+  int64_t step(int64_t seq, int kv_head, int num_kv_heads, int s) const {
+    return offset[seq * num_kv_heads + kv_head] + (s - first_step[seq]) * step_elems;
   }
 };
 
@@ -172,7 +172,7 @@ inline void pack_keys_values(const PagedCache<Bf16>& cache, int64_t num_seqs, co
       const Item& it = items[i];
       const int q_len = starts[it.seq + 1] - starts[it.seq];
       const int first_key = window_start(lens[it.seq] - q_len, sliding_window);
-      Bf16* dst = const_cast<Bf16*>(packed.step(base, it.seq, it.kv_head, H, it.step));
+      Bf16* dst = base + packed.step(it.seq, it.kv_head, H, it.step);
       pack_step(cache, it.seq, it.kv_head, it.step, first_key, lens[it.seq] - 1, dst);
     }
   });
@@ -363,9 +363,9 @@ inline void prefill_amx(const PagedCache<Bf16>& cache, const Bf16* query, int64_
     std::fill(ws.acc.begin(), ws.acc.end(), 0.0f);
     const int first_pos = ws.query_pos[0], last_pos = ws.query_pos[kAmxRows - 1];
     const int first_key = ws.first_key[0], last_first_key = ws.first_key[kAmxRows - 1];
-    const float vscale = scale * kAmxLog2e;
+    const float vscale = scale * kLog2e;
     for (int s = first_key / kAmxStep; s <= last_pos / kAmxStep; ++s) {
-      const Bf16* step = packed.step(base, t.seq, kv_head, H, s);
+      const Bf16* step = base + packed.step(t.seq, kv_head, H, s);
       const int step_first = s * kAmxStep;
       const bool masked = step_first + kAmxStep - 1 > first_pos ||
                           (sliding_window > 0 && step_first < last_first_key);
@@ -375,12 +375,8 @@ inline void prefill_amx(const PagedCache<Bf16>& cache, const Bf16* query, int64_
     }
     for (int r = 0; r < t.count; ++r) {
       float inv = ws.exp_sum[r] > 0.0f ? 1.0f / ws.exp_sum[r] : 0.0f;
-      if (sinks) {
-        // The head's sink as one more logit (base 2), no value.
-        const float sink = sinks[row_head(r)] * kAmxLog2e;
-        const float m = std::max(ws.max_logit[r], sink);
-        const float alpha = std::exp2(ws.max_logit[r] - m);
-        inv = m == kNegInf ? 0.0f : alpha / (ws.exp_sum[r] * alpha + std::exp2(sink - m));
+      if (sinks) {  // max_logit is in base 2, sink_scale's logits in base e
+        inv = sink_scale(ws.max_logit[r] / kLog2e, ws.exp_sum[r], sinks[row_head(r)]);
       }
       Bf16* o = out + (row_token(r) * num_heads + row_head(r)) * D;
       const float* acc = ws.acc.data() + r * D;

@@ -49,8 +49,6 @@ constexpr int kLaneRows = 2 * kLanes;  // rows per task: RV <= 2 vectors
 constexpr int kKeyTile = 16;           // key tokens per tile
 // Tokens of a tile that always share a cache block (block_size is a multiple of 8).
 constexpr int kHalfTile = kKeyTile / 2;
-// The softmax runs in base 2: logits, alibi slopes and sinks times log2(e).
-constexpr float kLog2e = 1.44269504f;
 
 // How the lane rows meet a dtype's 32-bit words (vec::WordOps), and the two
 // conversions between words and the float32 rows of the softmax and output.
