@@ -64,9 +64,11 @@ def allocate_kv_cache(
     """Allocates one layer's (key_cache, value_cache) in the layout the kernels read;
     dtype torch.int8 for an int8 cache (its scales: allocate_kv_scales).
 
-    Zero-filled, so the memory is committed here rather than page-faulted in by the
-    first writes of each new block, which would land on the step's critical path
-    (on the CPU a fault per 4 KiB page tripled reshape_and_cache's time in prefill)."""
+    Zero. On the CPU the memory is anonymous and committed as blocks are first written
+    (on 2 MiB pages past each tensor's first 2 MiB: zeros_on_huge_pages), so a cache
+    sized for many sequences costs only what they use; the engine hands out blocks
+    that were written before ahead of never-used ones (BlockManager), so those faults
+    come once, not on every new prompt."""
     _positive_int("num_blocks", num_blocks)
     _positive_int("num_kv_heads", num_kv_heads)
     _head_size(head_size)

@@ -74,6 +74,33 @@ def test_preemption_when_blocks_run_out():
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_blocks_without_a_prefix_are_taken_again_first(caching):
+    """A finished sequence's blocks that hold no cached prefix are the next ones taken
+    (their pages are already in memory); hashed ones wait at the back, least recently
+    freed first, so cached prefixes outlive them."""
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+    first = make_seq(10, 1, base=0)  # 3 blocks: 2 full, one partly filled
+    bm.match_prefix(first)
+    bm.append_slots(first, 10)
+    first.num_computed_tokens = 10
+    bm.register_computed_blocks(first)
+    table = list(first.block_table)
+    bm.free(first)
+    second = make_seq(6, 1, base=100)  # 2 blocks
+    bm.match_prefix(second)
+    bm.append_slots(second, 6)
+    reused = table[2:] if caching else table[:2]
+    assert second.block_table[: len(reused)] == reused
+    assert set(second.block_table).isdisjoint(table[:2]) == caching  # prefixes kept
+    if caching:
+        assert all(bm.holds(*key) for key in _prefix_keys(table[:2], bm))
+
+
+def _prefix_keys(block_ids, bm):
+    return [(bm.blocks[b].hash, bm.blocks[b].token_ids) for b in block_ids]
+
+
 def test_chunked_prefill_respects_budget_and_keeps_decoding():
     bm = BlockManager(num_blocks=200, block_size=16)
     scheduler = Scheduler(bm, max_num_batched_tokens=32)
