@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from pyllm.attention.metadata import AttentionMetadata
+from pyllm.attention.metadata import AttentionMetadata, verify_rows
 
 # One layer's (key_cache, value_cache), then (k_scale, v_scale) for an int8 cache.
 KVPair = tuple[torch.Tensor, ...]
@@ -110,7 +110,20 @@ class AttentionBackend(ABC):
             slot_mapping.extend(self.token_slots(seq, n, block_size))
         fields = _step_fields(prefills, decodes, slot_mapping, device)
         layout = self.sequence_fields([s for s, _ in prefills], [s for s, _ in decodes], device)
-        return self.metadata_cls(**fields, **layout)
+        meta = self.metadata_cls(**fields, **layout)
+        self.add_verify_rows(meta)
+        return meta
+
+    def add_verify_rows(self, meta: AttentionMetadata) -> None:
+        """meta's verify rows (metadata.verify_rows) and their addressing in this layout."""
+        seqs = verify_rows(meta)
+        if seqs is not None:
+            self.address_verify_rows(meta, seqs)
+
+    @abstractmethod
+    def address_verify_rows(self, meta: AttentionMetadata, seqs: torch.Tensor) -> None:
+        """Sets this layout's addressing of each verify row: that of its prefill
+        sequence seqs[i]."""
 
     @abstractmethod
     def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:

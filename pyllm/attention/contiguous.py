@@ -34,6 +34,7 @@ class ContiguousMetadata(AttentionMetadata):
 
     prefill_seq_slots: torch.Tensor | None = None
     decode_seq_slots: torch.Tensor | None = None
+    verify_seq_slots: torch.Tensor | None = None  # [V]: each verify row's slot
 
     @property
     def backend(self) -> ContiguousBackend:
@@ -59,6 +60,9 @@ class ContiguousBackend(AttentionBackend):
             "prefill_seq_slots": _seq_slots(prefills, device),
             "decode_seq_slots": _seq_slots(decodes, device),
         }
+
+    def address_verify_rows(self, meta: ContiguousMetadata, seqs: torch.Tensor) -> None:
+        meta.verify_seq_slots = meta.prefill_seq_slots.index_select(0, seqs)
 
     def cache_heads(self, kv_cache: KVPair) -> tuple[int, int]:
         # Arena views: [slots, kv_heads, tiles, ...]; the op wrappers check the rest.
@@ -89,20 +93,31 @@ class ContiguousBackend(AttentionBackend):
             k, v, key_cache, value_cache, meta.slot_mapping, positions, k_scale, v_scale
         )
         P, T = meta.num_prefill_tokens, meta.num_tokens
-        if P:
+        prompt = P if meta.verify_seq_lens is None else meta.num_prompt_tokens
+        if prompt:
+            slots, lens, starts = (
+                meta.prefill_seq_slots,
+                meta.prefill_seq_lens,
+                meta.prefill_query_start_loc,
+            )
+            if prompt < P:  # the prompt chunks' sequences
+                n = meta.num_prompt_seqs
+                slots, lens, starts = slots[:n], lens[:n], starts[: n + 1]
             _C.contiguous_attention_prefill(
-                out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
-                meta.prefill_seq_slots, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                meta.max_query_len, layer.sliding_window, layer.sinks, k_scale, v_scale,
+                out[:prompt], q[:prompt], key_cache, value_cache, layer.num_kv_heads,
+                layer.scale, slots, lens, starts, meta.max_query_len, layer.sliding_window,
+                layer.sinks, k_scale, v_scale,
             )  # fmt: skip
-        if P < T:
-            if P:
-                out, q = out[P:], q[P:]  # a decode-only step slices nothing
-            _C.contiguous_attention_decode(
-                out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale,
-                meta.decode_seq_slots, meta.decode_seq_lens, meta.max_decode_seq_len,
-                layer.sliding_window, layer.sinks, k_scale, v_scale,
-            )  # fmt: skip
+        parts = [(P, T, meta.decode_seq_slots, meta.decode_seq_lens)]
+        if prompt < P:
+            parts.insert(0, (prompt, P, meta.verify_seq_slots, meta.verify_seq_lens))
+        for first, last, slots, lens in parts:
+            if first < last:  # a decode-only step slices nothing
+                _C.contiguous_attention_decode(
+                    out[first:last], q[first:last], key_cache, value_cache, layer.num_kv_heads,
+                    layer.scale, slots, lens, meta.max_decode_seq_len, layer.sliding_window,
+                    layer.sinks, k_scale, v_scale,
+                )  # fmt: skip
 
     # ------------------------------------------------------------------ cache
 
@@ -138,6 +153,7 @@ class ContiguousBackend(AttentionBackend):
         (nP,), (nD,) = fields["prefill_seq_lens"].shape, fields["decode_seq_lens"].shape
         meta = ContiguousMetadata(**fields, prefill_seq_slots=take(nP), decode_seq_slots=take(nD))
         sync_arena(cache.memory, take(sizes[0], torch.int64).cpu())
+        self.add_verify_rows(meta)
         return meta
 
 

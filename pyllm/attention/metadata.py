@@ -31,6 +31,14 @@ class AttentionMetadata:
     # Of the prefill part, the first num_prompt_tokens tokens are prompt tokens (the
     # model computes them alike however the prompt was split: StepBuffers.prompt_rows).
     num_prompt_tokens: int = 0
+    # The prefill part's other rows, [num_prompt_tokens, num_prefill_tokens): proposals
+    # to verify, tokens computed again after preemption. Each attends as a decode
+    # token at its position does, so that a generated token's row computes alike in
+    # any step (verify_rows). Set by the backend's build: the sequences of the prompt
+    # rows, each verify row's length up to itself [V] int32 (None: no such rows, or
+    # the prefill kernel takes them with the prompt rows).
+    num_prompt_seqs: int = 0
+    verify_seq_lens: torch.Tensor | None = None
 
     @property
     def backend(self):
@@ -49,6 +57,10 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_tokens - self.num_prefill_tokens
+
+    @property
+    def num_verify_tokens(self) -> int:
+        return 0 if self.verify_seq_lens is None else self.verify_seq_lens.shape[0]
 
     def check_tokens(self, device: torch.device) -> None:
         """slot_mapping's type, num_prefill_tokens's and num_prompt_tokens's ranges
@@ -77,3 +89,25 @@ def index_tensor(
             + ("" if t.is_contiguous() else " (not contiguous)")
         )
     return t
+
+
+def verify_rows(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Sets meta's num_prompt_seqs and verify_seq_lens, and max_decode_seq_len to cover
+    them; returns each verify row's prefill sequence (int64 [V]), from which the layout
+    addresses them. None (nothing set) where every prefill row is a prompt token.
+
+    Why decode attention: kept quantized weights quantize each row's activations to int8,
+    which turns the last-bit differences between the prefill and decode kernels into
+    different tokens (the bundled SmolLM2 in float32: a proposal's verified logprob
+    -0.7000 against decode's -0.6924), so speculative decoding and recomputation after
+    preemption would part from plain decoding."""
+    A, P = meta.num_prompt_tokens, meta.num_prefill_tokens
+    if A == P:
+        return None
+    ends = meta.prefill_query_start_loc[1:]
+    rows = torch.arange(A, P, dtype=torch.int32, device=ends.device)
+    seqs = torch.searchsorted(ends, rows, right=True)
+    meta.num_prompt_seqs = int((ends <= A).sum())
+    meta.verify_seq_lens = meta.prefill_seq_lens[seqs] - ends[seqs] + rows + 1
+    meta.max_decode_seq_len = max(meta.max_decode_seq_len, int(meta.verify_seq_lens.max()))
+    return seqs

@@ -49,6 +49,7 @@ class PagedMetadata(AttentionMetadata):
 
     prefill_block_tables: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
+    verify_block_tables: torch.Tensor | None = None  # [V, B]: each verify row's table
     groups: list[PagedMetadata] | None = None
 
     def group(self, g: int) -> PagedMetadata:
@@ -60,13 +61,19 @@ class PagedMetadata(AttentionMetadata):
 
 
 def use_v2(meta: AttentionMetadata, num_heads: int, device: torch.device) -> bool:
-    """Whether this step's decode attention runs paged_attention_v2 (see V2_MIN_SEQ_LEN)."""
+    """Whether this step's decode attention (its verify rows' too) runs
+    paged_attention_v2 (see V2_MIN_SEQ_LEN)."""
     if meta.max_decode_seq_len <= ops.PARTITION_SIZE:
         return False  # one partition: v2 would only add the merge
     if meta.max_decode_seq_len > V2_MIN_SEQ_LEN:
         return True
-    few_pairs = meta.num_decode_tokens * num_heads <= CUDA_V2_MAX_SEQ_HEADS
+    few_pairs = _decode_rows(meta) * num_heads <= CUDA_V2_MAX_SEQ_HEADS
     return device.type == "cuda" and few_pairs
+
+
+def _decode_rows(meta: AttentionMetadata) -> int:
+    """Rows of the step's largest decode attention call: its decodes or its verify rows."""
+    return max(meta.num_decode_tokens, meta.num_verify_tokens)
 
 
 def _padded_block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -93,7 +100,14 @@ class PagedBackend(AttentionBackend):
             meta.groups = [
                 _group_metadata(meta, seqs, g, block_size, device) for g in range(num_groups - 1)
             ]
+            self.add_verify_rows(meta)  # the groups' own tables
         return meta
+
+    def address_verify_rows(self, meta: PagedMetadata, seqs: torch.Tensor) -> None:
+        for part in (meta, *(meta.groups or ())):
+            part.num_prompt_seqs, part.verify_seq_lens = meta.num_prompt_seqs, meta.verify_seq_lens
+            part.max_decode_seq_len = meta.max_decode_seq_len
+            part.verify_block_tables = part.prefill_block_tables.index_select(0, seqs)
 
     def token_slots(self, seq: ScheduledSequence, n: int, block_size: int) -> list[int]:
         return _token_slots(seq.block_table, seq.num_computed_tokens, n, block_size)
@@ -138,10 +152,11 @@ class PagedBackend(AttentionBackend):
 
     def workspace(self, meta, num_heads, head_size, dtype, device):
         """The step's scratch for paged_attention_v2 (shared by all layers), or None for v1."""
-        if not meta.num_decode_tokens or not use_v2(meta, num_heads, torch.device(device)):
+        rows = _decode_rows(meta)
+        if not rows or not use_v2(meta, num_heads, torch.device(device)):
             return None
         partitions = -(-meta.max_decode_seq_len // ops.PARTITION_SIZE)
-        shape = (meta.num_decode_tokens, num_heads, partitions)
+        shape = (rows, num_heads, partitions)
         return (
             torch.empty(shape, dtype=torch.float32, device=device),
             torch.empty(shape, dtype=torch.float32, device=device),
@@ -166,19 +181,29 @@ class PagedBackend(AttentionBackend):
         _C.reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, dtype, k_scale, v_scale
         )
-        P = meta.num_prefill_tokens
-        if P:
-            block_size = value_cache.shape[3]
+        P, T = meta.num_prefill_tokens, meta.num_tokens
+        caches = (layer, key_cache, value_cache, k_scale, v_scale, meta.max_decode_seq_len)
+        prompt = P if meta.verify_seq_lens is None else meta.num_prompt_tokens
+        if prompt:
+            tables, lens, starts = (
+                meta.prefill_block_tables,
+                meta.prefill_seq_lens,
+                meta.prefill_query_start_loc,
+            )
+            if prompt < P:  # the prompt chunks' sequences
+                n = meta.num_prompt_seqs
+                tables, lens, starts = tables[:n], lens[:n], starts[: n + 1]
             _C.paged_attention_prefill(
-                out[:P], q[:P], key_cache, value_cache, layer.num_kv_heads, layer.scale,
-                meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc,
-                block_size, meta.max_query_len, None, layer.sliding_window, layer.sinks,
-                k_scale, v_scale,
+                out[:prompt], q[:prompt], key_cache, value_cache, layer.num_kv_heads,
+                layer.scale, tables, lens, starts, value_cache.shape[3], meta.max_query_len,
+                None, layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
-            if P == q.shape[0]:
-                return
-            out, q = out[P:], q[P:]  # a decode-only step slices nothing
-        _decode(layer, out, q, key_cache, value_cache, k_scale, v_scale, meta, workspace)
+        if prompt < P:
+            rows = (out[prompt:P], q[prompt:P], meta.verify_block_tables, meta.verify_seq_lens)
+            _decode(*caches, *rows, workspace)
+        if P < T:
+            rows = (out[P:], q[P:], meta.decode_block_tables, meta.decode_seq_lens)
+            _decode(*caches, *rows, workspace)  # a decode-only step slices nothing
 
     # ------------------------------------------------------------------ cache
 
@@ -268,6 +293,7 @@ class PagedBackend(AttentionBackend):
                 )
                 for _ in range(cache.num_groups - 1)
             ]
+        self.add_verify_rows(meta)
         return meta
 
 
@@ -310,21 +336,22 @@ def _group_metadata(meta: PagedMetadata, seqs, g: int, block_size: int, device) 
     )
 
 
-def _decode(layer, out, q, key_cache, value_cache, k_scale, v_scale, meta, workspace) -> None:
-    """Decode tokens, one per sequence: v1, or v2 where the step has a workspace."""
+def _decode(
+    layer, key_cache, value_cache, k_scale, v_scale, max_len, out, q, tables, lens, workspace
+) -> None:
+    """Rows that each attend over their sequence up to lens[i] (decode tokens, verify
+    rows): v1, or v2 where the step has a workspace."""
     block_size = value_cache.shape[3]
     if workspace is None:
         _C.paged_attention_v1(
-            out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale,
-            meta.decode_block_tables, meta.decode_seq_lens, block_size,
-            meta.max_decode_seq_len, None, layer.sliding_window, layer.sinks, k_scale, v_scale,
+            out, q, key_cache, value_cache, layer.num_kv_heads, layer.scale, tables, lens,
+            block_size, max_len, None, layer.sliding_window, layer.sinks, k_scale, v_scale,
         )  # fmt: skip
         return
-    exp_sums, max_logits, tmp_out = workspace
+    exp_sums, max_logits, tmp_out = (w[: q.shape[0]] for w in workspace)
     _C.paged_attention_v2(
         out, exp_sums, max_logits, tmp_out, q, key_cache, value_cache,
-        layer.num_kv_heads, layer.scale, meta.decode_block_tables,
-        meta.decode_seq_lens, block_size, meta.max_decode_seq_len, None,
+        layer.num_kv_heads, layer.scale, tables, lens, block_size, max_len, None,
         layer.sliding_window, layer.sinks, k_scale, v_scale,
     )  # fmt: skip
 

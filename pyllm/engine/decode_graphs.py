@@ -2,7 +2,7 @@
 step shape, as vLLM captures a CUDA graph per batch size.
 
 A step is recorded when it holds no prompt tokens: decodes, decodes verifying drafted
-tokens (speculative decoding: 1 + k tokens through the prefill attention path), a
+tokens (speculative decoding: 1 + k tokens, each attending as a decode token), a
 draft model's catch-up over the tokens just accepted. Its shape is its token count and
 its prefill part's tokens, sequences and longest query: what the kernels take as sizes
 rather than tensors. The first step of a shape runs for real while it records; later

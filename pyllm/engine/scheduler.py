@@ -58,11 +58,12 @@ class ScheduledBatch:
 
     def add(self, seq: Sequence, num_new: int) -> None:
         """num_new of seq's pending tokens. One output token after the computed ones is
-        a decode; anything else (a prompt, a chunk, even of one prompt token, a
-        recomputation) runs through the prefill kernel, so a prompt token meets the
-        same kernel however the prompt was chunked (the two kernels round differently).
-        Chunks of prompt tokens only go before the other prefills (proposals to verify,
-        recomputations), so that a step's prompt tokens are its first rows."""
+        a decode; anything else is a prefill chunk: a prompt's (even of one prompt
+        token), which meets the prefill kernel however the prompt was chunked (the two
+        kernels round differently), or output tokens with proposals to verify or
+        computed again after preemption, whose rows attend as decodes do
+        (AttentionMetadata.verify_seq_lens). Prompt chunks go before the other
+        prefills, so that a step's prompt tokens are its first rows."""
         if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
             self.decodes.append((seq, num_new))
         elif seq.num_computed_tokens + num_new <= seq.num_prompt_tokens:
@@ -235,7 +236,7 @@ class Scheduler:
             return None
         if not seq.block_table:
             self.kv_manager.match_prefix(seq)
-        num_new = min(seq.num_pending_tokens, most)
+        num_new = min(seq.num_scheduled_tokens, most)
         if not self.kv_manager.can_append(seq, num_new):
             # Give back the prefix blocks it took; it tries again next step.
             self.kv_manager.free(seq)

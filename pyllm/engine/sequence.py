@@ -108,7 +108,12 @@ class Sequence:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        """What a step may compute of it: its pending tokens and any proposed ones."""
+        """What a step may compute of it: the rest of its prompt, else its pending tokens
+        and any proposed ones. A recomputation (after preemption) computes its output
+        tokens in a step of their own: prompt rows and output rows take different
+        kernels (ScheduledBatch.add), and each must meet the one it met the first time."""
+        if self.num_computed_tokens < self.num_prompt_tokens:
+            return self.num_prompt_tokens - self.num_computed_tokens
         return self.num_pending_tokens + len(self.spec_token_ids)
 
     def step_token_ids(self, start: int, n: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Speculative decoding: a proposer guesses a decoding sequence's next tokens, and the
 target model checks all of them in the same batched step (the scheduler grants the
-sequence 1 + k tokens, and the prefill attention path runs them over its cached KV).
+sequence 1 + k tokens, each attending over its cached KV as a decode token would).
 The accepted prefix and one token more are kept; the rejected tokens' KV is dropped.
 
     config.py    speculative_config (vLLM's dict) -> SpeculativeConfig, checked

@@ -64,7 +64,9 @@ class Speculator:
         active = len(running) <= self.config.disable_by_batch_size
         chosen, lengths = [], []
         for seq in running:
-            if seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0:
+            # Past its prompt: a prompt's last token computes as a prompt row, never
+            # in a chunk with proposals (ScheduledBatch.add).
+            if seq.num_pending_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.spec_token_ids = []
                 k = self._length(seq)
                 if active and k > 0 and speculates(seq):
