@@ -35,6 +35,36 @@ static void with_cache_type(const at::Tensor& key_cache, const F& f) {
 // Decode attention over either cache addressing (block tables, or seq slots of the
 // contiguous layout): paged_attention_v1 and contiguous_attention_decode. The
 // caller has checked the tensors' shapes (shape).
+// Runs of consecutive decode rows that read one sequence's keys: rows i, i + 1, ...
+// at lengths L, L + 1, ... over the same blocks or slot, and the same first key (the
+// rows of proposals being verified). A run is one task per kv head, which reads the
+// keys once for all its rows; each row masks the keys past its own position, so its
+// result is bitwise what it gives alone (masked keys add exact zeros).
+struct DecodeRun {
+  int64_t first;  // row
+  int count;
+};
+
+template <typename cache_t, typename FirstKey>
+std::vector<DecodeRun> decode_runs(const PagedCache<cache_t>& cache, const int32_t* lens,
+                                   int64_t num_seqs, const FirstKey& first_key) {
+  constexpr int kMaxRunRows = 16;
+  std::vector<DecodeRun> runs;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (!runs.empty()) {
+      DecodeRun& run = runs.back();
+      const int64_t last = run.first + run.count - 1;
+      if (run.count < kMaxRunRows && lens[s] == lens[last] + 1 &&
+          first_key(s) == first_key(last) && cache.same_keys(last, s, lens[s])) {
+        ++run.count;
+        continue;
+      }
+    }
+    runs.push_back({s, 1});
+  }
+  return runs;
+}
+
 template <typename Addressing>
 static void attention_decode(const char* op, const AttentionShape& shape, at::Tensor& out,
                              const at::Tensor& query, const at::Tensor& key_cache,
@@ -56,36 +86,59 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
   int64_t work = 0;  // query rows x key tokens of the whole call
   for (int64_t s = 0; s < num_seqs; ++s) work += int64_t(lens[s] - first_key(s)) * shape.num_heads;
 
-  // Tasks (seq, kv_head), most keys first.
-  std::vector<int64_t> order(num_seqs);
-  for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens[a] - first_key(a) > lens[b] - first_key(b);
-  });
-
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
    with_cache_type<scalar_t>(key_cache, [&](auto cache_type) {
     using cache_t = typename decltype(cache_type)::type;
+    constexpr int X = PagedCache<cache_t>::kX;
     const auto cache = make_cache<cache_t>(key_cache, value_cache, addressing, shape, scales);
+    // Tasks (run, kv_head), the most rows x keys first.
+    std::vector<DecodeRun> runs = decode_runs(cache, lens, num_seqs, first_key);
+    auto cost = [&](const DecodeRun& r) {
+      return int64_t(r.count) * (lens[r.first + r.count - 1] - first_key(r.first));
+    };
+    std::stable_sort(runs.begin(), runs.end(),
+                     [&](const DecodeRun& a, const DecodeRun& b) { return cost(a) > cost(b); });
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    // Task i: (seq, kv_head) = (order[i / num_kv_heads], i % num_kv_heads).
+    // Task i: (run, kv_head) = (runs[i / num_kv_heads], i % num_kv_heads); it reads the
+    // keys of the run's last (longest) row, whose blocks the others share.
     auto keys_of = [&](int64_t i) {
-      const int64_t seq = order[i / num_kv_heads];
-      return KeyRange{seq, int(i % num_kv_heads), first_key(seq), lens[seq]};
+      const DecodeRun& run = runs[i / num_kv_heads];
+      const int64_t last = run.first + run.count - 1;
+      return KeyRange{last, int(i % num_kv_heads), first_key(last), lens[last]};
     };
-    run_tasks(num_seqs * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+    run_tasks(int64_t(runs.size()) * num_kv_heads, [&](int64_t i, int64_t following, Workspace& ws) {
+      const DecodeRun& run = runs[i / num_kv_heads];
       const KeyRange keys = keys_of(i);
-      const int64_t seq = keys.seq;
       const int kv_head = keys.kv_head;
-      const int seq_len = keys.t_end;
-      decode_rows<cache_t>(ws.rows, q, query.stride(0), seq, kv_head, group, head_size,
-                           float(scale), alibi, seq_len, seq_len, sliding_window);
-      attend(cache, seq, kv_head, keys.t_begin, seq_len,
+      if (run.count == 1) {
+        decode_rows<cache_t>(ws.rows, q, query.stride(0), run.first, kv_head, group, head_size,
+                             float(scale), alibi, keys.t_end, keys.t_end, sliding_window);
+      } else {
+        // Row (row j of the run, head g) = j * group + g, set as decode_rows sets it.
+        Rows& rows = ws.rows;
+        rows.reset(run.count * group, head_size, X, float(scale), alibi != nullptr);
+        for (int j = 0; j < run.count; ++j) {
+          const int64_t s = run.first + j;
+          const scalar_t* qs = q + s * query.stride(0) + int64_t(kv_head) * group * head_size;
+          for (int g = 0; g < group; ++g) {
+            const int r = j * group + g;
+            rows.set_query<scalar_t, cache_t>(r, qs + g * head_size);
+            rows.query_pos[r] = rows.last_key[r] = lens[s] - 1;
+            rows.first_key[r] = window_start(lens[s] - 1, sliding_window);
+            if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
+          }
+        }
+      }
+      attend(cache, keys.seq, kv_head, keys.t_begin, keys.t_end,
              following >= 0 ? keys_of(following) : KeyRange{}, ws);
-      scalar_t* dst = o + (seq * shape.num_heads + int64_t(kv_head) * group) * head_size;
-      for (int g = 0; g < group; ++g) {
-        store_row(ws.rows, g, dst + g * head_size, sink ? sink + kv_head * group + g : nullptr);
+      for (int j = 0; j < run.count; ++j) {
+        const int64_t s = run.first + j;
+        scalar_t* dst = o + (s * shape.num_heads + int64_t(kv_head) * group) * head_size;
+        for (int g = 0; g < group; ++g) {
+          store_row(ws.rows, j * group + g, dst + g * head_size,
+                    sink ? sink + kv_head * group + g : nullptr);
+        }
       }
     }, work);
    });

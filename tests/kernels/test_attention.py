@@ -423,6 +423,34 @@ def test_decode_strided_query(dtype, device):
 # Prefill.
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_of_one_sequence_compute_as_alone(dtype, block_size, window):
+    """Rows at consecutive lengths over one sequence's blocks (proposals being verified,
+    which the CPU kernel runs as one task reading the keys once) give bitwise what each
+    gives alone, and the reference's values; a neighbour over other blocks stays apart."""
+    num_heads, num_kv_heads, head_size, length = 8, 2, 64, 37
+    kv = make_paged_kv([length + 4, length + 5], num_kv_heads, head_size, block_size, dtype, "cpu")
+    rows = [0] * 5 + [1]  # five rows of sequence 0, then sequence 1 one longer
+    kv = PagedKV(
+        kv.key_cache, kv.value_cache, kv.block_tables[rows].contiguous(),
+        torch.tensor([length + i for i in range(5)] + [length + 5], dtype=torch.int32),
+        [kv.keys[r] for r in rows], [kv.values[r] for r in rows],
+    )  # fmt: skip
+    query = random_query(len(rows), num_heads, head_size, dtype, "cpu")
+    scale = 1.0 / math.sqrt(head_size)
+    together = run_v1(query, kv, num_kv_heads, scale, window=window)
+    assert_close(together, reference_decode(query, kv, scale, window=window), dtype)
+    for i in range(len(rows)):
+        alone = PagedKV(
+            kv.key_cache, kv.value_cache, kv.block_tables[i : i + 1], kv.seq_lens[i : i + 1],
+            kv.keys[i : i + 1], kv.values[i : i + 1],
+        )  # fmt: skip
+        out = run_v1(query[i : i + 1], alone, num_kv_heads, scale, window=window)
+        assert torch.equal(out, together[i : i + 1]), i
+
+
 def prefill_cases(block_size: int) -> tuple[list[int], list[int]]:
     """(seq_lens, q_lens): a one-token prompt, a short prompt, a prompt of exactly two
     blocks, and a prefix-cache hit (cached tokens ending mid-block, new tokens after)."""
