@@ -45,6 +45,16 @@ struct DecodeRun {
   int count;
 };
 
+// Whether rows a and b read the same keys over positions [0, len): the same slot, or
+// the same blocks.
+template <typename cache_t>
+bool same_keys(const PagedCache<cache_t>& cache, int64_t a, int64_t b, int len) {
+  if (cache.seq_slots != nullptr) return cache.seq_slots[a] == cache.seq_slots[b];
+  const int32_t* row_a = cache.block_tables + a * cache.max_blocks_per_seq;
+  return std::equal(row_a, row_a + (len + cache.block_size - 1) / cache.block_size,
+                    cache.block_tables + b * cache.max_blocks_per_seq);
+}
+
 template <typename cache_t, typename FirstKey>
 std::vector<DecodeRun> decode_runs(const PagedCache<cache_t>& cache, const int32_t* lens,
                                    int64_t num_seqs, const FirstKey& first_key) {
@@ -55,7 +65,7 @@ std::vector<DecodeRun> decode_runs(const PagedCache<cache_t>& cache, const int32
       DecodeRun& run = runs.back();
       const int64_t last = run.first + run.count - 1;
       if (run.count < kMaxRunRows && lens[s] == lens[last] + 1 &&
-          first_key(s) == first_key(last) && cache.same_keys(last, s, lens[s])) {
+          first_key(s) == first_key(last) && same_keys(cache, last, s, lens[s])) {
         ++run.count;
         continue;
       }

@@ -124,15 +124,6 @@ struct PagedCache {
 
   static constexpr bool kQuantized = std::is_same_v<scalar_t, int8_t>;
 
-  // Whether sequences a and b read the same keys over positions [0, len): the same
-  // slot, or the same blocks.
-  bool same_keys(int64_t a, int64_t b, int len) const {
-    if (seq_slots != nullptr) return seq_slots[a] == seq_slots[b];
-    const int32_t* row_a = block_tables + a * max_blocks_per_seq;
-    return std::equal(row_a, row_a + (len + block_size - 1) / block_size,
-                      block_tables + b * max_blocks_per_seq);
-  }
-
   // Offset of (physical block of the seq's logical block, kv_head) in either cache;
   // both caches hold head_size * block_size elements per (block, kv head).
   int64_t block_offset(int64_t seq, int kv_head, int64_t logical_block) const {
