@@ -92,32 +92,20 @@ class ContiguousBackend(AttentionBackend):
         _C.write_kv_contiguous(
             k, v, key_cache, value_cache, meta.slot_mapping, positions, k_scale, v_scale
         )
-        P, T = meta.num_prefill_tokens, meta.num_tokens
-        prompt = P if meta.verify_seq_lens is None else meta.num_prompt_tokens
-        if prompt:
-            slots, lens, starts = (
-                meta.prefill_seq_slots,
-                meta.prefill_seq_lens,
-                meta.prefill_query_start_loc,
-            )
-            if prompt < P:  # the prompt chunks' sequences
-                n = meta.num_prompt_seqs
-                slots, lens, starts = slots[:n], lens[:n], starts[: n + 1]
+        rows, slots, lens, starts = meta.prompt_part(meta.prefill_seq_slots)
+        if rows:
             _C.contiguous_attention_prefill(
-                out[:prompt], q[:prompt], key_cache, value_cache, layer.num_kv_heads,
-                layer.scale, slots, lens, starts, meta.max_query_len, layer.sliding_window,
+                out[:rows], q[:rows], key_cache, value_cache, layer.num_kv_heads, layer.scale,
+                slots, lens, starts, meta.max_query_len, layer.sliding_window, layer.sinks,
+                k_scale, v_scale,
+            )  # fmt: skip
+        parts = meta.decode_parts(meta.verify_seq_slots, meta.decode_seq_slots)
+        for first, last, slots, lens in parts:  # a decode-only step slices nothing
+            _C.contiguous_attention_decode(
+                out[first:last], q[first:last], key_cache, value_cache, layer.num_kv_heads,
+                layer.scale, slots, lens, meta.max_decode_seq_len, layer.sliding_window,
                 layer.sinks, k_scale, v_scale,
             )  # fmt: skip
-        parts = [(P, T, meta.decode_seq_slots, meta.decode_seq_lens)]
-        if prompt < P:
-            parts.insert(0, (prompt, P, meta.verify_seq_slots, meta.verify_seq_lens))
-        for first, last, slots, lens in parts:
-            if first < last:  # a decode-only step slices nothing
-                _C.contiguous_attention_decode(
-                    out[first:last], q[first:last], key_cache, value_cache, layer.num_kv_heads,
-                    layer.scale, slots, lens, meta.max_decode_seq_len, layer.sliding_window,
-                    layer.sinks, k_scale, v_scale,
-                )  # fmt: skip
 
     # ------------------------------------------------------------------ cache
 

@@ -62,6 +62,26 @@ class AttentionMetadata:
     def num_verify_tokens(self) -> int:
         return 0 if self.verify_seq_lens is None else self.verify_seq_lens.shape[0]
 
+    def prompt_part(self, addressing: torch.Tensor):
+        """(rows, addressing, seq_lens, query_start_loc) of the prefill kernel's call: the
+        first rows and their sequences (addressing: the layout's tensor of the prefill
+        sequences), every prefill row, or the prompt chunks' where verify rows follow."""
+        lens, starts = self.prefill_seq_lens, self.prefill_query_start_loc
+        if self.verify_seq_lens is None:
+            return self.num_prefill_tokens, addressing, lens, starts
+        n = self.num_prompt_seqs
+        return self.num_prompt_tokens, addressing[:n], lens[:n], starts[: n + 1]
+
+    def decode_parts(self, verify: torch.Tensor | None, decode: torch.Tensor):
+        """(first row, last row, addressing, seq_lens) of each decode kernel call, the
+        verify rows' and the decodes', those with rows; verify and decode: the layout's
+        addressing of each."""
+        P, T = self.num_prefill_tokens, self.num_tokens
+        parts = [(P, T, decode, self.decode_seq_lens)]
+        if self.verify_seq_lens is not None:
+            parts.insert(0, (self.num_prompt_tokens, P, verify, self.verify_seq_lens))
+        return [part for part in parts if part[0] < part[1]]
+
     def check_tokens(self, device: torch.device) -> None:
         """slot_mapping's type, num_prefill_tokens's and num_prompt_tokens's ranges
         (every layout's first checks)."""

@@ -181,29 +181,17 @@ class PagedBackend(AttentionBackend):
         _C.reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, dtype, k_scale, v_scale
         )
-        P, T = meta.num_prefill_tokens, meta.num_tokens
         caches = (layer, key_cache, value_cache, k_scale, v_scale, meta.max_decode_seq_len)
-        prompt = P if meta.verify_seq_lens is None else meta.num_prompt_tokens
-        if prompt:
-            tables, lens, starts = (
-                meta.prefill_block_tables,
-                meta.prefill_seq_lens,
-                meta.prefill_query_start_loc,
-            )
-            if prompt < P:  # the prompt chunks' sequences
-                n = meta.num_prompt_seqs
-                tables, lens, starts = tables[:n], lens[:n], starts[: n + 1]
+        rows, tables, lens, starts = meta.prompt_part(meta.prefill_block_tables)
+        if rows:
             _C.paged_attention_prefill(
-                out[:prompt], q[:prompt], key_cache, value_cache, layer.num_kv_heads,
-                layer.scale, tables, lens, starts, value_cache.shape[3], meta.max_query_len,
-                None, layer.sliding_window, layer.sinks, k_scale, v_scale,
+                out[:rows], q[:rows], key_cache, value_cache, layer.num_kv_heads, layer.scale,
+                tables, lens, starts, value_cache.shape[3], meta.max_query_len, None,
+                layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
-        if prompt < P:
-            rows = (out[prompt:P], q[prompt:P], meta.verify_block_tables, meta.verify_seq_lens)
-            _decode(*caches, *rows, workspace)
-        if P < T:
-            rows = (out[P:], q[P:], meta.decode_block_tables, meta.decode_seq_lens)
-            _decode(*caches, *rows, workspace)  # a decode-only step slices nothing
+        parts = meta.decode_parts(meta.verify_block_tables, meta.decode_block_tables)
+        for first, last, tables, lens in parts:  # a decode-only step slices nothing
+            _decode(*caches, out[first:last], q[first:last], tables, lens, workspace)
 
     # ------------------------------------------------------------------ cache
 
