@@ -100,7 +100,7 @@ class ContiguousBackend(AttentionBackend):
                 k_scale, v_scale,
             )  # fmt: skip
         parts = meta.decode_parts(meta.verify_seq_slots, meta.decode_seq_slots)
-        for first, last, slots, lens in parts:  # a decode-only step slices nothing
+        for first, last, slots, lens in parts:
             _C.contiguous_attention_decode(
                 out[first:last], q[first:last], key_cache, value_cache, layer.num_kv_heads,
                 layer.scale, slots, lens, meta.max_decode_seq_len, layer.sliding_window,

@@ -190,7 +190,7 @@ class PagedBackend(AttentionBackend):
                 layer.sliding_window, layer.sinks, k_scale, v_scale,
             )  # fmt: skip
         parts = meta.decode_parts(meta.verify_block_tables, meta.decode_block_tables)
-        for first, last, tables, lens in parts:  # a decode-only step slices nothing
+        for first, last, tables, lens in parts:
             _decode(*caches, out[first:last], q[first:last], tables, lens, workspace)
 
     # ------------------------------------------------------------------ cache
