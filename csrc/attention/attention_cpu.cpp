@@ -32,9 +32,6 @@ static void with_cache_type(const at::Tensor& key_cache, const F& f) {
 // ---------------------------------------------------------------------------
 // Ops.
 
-// Decode attention over either cache addressing (block tables, or seq slots of the
-// contiguous layout): paged_attention_v1 and contiguous_attention_decode. The
-// caller has checked the tensors' shapes (shape).
 // Runs of consecutive decode rows that read one sequence's keys: rows i, i + 1, ...
 // at lengths L, L + 1, ... over the same blocks or slot, and the same first key (the
 // rows of proposals being verified). A run is one task per kv head, which reads the
@@ -75,6 +72,9 @@ std::vector<DecodeRun> decode_runs(const PagedCache<cache_t>& cache, const int32
   return runs;
 }
 
+// Decode attention over either cache addressing (block tables, or seq slots of the
+// contiguous layout): paged_attention_v1 and contiguous_attention_decode. The
+// caller has checked the tensors' shapes (shape).
 template <typename Addressing>
 static void attention_decode(const char* op, const AttentionShape& shape, at::Tensor& out,
                              const at::Tensor& query, const at::Tensor& key_cache,
@@ -99,7 +99,6 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
   PYLLM_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_attention_v1", [&] {
    with_cache_type<scalar_t>(key_cache, [&](auto cache_type) {
     using cache_t = typename decltype(cache_type)::type;
-    constexpr int X = PagedCache<cache_t>::kX;
     const auto cache = make_cache<cache_t>(key_cache, value_cache, addressing, shape, scales);
     // Tasks (run, kv_head), the most rows x keys first.
     std::vector<DecodeRun> runs = decode_runs(cache, lens, num_seqs, first_key);
@@ -121,25 +120,8 @@ static void attention_decode(const char* op, const AttentionShape& shape, at::Te
       const DecodeRun& run = runs[i / num_kv_heads];
       const KeyRange keys = keys_of(i);
       const int kv_head = keys.kv_head;
-      if (run.count == 1) {
-        decode_rows<cache_t>(ws.rows, q, query.stride(0), run.first, kv_head, group, head_size,
-                             float(scale), alibi, keys.t_end, keys.t_end, sliding_window);
-      } else {
-        // Row (row j of the run, head g) = j * group + g, set as decode_rows sets it.
-        Rows& rows = ws.rows;
-        rows.reset(run.count * group, head_size, X, float(scale), alibi != nullptr);
-        for (int j = 0; j < run.count; ++j) {
-          const int64_t s = run.first + j;
-          const scalar_t* qs = q + s * query.stride(0) + int64_t(kv_head) * group * head_size;
-          for (int g = 0; g < group; ++g) {
-            const int r = j * group + g;
-            rows.set_query<scalar_t, cache_t>(r, qs + g * head_size);
-            rows.query_pos[r] = rows.last_key[r] = lens[s] - 1;
-            rows.first_key[r] = window_start(lens[s] - 1, sliding_window);
-            if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
-          }
-        }
-      }
+      decode_rows<cache_t>(ws.rows, q, query.stride(0), run.first, run.count, kv_head, group,
+                           head_size, float(scale), alibi, lens, keys.t_end, sliding_window);
       attend(cache, keys.seq, kv_head, keys.t_begin, keys.t_end,
              following >= 0 ? keys_of(following) : KeyRange{}, ws);
       for (int j = 0; j < run.count; ++j) {
@@ -239,9 +221,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
           const Part part = parts[i / num_kv_heads];
           const KeyRange keys = keys_of(i);
           const int kv_head = keys.kv_head;
-          const int seq_len = lens[part.seq];
-          decode_rows<cache_t>(ws.rows, q, query.stride(0), part.seq, kv_head, group,
-                               head_size, float(scale), alibi, seq_len, keys.t_end, window);
+          decode_rows<cache_t>(ws.rows, q, query.stride(0), part.seq, 1, kv_head, group,
+                               head_size, float(scale), alibi, lens, keys.t_end, window);
           attend(cache, part.seq, kv_head, keys.t_begin, keys.t_end,
                  following >= 0 ? keys_of(following) : KeyRange{}, ws);
           for (int g = 0; g < group; ++g) {

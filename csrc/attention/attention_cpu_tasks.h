@@ -81,22 +81,28 @@ inline std::vector<RowTask> row_tasks(int64_t num_seqs, const int32_t* lens,
 // The cache block that holds key position `pos`, as its first token position.
 inline int block_start(int pos, int block_size) { return pos / block_size * block_size; }
 
-// Sets up the decode rows of (seq, kv_head): its group of query heads, all at
-// position seq_len - 1, limited to keys before t_end and within the window.
-// cache_t: the cache's element type (the query's, or int8).
+// Sets up the decode rows of `count` consecutive query tokens from `first` for
+// kv_head: row (token j, head g) = j * group + g, at position lens[first + j] - 1,
+// limited to keys before t_end and within the window. cache_t: the cache's element
+// type (the query's, or int8).
 template <typename cache_t, typename scalar_t>
-void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t seq,
-                 int kv_head, int group, int head_size, float scale, const float* alibi,
-                 int seq_len, int t_end, int sliding_window) {
+void decode_rows(Rows& rows, const scalar_t* query, int64_t query_token_stride, int64_t first,
+                 int count, int kv_head, int group, int head_size, float scale,
+                 const float* alibi, const int32_t* lens, int t_end, int sliding_window) {
   constexpr int X = PagedCache<cache_t>::kX;
-  rows.reset(group, head_size, X, scale, alibi != nullptr);
-  const scalar_t* q = query + seq * query_token_stride + int64_t(kv_head) * group * head_size;
-  for (int g = 0; g < group; ++g) {
-    rows.set_query<scalar_t, cache_t>(g, q + g * head_size);
-    rows.query_pos[g] = seq_len - 1;
-    rows.last_key[g] = std::min(seq_len, t_end) - 1;
-    rows.first_key[g] = window_start(seq_len - 1, sliding_window);
-    if (alibi) rows.alibi[g] = alibi[kv_head * group + g];
+  rows.reset(count * group, head_size, X, scale, alibi != nullptr);
+  for (int j = 0; j < count; ++j) {
+    const int seq_len = lens[first + j];
+    const scalar_t* q =
+        query + (first + j) * query_token_stride + int64_t(kv_head) * group * head_size;
+    for (int g = 0; g < group; ++g) {
+      const int r = j * group + g;
+      rows.set_query<scalar_t, cache_t>(r, q + g * head_size);
+      rows.query_pos[r] = seq_len - 1;
+      rows.last_key[r] = std::min(seq_len, t_end) - 1;
+      rows.first_key[r] = window_start(seq_len - 1, sliding_window);
+      if (alibi) rows.alibi[r] = alibi[kv_head * group + g];
+    }
   }
 }
 
