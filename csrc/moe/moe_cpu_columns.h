@@ -52,13 +52,6 @@ MoePath moe_path(int64_t type, bool strips, int64_t rows, bool many = false) {
 
 inline bool takes_int8(MoePath path) { return path == MoePath::kInt8; }
 
-// v[0, n) of a buffer that keeps its allocation.
-template <typename T>
-T* scratch(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
 // One projection of every expert: expert e's [N, K] weight at w + e * expert_bytes
 // (GGUF rows of row_bytes, each expert's in strips where `strips`, or floats of the
 // activations' dtype).

@@ -36,6 +36,13 @@ namespace {
 
 using namespace pyllm::quant;
 
+// v[0, n) of a buffer that keeps its allocation.
+template <typename T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 // Input rows per register tile: each decoded group of 32 weights is used this many times.
 constexpr int kTileRows = 8;
 // Weights per thread below which a second thread costs more than it saves.
@@ -449,8 +456,7 @@ template <typename S>
 const c10::BFloat16* input_tiles(const S* x, int64_t x_stride, int64_t M, int64_t K,
                                  std::vector<c10::BFloat16>& y) {
   const int64_t rows = (M + 31) / 32 * 32;
-  if (y.size() < size_t(rows * K)) y.resize(rows * K);
-  c10::BFloat16* tiles = y.data();
+  c10::BFloat16* tiles = scratch(y, rows * K);
   at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       c10::BFloat16* dst = tiles + (m / 16) * 16 * K + (m % 16) * 32;
@@ -532,7 +538,9 @@ int64_t amx_matmul(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, co
     }
     _tile_release();
   });
-  if (tiles.size() * sizeof(c10::BFloat16) > kKeepTileBytes) std::vector<c10::BFloat16>().swap(tiles);
+  if (tiles.size() * sizeof(c10::BFloat16) > kKeepTileBytes) {
+    std::vector<c10::BFloat16>().swap(tiles);
+  }
   return panels * 32;
 }
 #endif
